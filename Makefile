@@ -1,0 +1,17 @@
+# The two commands a newcomer needs are `make demo` and `make test`; the rest are parts.
+.PHONY: demo test lint bench vllm-env
+
+demo:
+	bash scripts/demo.sh
+
+test:
+	bash scripts/test.sh
+
+lint:
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
+
+bench:
+	.venv/bin/python benchmarks/client_overhead.py
+
+vllm-env:
+	bash scripts/vllm-env.sh

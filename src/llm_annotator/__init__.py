@@ -1,0 +1,55 @@
+"""llm_annotator: annotate datasets with LLMs over a pool of vLLM servers.
+
+The public API lives here; everything else is an implementation module.
+"""
+
+from llm_annotator.clients.base import Client, ProviderRuntimeOptions
+from llm_annotator.clients.openai_client import OpenAIClient
+from llm_annotator.clients.vllm_online_client import (
+    MAX_CONNECTIONS,
+    VLLMBaseRuntimeOptions,
+    VLLMOnlineClient,
+    VLLMOnlineRuntimeOptions,
+    server_is_healthy,
+)
+from llm_annotator.errors import (
+    ConfigurationError,
+    DisconnectedError,
+    ErrorKind,
+    LLMAnnotatorError,
+    MalformedResponseError,
+    PoolExhaustedError,
+    ProviderError,
+    ReadTimeoutError,
+    ServerConnectError,
+    StatusError,
+    TransportError,
+)
+from llm_annotator.response import OnError, Response
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_CONNECTIONS",
+    "Client",
+    "ConfigurationError",
+    "DisconnectedError",
+    "ErrorKind",
+    "LLMAnnotatorError",
+    "MalformedResponseError",
+    "OnError",
+    "OpenAIClient",
+    "PoolExhaustedError",
+    "ProviderError",
+    "ProviderRuntimeOptions",
+    "ReadTimeoutError",
+    "Response",
+    "ServerConnectError",
+    "StatusError",
+    "TransportError",
+    "VLLMBaseRuntimeOptions",
+    "VLLMOnlineClient",
+    "VLLMOnlineRuntimeOptions",
+    "__version__",
+    "server_is_healthy",
+]

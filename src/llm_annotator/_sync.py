@@ -1,0 +1,73 @@
+"""Run the async core from synchronous code, inside a notebook too.
+
+The synchronous API (``generate``, ``batch_generate``, ...) hands its coroutine to one
+event loop that runs in a daemon thread for the life of the process. ``asyncio.run``
+cannot be used: it fails where a loop is already running (a Jupyter notebook), and a new
+loop per call would throw away every open connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's where it is installed, asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class _LoopThread:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._thread is None or not self._thread.is_alive():
+                loop = new_event_loop()
+                ready = threading.Event()
+
+                def serve() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                thread = threading.Thread(target=serve, name="llm-annotator-loop", daemon=True)
+                thread.start()
+                ready.wait()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self.loop()
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError(
+                "a synchronous llm_annotator method was called from inside its own event "
+                "loop; await the async twin (agenerate, abatch_generate, ...) instead"
+            )
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        try:
+            return future.result()
+        except BaseException:
+            # KeyboardInterrupt in the caller's thread: stop the work it started.
+            future.cancel()
+            raise
+
+
+_RUNNER = _LoopThread()
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the shared background loop and return its result."""
+    return _RUNNER.run(coro)

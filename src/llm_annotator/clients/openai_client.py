@@ -1,0 +1,299 @@
+"""A client for any OpenAI-compatible chat-completions endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic
+
+import orjson
+import structlog
+
+from llm_annotator._constants import CONNECT_TIMEOUT, MAX_CONNECTIONS
+from llm_annotator.clients._protocol import error_message, parse_completion, status_error
+from llm_annotator.clients._retry import retry_delay, should_retry
+from llm_annotator.clients._transport import HttpTransport
+from llm_annotator.clients.base import Client, Messages, OptionsT
+from llm_annotator.errors import ErrorKind, ProviderError
+from llm_annotator.response import ON_ERROR_VALUES, OnError, Response
+
+log = structlog.get_logger(__name__)
+
+_CHAT_PATH = "/chat/completions"
+
+
+def check_client_settings(
+    *, timeout: float, max_retries: int, on_error: str, max_workers: int | None
+) -> None:
+    """Reject client settings that cannot work, naming the setting.
+
+    Raises:
+        ValueError: For the first setting out of range.
+    """
+    if on_error not in ON_ERROR_VALUES:
+        raise ValueError(f"on_error must be one of {ON_ERROR_VALUES}, got {on_error!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+    if max_workers is not None and (
+        isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
+    ):
+        raise ValueError(f"max_workers must be a positive integer or None, got {max_workers!r}")
+
+
+def check_single_choice(params: dict[str, Any], where: str) -> None:
+    """Reject request parameters that ask for more than one response per sample."""
+    n = params.get("n", 1)
+    if n != 1:
+        raise ValueError(
+            f"{where} sets n={n!r}; only one response per sample is read, so n must be 1"
+        )
+
+
+class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
+    """Client for an OpenAI-compatible ``/chat/completions`` endpoint.
+
+    Requests go out over one aiohttp connection pool per event loop, with a short
+    connect timeout and a long read timeout. Every conversation is its own request, and
+    a request that fails becomes an error :class:`Response` for that conversation only
+    (or a :class:`ProviderError`, with ``on_error="raise"``).
+
+    Args:
+        model: Model name. When omitted, the server is asked which model it serves.
+        base_url: Base URL of the API, ending in ``/v1``.
+        api_key: Bearer token; defaults to the ``OPENAI_API_KEY`` environment variable.
+        max_workers: Most requests ``batch_generate`` keeps in flight; None for all.
+        timeout: Seconds one request may spend waiting for its answer.
+        max_retries: How often a request that failed for a transient reason is resent.
+        on_error: What a failed request does: ``"raise"``, ``"warn"`` or ``"ignore"``.
+        connect_timeout: Seconds to establish a connection.
+        max_connections: Sockets the client may hold open at once.
+
+    Raises:
+        ValueError: If a setting is out of range.
+        ConfigurationError: If ``base_url`` is not an http(s) URL.
+    """
+
+    provider = "openai"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        base_url: str = "http://localhost:8000/v1",
+        *,
+        api_key: str | None = None,
+        max_workers: int | None = None,
+        timeout: float = 600.0,
+        max_retries: int = 2,
+        on_error: OnError = "warn",
+        connect_timeout: float = CONNECT_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        check_client_settings(
+            timeout=timeout, max_retries=max_retries, on_error=on_error, max_workers=max_workers
+        )
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"model must be a non-empty string or None, got {model!r}")
+        self.model = model
+        self.max_workers = max_workers
+        self.timeout = float(timeout)
+        self.max_retries = max_retries
+        self.on_error: OnError = on_error
+        self._transport = HttpTransport(
+            base_url,
+            connect_timeout=connect_timeout,
+            read_timeout=timeout,
+            max_connections=max_connections,
+            api_key=api_key if api_key is not None else os.environ.get("OPENAI_API_KEY"),
+        )
+        self.base_url = self._transport.base_url
+        self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} base_url={self.base_url!r} model={self.model!r}>"
+
+    # -- payload ---------------------------------------------------------------------
+
+    def _payload(self, options: OptionsT | None, gen_kwargs: dict[str, Any] | None) -> bytes:
+        """The request parameters shared by every conversation of a call, as JSON."""
+        params = options.to_payload() if options is not None else self._default_payload()
+        if gen_kwargs:
+            check_single_choice(gen_kwargs, "gen_kwargs")
+            params = {**params, **gen_kwargs}
+        params.pop("messages", None)
+        params.pop("model", None)
+        return orjson.dumps(params)
+
+    def _default_payload(self) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def _body(model: str, messages: Messages, params: bytes) -> bytes:
+        # Splice the shared parameters in as bytes: they are encoded once per call.
+        head = b'{"model":' + orjson.dumps(model) + b',"messages":' + orjson.dumps(messages)
+        if params == b"{}":
+            return head + b"}"
+        return head + b"," + params[1:]
+
+    # -- model discovery -------------------------------------------------------------
+
+    async def aresolve_model(self) -> str:
+        """The model to ask for: the configured one, or the first the server lists.
+
+        Raises:
+            ProviderError: If the server cannot be asked, or serves no model.
+        """
+        if self.model is not None:
+            return self.model
+        status, body = await self._transport.get(
+            self.base_url + "/models", timeout=self._transport_timeout()
+        )
+        if status != 200:
+            raise status_error(status, body, self.base_url)
+        try:
+            models = [entry["id"] for entry in orjson.loads(body)["data"]]
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ProviderError(
+                f"/models answered with a body that is not a model list: {error_message(body)}",
+                kind=ErrorKind.MALFORMED,
+                server=self.base_url,
+            ) from exc
+        if not models:
+            raise ProviderError(
+                "/models lists no model; pass model= explicitly",
+                kind=ErrorKind.NOT_FOUND,
+                server=self.base_url,
+            )
+        self.model = str(models[0])
+        log.info("model_discovered", server=self.base_url, model=self.model)
+        return self.model
+
+    def _transport_timeout(self) -> float:
+        return min(self.timeout, 30.0)
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def _send(self, body: bytes) -> Response | ProviderError:
+        """Send one request, retrying transient failures; never raises ProviderError."""
+        attempt = 0
+        while True:
+            try:
+                status, raw = await self._transport.post(_CHAT_PATH, body)
+                if status < 300:
+                    return parse_completion(raw, server=self.base_url, provider=self.provider)
+                error: ProviderError = status_error(status, raw, self.base_url)
+            except ProviderError as exc:
+                error = exc
+            if not should_retry(error.kind, attempt, self.max_retries):
+                error.attempts = attempt + 1
+                return error
+            await self._sleep(retry_delay(attempt))
+            attempt += 1
+
+    def _error_response(self, error: ProviderError) -> Response:
+        return Response(
+            error=str(error),
+            error_type=error.kind.value,
+            server=self.base_url,
+            model=self.model,
+            provider=self.provider,
+        )
+
+    async def agenerate(
+        self,
+        *,
+        messages: Messages,
+        options: OptionsT | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+    ) -> Response:
+        """Async twin of :meth:`generate`."""
+        params = self._payload(options, gen_kwargs)
+        result = await self._generate_one(messages, params)
+        if isinstance(result, ProviderError):
+            return self._handle_errors([result], total=1)[0]
+        return result
+
+    async def _generate_one(self, messages: Messages, params: bytes) -> Response | ProviderError:
+        try:
+            model = await self.aresolve_model()
+        except ProviderError as exc:
+            return exc
+        try:
+            body = self._body(model, messages, params)
+        except TypeError as exc:
+            return ProviderError(
+                f"conversation cannot be encoded as JSON ({exc}); messages must be a list "
+                'of {"role": ..., "content": ...} dicts of strings',
+                kind=ErrorKind.BAD_REQUEST,
+                server=self.base_url,
+            )
+        return await self._send(body)
+
+    async def abatch_generate(
+        self,
+        *,
+        messages: list[Messages],
+        options: OptionsT | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+    ) -> list[Response]:
+        """Async twin of :meth:`batch_generate`."""
+        if not messages:
+            return []
+        params = self._payload(options, gen_kwargs)
+        try:
+            await self.aresolve_model()
+        except ProviderError as exc:
+            errors: list[Response | ProviderError] = [exc] * len(messages)
+            return self._finish(errors)
+        if self.max_workers is None or self.max_workers >= len(messages):
+            results = await asyncio.gather(*(self._generate_one(m, params) for m in messages))
+        else:
+            gate = asyncio.Semaphore(self.max_workers)
+
+            async def gated(conversation: Messages) -> Response | ProviderError:
+                async with gate:
+                    return await self._generate_one(conversation, params)
+
+            results = await asyncio.gather(*(gated(m) for m in messages))
+        return self._finish(results)
+
+    def _finish(self, results: list[Response | ProviderError]) -> list[Response]:
+        errors = [r for r in results if isinstance(r, ProviderError)]
+        if not errors:
+            return results  # type: ignore[return-value]  # no ProviderError left
+        converted = iter(self._handle_errors(errors, total=len(results)))
+        return [next(converted) if isinstance(r, ProviderError) else r for r in results]
+
+    def _handle_errors(self, errors: list[ProviderError], *, total: int) -> list[Response]:
+        """Apply ``on_error`` to the failures of one call."""
+        if self.on_error == "raise":
+            raise errors[0]
+        if self.on_error == "warn":
+            kinds = Counter(e.kind.value for e in errors)
+            log.warning(
+                "requests_failed",
+                server=self.base_url,
+                failed=len(errors),
+                total=total,
+                kinds=dict(kinds),
+                first_error=str(errors[0]),
+            )
+        return [self._error_response(e) for e in errors]
+
+    async def ais_healthy(self, timeout: float = 5.0) -> bool:
+        """Whether the server answers ``GET /health`` with 200 within ``timeout`` seconds."""
+        try:
+            status, _ = await self._transport.get(self._transport.root + "/health", timeout=timeout)
+        except ProviderError:
+            return False
+        return status == 200
+
+    async def aclose(self) -> None:
+        """Close the client's connections."""
+        await self._transport.aclose()
+
+
+__all__ = ["OpenAIClient", "check_client_settings", "check_single_choice"]

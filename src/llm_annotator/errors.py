@@ -1,0 +1,163 @@
+"""The exceptions llm_annotator raises, and the kinds of failure a request can meet.
+
+Every exception derives from one root, so ``except LLMAnnotatorError`` catches all of
+them::
+
+    LLMAnnotatorError
+    ├── ConfigurationError          a setting that cannot work (bad URL, unknown model)
+    ├── ProviderError               one request failed; carries server, kind, status
+    │   ├── TransportError          no HTTP answer at all
+    │   │   ├── ServerConnectError  refused, connect timeout, DNS failure: server gone
+    │   │   ├── ReadTimeoutError    connected, but no answer within the read timeout
+    │   │   └── DisconnectedError   the connection dropped before the answer was whole
+    │   ├── StatusError             an HTTP error status (the kind tells which)
+    │   └── MalformedResponseError  a 200 whose body is not a chat completion
+    └── PoolExhaustedError          (pool) every server is gone past the deadline
+
+A failure's ``kind`` (an :class:`ErrorKind`) says whose fault it is, which is what a
+pool needs to decide between evicting a server, retrying a sample and keeping an
+error row. It is also what ends up in ``Response.error_type``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorKind(StrEnum):
+    """Why a request failed, named by whose fault it is.
+
+    Examples:
+        >>> ErrorKind.CONNECT.server_gone
+        True
+        >>> ErrorKind.BAD_REQUEST.server_gone
+        False
+        >>> str(ErrorKind.READ_TIMEOUT)
+        'read_timeout'
+    """
+
+    CONNECT = "connect"
+    """Connection refused, connect timeout or DNS failure: the server is gone."""
+    READ_TIMEOUT = "read_timeout"
+    """Connected, but the answer did not arrive in time: slow or hung."""
+    DISCONNECTED = "disconnected"
+    """The connection dropped mid-request (the server died or restarted)."""
+    ENGINE_DEAD = "engine_dead"
+    """500 from a server whose engine died; the process exits soon after."""
+    OVERLOADED = "overloaded"
+    """429 or 503 busy: back off and retry."""
+    SERVER_ERROR = "server_error"
+    """Any other 5xx: transient until proven otherwise."""
+    BAD_REQUEST = "bad_request"
+    """400/413/422: this sample or its options are at fault (e.g. prompt too long)."""
+    AUTH = "auth"
+    """401/403: a configuration error."""
+    NOT_FOUND = "not_found"
+    """404: wrong base URL or unknown model, a configuration error."""
+    HTTP_ERROR = "http_error"
+    """Any other non-2xx status."""
+    MALFORMED = "malformed_response"
+    """A 2xx whose body is not a chat completion (server or proxy bug)."""
+
+    @property
+    def server_gone(self) -> bool:
+        """Whether this failure means the server itself is dead or unreachable."""
+        return self in _SERVER_GONE
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request may succeed if sent again later."""
+        return self in _RETRYABLE
+
+
+_SERVER_GONE = frozenset({ErrorKind.CONNECT, ErrorKind.DISCONNECTED, ErrorKind.ENGINE_DEAD})
+_RETRYABLE = frozenset(
+    {
+        ErrorKind.CONNECT,
+        ErrorKind.READ_TIMEOUT,
+        ErrorKind.DISCONNECTED,
+        ErrorKind.ENGINE_DEAD,
+        ErrorKind.OVERLOADED,
+        ErrorKind.SERVER_ERROR,
+    }
+)
+
+
+class LLMAnnotatorError(Exception):
+    """The root of every exception this package raises."""
+
+
+class ConfigurationError(LLMAnnotatorError, ValueError):
+    """A setting that cannot work; the message names the setting and the fix."""
+
+
+class ProviderError(LLMAnnotatorError):
+    """A request to a model server failed.
+
+    Attributes:
+        kind: Why it failed (see :class:`ErrorKind`).
+        server: Base URL of the server the request went to.
+        status_code: The HTTP status, when the server answered with one.
+        attempts: How many times the request was sent.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: ErrorKind,
+        server: str | None = None,
+        status_code: int | None = None,
+        attempts: int = 1,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.server = server
+        self.status_code = status_code
+        self.attempts = attempts
+
+    def __str__(self) -> str:
+        where = f"{self.server}: " if self.server else ""
+        tries = f" (after {self.attempts} attempts)" if self.attempts > 1 else ""
+        return f"{where}{self.message}{tries}"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_provider_error, (type(self), self.message, self.__dict__))
+
+
+def _rebuild_provider_error(
+    cls: type[ProviderError], message: str, state: dict[str, object]
+) -> ProviderError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
+class TransportError(ProviderError):
+    """No HTTP answer arrived at all."""
+
+
+class ServerConnectError(TransportError):
+    """The connection could not be made: refused, timed out or the name did not resolve."""
+
+
+class ReadTimeoutError(TransportError):
+    """Connected, but the answer did not arrive within the read timeout."""
+
+
+class DisconnectedError(TransportError):
+    """The connection dropped before the whole answer arrived."""
+
+
+class StatusError(ProviderError):
+    """The server answered with an HTTP error status."""
+
+
+class MalformedResponseError(ProviderError):
+    """The server answered 2xx with a body that is not a chat completion."""
+
+
+class PoolExhaustedError(LLMAnnotatorError):
+    """Every server of a pool stayed down past the deadline."""

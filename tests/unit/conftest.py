@@ -1,0 +1,161 @@
+"""An in-process OpenAI-compatible server on loopback: the fake transport of the unit tests.
+
+It speaks real HTTP, so the client's whole path (connection pool, timeouts, decoding,
+exception mapping) runs; only the model is fake. Each test scripts the answers with a
+``handler`` that gets the decoded request body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+Handler = Callable[[dict[str, Any]], Awaitable[web.StreamResponse]]
+
+
+def completion(content: str, *, prompt_tokens: int = 5, completion_tokens: int = 2) -> web.Response:
+    """A chat-completion answer with the given content."""
+    body = {
+        "id": "cmpl-1",
+        "object": "chat.completion",
+        "model": "fake-model",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": "stop",
+                "stop_reason": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+def error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    """A vLLM-style error answer."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+async def echo(request: dict[str, Any]) -> web.StreamResponse:
+    """Answer with the last message's content, so order can be checked."""
+    return completion(request["messages"][-1]["content"])
+
+
+@dataclass
+class FakeServer:
+    """A running fake server and what it has seen."""
+
+    base_url: str
+    handler: Handler = echo
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    health_status: int = 200
+    models: list[str] = field(default_factory=lambda: ["fake-model"])
+
+
+@pytest.fixture
+def fake_server() -> Iterator[FakeServer]:
+    """Start a fake server on a free loopback port, in its own thread and event loop.
+
+    Its own loop lets both the async API (on the test's loop) and the sync API (on the
+    package's background loop) talk to it without blocking it.
+    """
+    server = FakeServer(base_url="")
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        server.requests.append(body)
+        server.in_flight += 1
+        server.max_in_flight = max(server.max_in_flight, server.in_flight)
+        try:
+            return await server.handler(body)
+        finally:
+            server.in_flight -= 1
+
+    async def models(_: web.Request) -> web.Response:
+        data = {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models]}
+        return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=server.health_status)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-server", daemon=True)
+    thread.start()
+
+    async def start() -> str:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+
+    server.base_url = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.fixture
+def refused_url() -> str:
+    """A loopback URL where nothing listens: connections are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture
+def blackhole_url() -> Iterator[str]:
+    """A loopback URL whose listener never accepts and whose backlog is full.
+
+    New connections then wait for a handshake that never completes: a connect timeout,
+    as from a host that drops packets.
+    """
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers: list[socket.socket] = []
+    for _ in range(8):  # bounded: the backlog of 0 fills after one or two
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+async def sleep_forever(_: dict[str, Any]) -> web.StreamResponse:
+    """A handler that never answers (until the test ends)."""
+    await asyncio.sleep(3600)
+    raise AssertionError("unreachable")
