@@ -25,6 +25,7 @@ from llm_annotator.errors import (
     StatusError,
     TransportError,
 )
+from llm_annotator.pool import MemberState, MemberStatistics, PoolStatistics, VLLMQueueAnnotator
 from llm_annotator.response import OnError, Response
 
 __version__ = "0.1.0"
@@ -37,9 +38,12 @@ __all__ = [
     "ErrorKind",
     "LLMAnnotatorError",
     "MalformedResponseError",
+    "MemberState",
+    "MemberStatistics",
     "OnError",
     "OpenAIClient",
     "PoolExhaustedError",
+    "PoolStatistics",
     "ProviderError",
     "ProviderRuntimeOptions",
     "ReadTimeoutError",
@@ -50,6 +54,7 @@ __all__ = [
     "VLLMBaseRuntimeOptions",
     "VLLMOnlineClient",
     "VLLMOnlineRuntimeOptions",
+    "VLLMQueueAnnotator",
     "__version__",
     "server_is_healthy",
 ]

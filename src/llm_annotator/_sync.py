@@ -9,6 +9,8 @@ loop per call would throw away every open connection.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -66,6 +68,22 @@ class _LoopThread:
 
 
 _RUNNER = _LoopThread()
+
+
+def _close_transports_at_exit() -> None:
+    """Close the connections clients left open on the background loop."""
+    from llm_annotator.clients._transport import live_transports
+
+    loop = _RUNNER._loop
+    if loop is None or not loop.is_running():
+        return
+    for transport in live_transports():
+        future = asyncio.run_coroutine_threadsafe(transport.aclose(), loop)
+        with contextlib.suppress(Exception):
+            future.result(timeout=2)
+
+
+atexit.register(_close_transports_at_exit)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

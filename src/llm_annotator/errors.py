@@ -22,6 +22,10 @@ error row. It is also what ends up in ``Response.error_type``.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llm_annotator.response import Response
 
 
 class ErrorKind(StrEnum):
@@ -58,6 +62,8 @@ class ErrorKind(StrEnum):
     """Any other non-2xx status."""
     MALFORMED = "malformed_response"
     """A 2xx whose body is not a chat completion (server or proxy bug)."""
+    POISON = "poison_sample"
+    """(pool) The sample was in flight on several servers that were each evicted."""
 
     @property
     def server_gone(self) -> bool:
@@ -160,4 +166,21 @@ class MalformedResponseError(ProviderError):
 
 
 class PoolExhaustedError(LLMAnnotatorError):
-    """Every server of a pool stayed down past the deadline."""
+    """Every server of a pool stayed down past the deadline.
+
+    Attributes:
+        responses: One entry per input: the Response completed before the pool ran
+            out of servers, or None for a sample still open.
+        servers: Each server's base URL and the last thing it said.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        responses: list[Response | None] | None = None,
+        servers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.responses: list[Response | None] = responses if responses is not None else []
+        self.servers: dict[str, str] = servers if servers is not None else {}

@@ -66,11 +66,12 @@ class FakeServer:
     in_flight: int = 0
     max_in_flight: int = 0
     health_status: int = 200
+    health_delay: float = 0.0
     models: list[str] = field(default_factory=lambda: ["fake-model"])
 
 
-@pytest.fixture
-def fake_server() -> Iterator[FakeServer]:
+@contextlib.contextmanager
+def running_fake_server() -> Iterator[FakeServer]:
     """Start a fake server on a free loopback port, in its own thread and event loop.
 
     Its own loop lets both the async API (on the test's loop) and the sync API (on the
@@ -93,6 +94,8 @@ def fake_server() -> Iterator[FakeServer]:
         return web.Response(body=orjson.dumps(data), content_type="application/json")
 
     async def health(_: web.Request) -> web.Response:
+        if server.health_delay:
+            await asyncio.sleep(server.health_delay)
         return web.Response(status=server.health_status)
 
     app = web.Application()
@@ -114,10 +117,37 @@ def fake_server() -> Iterator[FakeServer]:
     try:
         yield server
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+
+        async def shutdown() -> None:
+            await runner.cleanup()
+            # Handlers still waiting (e.g. sleep_forever) end here, not at loop close.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+
+
+@pytest.fixture
+def fake_server() -> Iterator[FakeServer]:
+    """One fake server for one test."""
+    with running_fake_server() as server:
+        yield server
+
+
+@pytest.fixture
+def fake_servers() -> Iterator[Callable[[int], list[FakeServer]]]:
+    """A factory of fake servers, all stopped at the end of the test."""
+    with contextlib.ExitStack() as stack:
+
+        def start(count: int) -> list[FakeServer]:
+            return [stack.enter_context(running_fake_server()) for _ in range(count)]
+
+        yield start
 
 
 @pytest.fixture

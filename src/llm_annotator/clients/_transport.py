@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -69,6 +70,14 @@ def server_root(base_url: str) -> str:
     return url.removesuffix("/v1")
 
 
+_LIVE: weakref.WeakSet[HttpTransport] = weakref.WeakSet()
+
+
+def live_transports() -> list[HttpTransport]:
+    """Transports that may still hold open sessions (for cleanup at interpreter exit)."""
+    return [t for t in _LIVE if t._sessions]
+
+
 class HttpTransport:
     """Connections to one server, with the exception mapping.
 
@@ -119,6 +128,7 @@ class HttpTransport:
                 auto_decompress=False,
             )
             self._sessions[loop] = session
+            _LIVE.add(self)
         return session
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
@@ -161,8 +171,13 @@ class HttpTransport:
                 server=server,
             )
         if isinstance(exc, aiohttp.ClientConnectorError):
+            reason = exc.os_error.strerror or str(exc.os_error) or type(exc.os_error).__name__
+            if isinstance(exc.os_error, ConnectionRefusedError):
+                reason = "connection refused"
+            elif isinstance(exc, aiohttp.ClientConnectorDNSError):
+                reason = f"the host name does not resolve ({reason})"
             return ServerConnectError(
-                f"cannot connect ({detail}); is the server running at this address?",
+                f"cannot connect: {reason.lower()}; is the server running at this address?",
                 kind=ErrorKind.CONNECT,
                 server=server,
             )

@@ -117,8 +117,16 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
 
     # -- payload ---------------------------------------------------------------------
 
-    def _payload(self, options: OptionsT | None, gen_kwargs: dict[str, Any] | None) -> bytes:
-        """The request parameters shared by every conversation of a call, as JSON."""
+    def encode_params(
+        self, options: OptionsT | None = None, gen_kwargs: dict[str, Any] | None = None
+    ) -> bytes:
+        """The request parameters shared by every conversation of a call, as JSON.
+
+        Encoded once per call and spliced into each request by :meth:`asend`.
+
+        Raises:
+            ValueError: If ``gen_kwargs`` asks for more than one response.
+        """
         params = options.to_payload() if options is not None else self._default_payload()
         if gen_kwargs:
             check_single_choice(gen_kwargs, "gen_kwargs")
@@ -140,6 +148,26 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
 
     # -- model discovery -------------------------------------------------------------
 
+    async def alist_models(self) -> list[str]:
+        """The model names the server lists on ``/models``.
+
+        Raises:
+            ProviderError: If the server cannot be asked or answers something else.
+        """
+        status, body = await self._transport.get(
+            self.base_url + "/models", timeout=self._transport_timeout()
+        )
+        if status != 200:
+            raise status_error(status, body, self.base_url)
+        try:
+            return [str(entry["id"]) for entry in orjson.loads(body)["data"]]
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ProviderError(
+                f"/models answered with a body that is not a model list: {error_message(body)}",
+                kind=ErrorKind.MALFORMED,
+                server=self.base_url,
+            ) from exc
+
     async def aresolve_model(self) -> str:
         """The model to ask for: the configured one, or the first the server lists.
 
@@ -148,26 +176,14 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         """
         if self.model is not None:
             return self.model
-        status, body = await self._transport.get(
-            self.base_url + "/models", timeout=self._transport_timeout()
-        )
-        if status != 200:
-            raise status_error(status, body, self.base_url)
-        try:
-            models = [entry["id"] for entry in orjson.loads(body)["data"]]
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ProviderError(
-                f"/models answered with a body that is not a model list: {error_message(body)}",
-                kind=ErrorKind.MALFORMED,
-                server=self.base_url,
-            ) from exc
+        models = await self.alist_models()
         if not models:
             raise ProviderError(
                 "/models lists no model; pass model= explicitly",
                 kind=ErrorKind.NOT_FOUND,
                 server=self.base_url,
             )
-        self.model = str(models[0])
+        self.model = models[0]
         log.info("model_discovered", server=self.base_url, model=self.model)
         return self.model
 
@@ -210,13 +226,25 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         gen_kwargs: dict[str, Any] | None = None,
     ) -> Response:
         """Async twin of :meth:`generate`."""
-        params = self._payload(options, gen_kwargs)
-        result = await self._generate_one(messages, params)
+        params = self.encode_params(options, gen_kwargs)
+        result = await self.asend(messages, params)
         if isinstance(result, ProviderError):
             return self._handle_errors([result], total=1)[0]
         return result
 
-    async def _generate_one(self, messages: Messages, params: bytes) -> Response | ProviderError:
+    async def asend(self, messages: Messages, params: bytes) -> Response | ProviderError:
+        """Send one conversation with pre-encoded parameters; the building block of a pool.
+
+        Retries as configured, never applies ``on_error`` and never raises
+        ProviderError: a failure is returned, so the caller can decide by its kind.
+
+        Args:
+            messages: The conversation.
+            params: From :meth:`encode_params`.
+
+        Returns:
+            The Response, or the ProviderError that took its place.
+        """
         try:
             model = await self.aresolve_model()
         except ProviderError as exc:
@@ -242,20 +270,20 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         """Async twin of :meth:`batch_generate`."""
         if not messages:
             return []
-        params = self._payload(options, gen_kwargs)
+        params = self.encode_params(options, gen_kwargs)
         try:
             await self.aresolve_model()
         except ProviderError as exc:
             errors: list[Response | ProviderError] = [exc] * len(messages)
             return self._finish(errors)
         if self.max_workers is None or self.max_workers >= len(messages):
-            results = await asyncio.gather(*(self._generate_one(m, params) for m in messages))
+            results = await asyncio.gather(*(self.asend(m, params) for m in messages))
         else:
             gate = asyncio.Semaphore(self.max_workers)
 
             async def gated(conversation: Messages) -> Response | ProviderError:
                 async with gate:
-                    return await self._generate_one(conversation, params)
+                    return await self.asend(conversation, params)
 
             results = await asyncio.gather(*(gated(m) for m in messages))
         return self._finish(results)

@@ -1,0 +1,735 @@
+"""VLLMQueueAnnotator: one work queue over many vLLM servers that survives their failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from llm_annotator._constants import CONNECT_TIMEOUT
+from llm_annotator.clients._retry import retry_delay
+from llm_annotator.clients._transport import normalize_base_url
+from llm_annotator.clients.base import Client, Messages
+from llm_annotator.clients.openai_client import check_client_settings
+from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
+from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
+from llm_annotator.pool.member import Member, MemberState, MemberStatistics
+from llm_annotator.pool.policy import Action, action_for
+from llm_annotator.pool.run import Run
+from llm_annotator.response import OnError, Response
+
+log = structlog.get_logger(__name__)
+
+_MALFORMED_STREAK_TO_EVICT = 20
+"""Malformed answers in a row, without a good one between, that evict a member."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    """A snapshot of the pool's counters, totals and per member (cumulative over calls).
+
+    Attributes:
+        members: One :class:`MemberStatistics` per server, in the order they joined.
+        healthy: Members taking work now.
+        queued: Samples waiting in the queue now.
+        in_flight: Requests in flight now.
+    """
+
+    members: tuple[MemberStatistics, ...]
+    healthy: int
+    queued: int
+    in_flight: int
+
+    @property
+    def completed(self) -> int:
+        return sum(m.completed for m in self.members)
+
+    @property
+    def errors(self) -> int:
+        return sum(m.errors for m in self.members)
+
+    @property
+    def evictions(self) -> int:
+        return sum(m.evictions for m in self.members)
+
+    @property
+    def readmissions(self) -> int:
+        return sum(m.readmissions for m in self.members)
+
+    @property
+    def requeued(self) -> int:
+        return sum(m.requeued for m in self.members)
+
+    def member(self, server: str) -> MemberStatistics:
+        """The statistics of the member with this base URL."""
+        url = normalize_base_url(server)
+        for stats in self.members:
+            if stats.server == url:
+                return stats
+        raise KeyError(server)
+
+
+class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
+    """Feed one work queue of conversations to many vLLM servers, surviving their failures.
+
+    The conversations of a call are cut into batches of ``batch_size``. Every member
+    (one per server) runs up to ``max_concurrent_batches_per_client`` batches at once,
+    each batch with all its requests in flight, and takes the next batch as soon as one
+    finishes, so fast servers get more work than slow ones.
+
+    Members are probed on ``/health`` before and during a call. A member is evicted at
+    once when a connection is refused or times out or its engine dies, and after
+    ``max_failed_health_checks`` failed probes in a row (a hung server). Its requests in
+    flight are cancelled and every sample without an answer goes back to the front of
+    the queue: an eviction never turns a sample into an error row. Evicted members, and
+    members down at the start, are probed in the background and rejoin when healthy.
+
+    A sample at fault (a prompt too long, a bad parameter) keeps its error Response and
+    never evicts a server; an overloaded server (429, 503) is backed off; a transient
+    5xx is retried ``max_sample_retries`` times. A sample in flight on
+    ``max_sample_evictions`` members that were each evicted is a poison sample and ends
+    as an error Response. When every member is down for ``all_down_timeout`` seconds,
+    the call raises :class:`PoolExhaustedError`, which holds every Response completed.
+
+    Args:
+        base_urls: The servers' base URLs (``http://host:port/v1``).
+        clients: Ready clients instead of (or besides) ``base_urls``. Give them
+            ``max_retries=0``: the pool is the retry layer.
+        model: Model name for the clients built from ``base_urls``; None asks each
+            server.
+        batch_size: Samples per batch.
+        max_concurrent_batches_per_client: Batches in flight per member.
+        timeout: Read timeout of one request, for clients built here.
+        connect_timeout: Connect timeout, for clients built here.
+        health_check_interval: Seconds between two probes of a member.
+        health_check_timeout: Seconds a probe may take.
+        max_failed_health_checks: Failed probes in a row that evict a healthy member.
+        max_sample_evictions: Evictions a sample may live through before it is poison.
+        max_sample_retries: Retries of a sample after transient server errors.
+        all_down_timeout: Seconds to wait for a member when all are down.
+        on_error: What error rows do: ``"warn"`` logs a summary, ``"ignore"`` nothing,
+            ``"raise"`` raises the first one as ProviderError after the call.
+
+    Raises:
+        ValueError: If no server is given, one is given twice, or a setting is out of
+            range.
+
+    Examples:
+        >>> pool = VLLMQueueAnnotator(["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"])
+        >>> pool
+        <VLLMQueueAnnotator joining=2 in_flight=0 queued=0>
+        >>> pool.close()
+    """
+
+    provider = "vllm_pool"
+
+    def __init__(
+        self,
+        base_urls: Sequence[str] | None = None,
+        *,
+        clients: Sequence[VLLMOnlineClient] | None = None,
+        model: str | None = None,
+        batch_size: int = 256,
+        max_concurrent_batches_per_client: int = 4,
+        timeout: float = 3600.0,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        health_check_interval: float = 5.0,
+        health_check_timeout: float = 5.0,
+        max_failed_health_checks: int = 3,
+        max_sample_evictions: int = 3,
+        max_sample_retries: int = 2,
+        all_down_timeout: float = 300.0,
+        on_error: OnError = "warn",
+    ) -> None:
+        if isinstance(base_urls, str):
+            raise ValueError("base_urls must be a list of URLs, not one string")
+        check_client_settings(timeout=timeout, max_retries=0, on_error=on_error, max_workers=None)
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_concurrent_batches_per_client", max_concurrent_batches_per_client),
+            ("max_failed_health_checks", max_failed_health_checks),
+            ("max_sample_evictions", max_sample_evictions),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(max_sample_retries, int) or max_sample_retries < 0:
+            raise ValueError(
+                f"max_sample_retries must be an integer >= 0, got {max_sample_retries!r}"
+            )
+        for name, number in (
+            ("health_check_interval", health_check_interval),
+            ("health_check_timeout", health_check_timeout),
+            ("all_down_timeout", all_down_timeout),
+        ):
+            if not isinstance(number, int | float) or number <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {number!r}")
+        self.model = model
+        self.batch_size = batch_size
+        self.max_concurrent_batches_per_client = max_concurrent_batches_per_client
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.health_check_interval = float(health_check_interval)
+        self.health_check_timeout = float(health_check_timeout)
+        self.max_failed_health_checks = max_failed_health_checks
+        self.max_sample_evictions = max_sample_evictions
+        self.max_sample_retries = max_sample_retries
+        self.all_down_timeout = float(all_down_timeout)
+        self.on_error: OnError = on_error
+        self._members: dict[str, Member] = {}
+        for url in base_urls or ():
+            self._add_member(Member(self._new_client(url)))
+        for client in clients or ():
+            self._add_member(Member(client))
+        if not self._members:
+            raise ValueError(
+                "VLLMQueueAnnotator needs at least one server: give base_urls or clients"
+            )
+        self._run: Run | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._params: dict[str, bytes] = {}
+        self._options: tuple[VLLMOnlineRuntimeOptions | None, dict[str, Any] | None] = (None, None)
+        self._verifying: dict[str, asyncio.Task[bool]] = {}
+        self._removed: list[Member] = []
+
+    # -- membership --------------------------------------------------------------------
+
+    def _new_client(self, url: str) -> VLLMOnlineClient:
+        return VLLMOnlineClient(
+            model=self.model,
+            base_url=url,
+            timeout=self.timeout,
+            max_retries=0,
+            on_error="ignore",
+            connect_timeout=self.connect_timeout,
+        )
+
+    def _add_member(self, member: Member) -> None:
+        if member.url in self._members:
+            raise ValueError(f"server {member.url} is in the pool twice")
+        self._members[member.url] = member
+
+    @property
+    def base_urls(self) -> list[str]:
+        """The members' base URLs, in the order they joined."""
+        return list(self._members)
+
+    def add_server(self, base_url: str) -> None:
+        """Add a server; during a call it is probed and takes work once healthy.
+
+        Safe to call from another thread while a call runs.
+
+        Raises:
+            ValueError: If the server is already in the pool.
+            ConfigurationError: If the URL is not an http(s) URL.
+        """
+        member = Member(self._new_client(base_url))
+        self._in_loop(lambda: self._join(member))
+
+    def remove_server(self, base_url: str) -> None:
+        """Remove a server; during a call it takes no new work and leaves once its
+        requests in flight have finished.
+
+        Safe to call from another thread while a call runs.
+
+        Raises:
+            KeyError: If the server is not in the pool.
+        """
+        url = normalize_base_url(base_url)
+        if url not in self._members:
+            raise KeyError(f"server {url} is not in the pool")
+        self._in_loop(lambda: self._drain(url))
+
+    def _in_loop(self, action: Callable[[], None]) -> None:
+        loop = self._loop
+        if self._run is not None and loop is not None and loop.is_running():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                done = threading.Event()
+                failure: list[BaseException] = []
+
+                def call() -> None:
+                    try:
+                        action()
+                    except BaseException as exc:  # handed to the caller's thread
+                        failure.append(exc)
+                    finally:
+                        done.set()
+
+                loop.call_soon_threadsafe(call)
+                done.wait(timeout=10)
+                if failure:
+                    raise failure[0]
+                return
+        action()
+
+    def _join(self, member: Member) -> None:
+        self._add_member(member)
+        log.info("member_added", server=member.url)
+        if self._run is not None:
+            self._attach(self._run, member)
+
+    def _drain(self, url: str) -> None:
+        member = self._members[url]
+        log.info("member_removed", server=url, in_flight=len(member.in_flight))
+        if self._run is None or not member.in_flight:
+            self._forget(member)
+        else:
+            member.state = MemberState.DRAINING
+            self._run.notify()
+
+    def _forget(self, member: Member) -> None:
+        if self._members.get(member.url) is member:
+            del self._members[member.url]
+            self._removed.append(member)
+
+    # -- the call ----------------------------------------------------------------------
+
+    async def agenerate(
+        self,
+        *,
+        messages: Messages,
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+    ) -> Response:
+        """Async twin of :meth:`generate`: a batch of one."""
+        responses = await self.abatch_generate(
+            messages=[messages], options=options, gen_kwargs=gen_kwargs
+        )
+        return responses[0]
+
+    async def abatch_generate(
+        self,
+        *,
+        messages: list[Messages],
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+    ) -> list[Response]:
+        """Async twin of :meth:`batch_generate`."""
+        if not messages:
+            return []
+        if self._run is not None:
+            raise RuntimeError("VLLMQueueAnnotator runs one batch_generate call at a time")
+        first = next(iter(self._members.values()))
+        first.client.encode_params(options, gen_kwargs)  # ValueError before anything starts
+        run = Run(list(messages), self.batch_size)
+        self._run, self._loop = run, asyncio.get_running_loop()
+        self._params, self._options = {}, (options, gen_kwargs)
+        started = time.monotonic()
+        log.info(
+            "run_started",
+            samples=len(messages),
+            servers=len(self._members),
+            batch_size=self.batch_size,
+            batches_per_server=self.max_concurrent_batches_per_client,
+        )
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                for member in list(self._members.values()):
+                    self._attach(run, member)
+                self._spawn(self._watch_all_down(run))
+                await run.done.wait()
+                for task in list(self._tasks):
+                    task.cancel()
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            self._tasks.clear()
+            self._verifying.clear()
+            for member in list(self._members.values()):
+                member.in_flight.clear()
+                if member.state is MemberState.DRAINING:
+                    self._forget(member)
+            self._run = None
+        elapsed = time.monotonic() - started
+        if run.exhausted is not None:
+            log.error(
+                "pool_exhausted", servers=run.exhausted.servers, done=len(messages) - run.remaining
+            )
+            raise run.exhausted
+        results: list[Response] = [r for r in run.results if r is not None]
+        self._report(results, elapsed)
+        return results
+
+    def _report(self, results: list[Response], elapsed: float) -> None:
+        failed = [r for r in results if not r.ok]
+        log.info(
+            "run_finished",
+            samples=len(results),
+            failed=len(failed),
+            seconds=round(elapsed, 3),
+            per_server=dict(Counter(r.server for r in results if r.ok)),
+        )
+        if not failed:
+            return
+        if self.on_error == "raise":
+            first = failed[0]
+            raise ProviderError(
+                first.error or "request failed",
+                kind=ErrorKind(first.error_type or ErrorKind.HTTP_ERROR.value),
+            )
+        if self.on_error == "warn":
+            log.warning(
+                "requests_failed",
+                failed=len(failed),
+                total=len(results),
+                kinds=dict(Counter(r.error_type for r in failed)),
+                first_error=failed[0].error,
+            )
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = self._group.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _attach(self, run: Run, member: Member) -> None:
+        """Start a member's probe loop and batch slots for this call."""
+        if member.state is MemberState.DISABLED:
+            return
+        self._spawn(self._probe_loop(run, member))
+        for _ in range(self.max_concurrent_batches_per_client):
+            self._spawn(self._slot(run, member))
+
+    def _params_for(self, member: Member) -> bytes:
+        params = self._params.get(member.url)
+        if params is None:
+            params = member.client.encode_params(*self._options)
+            self._params[member.url] = params
+        return params
+
+    # -- health ------------------------------------------------------------------------
+
+    async def _probe_loop(self, run: Run, member: Member) -> None:
+        while not run.finished and member.state not in (MemberState.DISABLED,):
+            if self._members.get(member.url) is not member:
+                return
+            started = time.monotonic()
+            healthy = await member.client.ais_healthy(self.health_check_timeout)
+            await self._after_probe(run, member, healthy)
+            pause = self.health_check_interval - (time.monotonic() - started)
+            if pause > 0:
+                await asyncio.sleep(pause)
+
+    async def _after_probe(self, run: Run, member: Member, healthy: bool) -> None:
+        state = member.state
+        if state is MemberState.HEALTHY:
+            if healthy:
+                member.failed_probes = 0
+                return
+            member.failed_probes += 1
+            if member.failed_probes >= self.max_failed_health_checks:
+                self._evict(
+                    run,
+                    member,
+                    f"no answer to {member.failed_probes} health checks in a row "
+                    f"({self.health_check_timeout:g} s each)",
+                )
+        elif state in (MemberState.JOINING, MemberState.EVICTED):
+            if healthy:
+                await self._admit(run, member)
+            elif state is MemberState.JOINING:
+                member.state = MemberState.EVICTED
+                member.was_down = True
+                member.last_error = member.last_error or "no answer to GET /health"
+                log.warning("member_down", server=member.url)
+                run.notify()
+
+    async def _admit(self, run: Run, member: Member) -> None:
+        """Check the model of a member that answers /health, then let it take work."""
+        try:
+            models = await member.client.alist_models()
+        except ProviderError as exc:
+            member.last_error = str(exc)
+            if exc.kind in (ErrorKind.AUTH, ErrorKind.NOT_FOUND):
+                self._disable(run, member, str(exc))
+            return
+        wanted = member.client.model
+        if wanted is None:
+            if not models:
+                self._disable(run, member, "lists no model on /v1/models")
+                return
+            member.client.model = models[0]
+        elif wanted not in models:
+            self._disable(
+                run, member, f"does not serve model {wanted!r} (it serves {', '.join(models)})"
+            )
+            return
+        rejoined = member.was_down or member.evictions > 0
+        member.state = MemberState.HEALTHY
+        member.failed_probes = 0
+        member.backoff_until = 0.0
+        if rejoined:
+            member.readmissions += 1
+            log.info("member_readmitted", server=member.url, model=member.client.model)
+        else:
+            log.info("member_joined", server=member.url, model=member.client.model)
+        member.was_down = False
+        run.notify()
+
+    async def _verify(self, member: Member) -> bool:
+        """One shared health check for all the requests that doubt this member."""
+        task = self._verifying.get(member.url)
+        if task is None or task.done():
+            task = asyncio.ensure_future(member.client.ais_healthy(self.health_check_timeout))
+            self._verifying[member.url] = task
+        return await asyncio.shield(task)
+
+    async def _watch_all_down(self, run: Run) -> None:
+        down_since: float | None = None
+        while not run.finished:
+            members = list(self._members.values())
+            if any(m.state is MemberState.HEALTHY for m in members):
+                down_since = None
+            else:
+                now = time.monotonic()
+                if down_since is None:
+                    down_since = now
+                usable = [m for m in members if m.state is not MemberState.DISABLED]
+                if not usable or now - down_since >= self.all_down_timeout:
+                    run.finish(self._exhausted(run, members, now - down_since))
+                    return
+            await run.wait_for_change(0.5)
+
+    def _exhausted(self, run: Run, members: list[Member], waited: float) -> PoolExhaustedError:
+        servers = {m.url: m.last_error or m.state.value for m in members}
+        done = len(run.results) - run.remaining
+        listing = "; ".join(f"{url}: {said}" for url, said in servers.items())
+        return PoolExhaustedError(
+            f"no server of the pool could take work for {waited:.0f} s "
+            f"(all_down_timeout={self.all_down_timeout:g}); {done} of {len(run.results)} "
+            f"samples were done and are in .responses. Servers: {listing}",
+            responses=list(run.results),
+            servers=servers,
+        )
+
+    # -- state changes -----------------------------------------------------------------
+
+    def _evict(self, run: Run, member: Member, reason: str, cause: int | None = None) -> None:
+        """Take a member out of rotation and cancel what it holds (requeued by its slots).
+
+        ``cause`` is the sample whose request revealed the failure: it counts as in
+        flight, and goes back on the queue unless that makes it poison.
+        """
+        evicting = member.state in (MemberState.HEALTHY, MemberState.DRAINING)
+        if cause is not None and not (evicting and self._note_eviction(run, member, cause)):
+            self._requeue_one(run, member, cause)
+        if not evicting:
+            return
+        member.state = MemberState.EVICTED
+        member.evictions += 1
+        member.failed_probes = 0
+        member.last_error = reason
+        poisoned = self._cancel_in_flight(run, member)
+        log.warning(
+            "member_evicted",
+            server=member.url,
+            reason=reason,
+            in_flight=len(member.in_flight),
+            poisoned=poisoned,
+        )
+        run.notify()
+
+    def _disable(self, run: Run, member: Member, reason: str) -> None:
+        member.state = MemberState.DISABLED
+        member.last_error = reason
+        self._cancel_in_flight(run, member)
+        log.error("member_disabled", server=member.url, reason=reason)
+        run.notify()
+
+    def _cancel_in_flight(self, run: Run, member: Member) -> int:
+        poisoned = 0
+        for task, index in list(member.in_flight.items()):
+            poisoned += self._note_eviction(run, member, index)
+            task.cancel()
+        return poisoned
+
+    def _note_eviction(self, run: Run, member: Member, index: int) -> bool:
+        """Count that sample ``index`` was on ``member`` when it was evicted; True if that
+        made it a poison sample (it then has its error Response)."""
+        if run.results[index] is not None:
+            return False
+        history = run.evicted_with.setdefault(index, [])
+        history.append(member.url)
+        if len(history) >= self.max_sample_evictions:
+            return run.store(index, self._poison(member, history))
+        return False
+
+    def _poison(self, member: Member, history: list[str]) -> Response:
+        return Response(
+            error=(
+                f"poison sample: it was in flight on {len(history)} servers that were each "
+                f"evicted ({', '.join(history)}); it may be what brings servers down, so it "
+                "was not sent again"
+            ),
+            error_type=ErrorKind.POISON.value,
+            server=member.url,
+            model=member.client.model,
+            provider=member.client.provider,
+        )
+
+    # -- work --------------------------------------------------------------------------
+
+    async def _slot(self, run: Run, member: Member) -> None:
+        """One of a member's batch slots: take a batch whenever the member can work."""
+        while not run.finished:
+            if member.state is MemberState.DISABLED or self._members.get(member.url) is not member:
+                return
+            if member.state is MemberState.DRAINING:
+                if not member.in_flight:
+                    self._forget(member)
+                    run.notify()
+                    return
+                await run.wait_for_change(1.0)
+                continue
+            if not member.takes_work:
+                wait = member.backoff_until - time.monotonic()
+                await run.wait_for_change(min(max(wait, 0.05), 1.0))
+                continue
+            batch = run.take()
+            if batch is None:
+                await run.wait_for_change(1.0)
+                continue
+            await self._run_batch(run, member, batch)
+
+    async def _run_batch(self, run: Run, member: Member, batch: list[int]) -> None:
+        """Send a batch at once; settle each answer as it arrives; requeue what is left."""
+        params = self._params_for(member)
+        client = member.client
+        tasks: dict[asyncio.Task[Response | ProviderError], int] = {}
+        for index in batch:
+            task = asyncio.ensure_future(client.asend(run.messages[index], params))
+            tasks[task] = index
+            member.in_flight[task] = index
+        pending: set[asyncio.Task[Response | ProviderError]] = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    member.in_flight.pop(task, None)
+                    if not task.cancelled():
+                        self._settle(run, member, tasks[task], task.result())
+        finally:
+            for task in pending:
+                task.cancel()
+            for task in tasks:
+                member.in_flight.pop(task, None)
+            leftovers = [i for t, i in tasks.items() if t.cancelled() or not t.done()]
+            if leftovers and not run.finished:
+                moved = run.requeue(leftovers)
+                member.requeued += moved
+                if moved:
+                    log.info("samples_requeued", server=member.url, samples=moved)
+
+    def _settle(
+        self, run: Run, member: Member, index: int, result: Response | ProviderError
+    ) -> None:
+        """Decide what one answer means for its sample and its member."""
+        if isinstance(result, Response):
+            if run.store(index, result):
+                member.completed += 1
+            member.overload_streak = 0
+            member.malformed_streak = 0
+            return
+        action = action_for(result.kind)
+        reason = str(result)
+        if action is Action.EVICT:
+            self._evict(run, member, reason, cause=index)
+        elif action is Action.VERIFY or action is Action.CHECK_HEALTH:
+            self._spawn(self._verify_then_settle(run, member, index, result, action))
+        elif action is Action.BACKOFF:
+            member.overload_streak += 1
+            member.backoff_until = time.monotonic() + retry_delay(member.overload_streak - 1)
+            member.last_error = reason
+            self._requeue_one(run, member, index)
+        elif action is Action.RETRY:
+            run.retries[index] += 1
+            member.last_error = reason
+            if run.retries[index] > self.max_sample_retries:
+                self._error_row(run, member, index, result)
+            else:
+                self._spawn(self._requeue_later(run, index, retry_delay(run.retries[index] - 1)))
+        elif action is Action.DISABLE:
+            self._requeue_one(run, member, index)
+            self._disable(run, member, reason)
+        else:
+            self._error_row(run, member, index, result)
+            if result.kind is ErrorKind.MALFORMED:
+                member.malformed_streak += 1
+                if member.malformed_streak >= _MALFORMED_STREAK_TO_EVICT:
+                    self._evict(
+                        run, member, f"{member.malformed_streak} malformed answers in a row"
+                    )
+
+    async def _verify_then_settle(
+        self, run: Run, member: Member, index: int, error: ProviderError, action: Action
+    ) -> None:
+        healthy = await self._verify(member)
+        if run.results[index] is not None:
+            return
+        if not healthy:
+            self._evict(run, member, f"{error} and then failed a health check", cause=index)
+        elif action is Action.VERIFY:
+            self._requeue_one(run, member, index)  # a dropped keep-alive connection
+        else:
+            self._error_row(run, member, index, error)  # slow, on a healthy server
+
+    async def _requeue_later(self, run: Run, index: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        run.requeue([index])
+
+    def _requeue_one(self, run: Run, member: Member, index: int) -> None:
+        member.requeued += run.requeue([index])
+
+    def _error_row(self, run: Run, member: Member, index: int, error: ProviderError) -> None:
+        response = Response(
+            error=str(error),
+            error_type=error.kind.value,
+            server=member.url,
+            model=member.client.model,
+            provider=member.client.provider,
+        )
+        if run.store(index, response):
+            member.errors += 1
+            member.last_error = str(error)
+
+    # -- the rest of the Client contract -------------------------------------------------
+
+    async def ais_healthy(self, timeout: float = 5.0) -> bool:
+        """Whether at least one member answers /health."""
+        checks = [m.client.ais_healthy(timeout) for m in self._members.values()]
+        return any(await asyncio.gather(*checks))
+
+    async def aclose(self) -> None:
+        """Close every member's connections."""
+        members = [*self._members.values(), *self._removed]
+        await asyncio.gather(*(m.client.aclose() for m in members))
+
+    def statistics(self) -> PoolStatistics:
+        """A frozen snapshot of the pool's counters."""
+        members = tuple(m.statistics() for m in self._members.values())
+        run = self._run
+        return PoolStatistics(
+            members=members,
+            healthy=sum(m.state == MemberState.HEALTHY.value for m in members),
+            queued=run.queued if run is not None else 0,
+            in_flight=sum(m.in_flight for m in members),
+        )
+
+    def __repr__(self) -> str:
+        states = Counter(m.state.value for m in self._members.values())
+        parts = " ".join(
+            f"{state.value}={states[state.value]}" for state in MemberState if states[state.value]
+        )
+        stats = self.statistics()
+        return f"<VLLMQueueAnnotator {parts} in_flight={stats.in_flight} queued={stats.queued}>"

@@ -1,0 +1,426 @@
+"""VLLMQueueAnnotator over fake servers: spreading work, eviction, requeueing, poison."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from llm_annotator import (
+    ErrorKind,
+    PoolExhaustedError,
+    PoolStatistics,
+    VLLMQueueAnnotator,
+)
+from llm_annotator.pool.policy import Action, action_for
+from tests.unit.conftest import FakeServer, completion, echo, error, sleep_forever
+
+FakeServers = Callable[[int], list[FakeServer]]
+
+FAST = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
+
+
+def conversations(n: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"sample {i}"}] for i in range(n)]
+
+
+def index_of(request: dict[str, Any]) -> int:
+    return int(request["messages"][0]["content"].split()[1])
+
+
+def assert_all_answered_in_order(responses: list[Any], n: int) -> None:
+    assert len(responses) == n
+    bad = [r for r in responses if not r.ok]
+    assert not bad, bad[:3]
+    assert [r.text for r in responses] == [f"sample {i}" for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "action"),
+    [
+        (ErrorKind.CONNECT, Action.EVICT),
+        (ErrorKind.ENGINE_DEAD, Action.EVICT),
+        (ErrorKind.DISCONNECTED, Action.VERIFY),
+        (ErrorKind.READ_TIMEOUT, Action.CHECK_HEALTH),
+        (ErrorKind.OVERLOADED, Action.BACKOFF),
+        (ErrorKind.SERVER_ERROR, Action.RETRY),
+        (ErrorKind.AUTH, Action.DISABLE),
+        (ErrorKind.NOT_FOUND, Action.DISABLE),
+        (ErrorKind.BAD_REQUEST, Action.ERROR_ROW),
+        (ErrorKind.HTTP_ERROR, Action.ERROR_ROW),
+        (ErrorKind.MALFORMED, Action.ERROR_ROW),
+    ],
+)
+def test_failure_taxonomy(kind: ErrorKind, action: Action) -> None:
+    """Each kind of failure leads to the action the design's taxonomy names."""
+    assert action_for(kind) is action
+
+
+def test_work_spreads_over_members_and_comes_back_in_order(fake_servers: FakeServers) -> None:
+    """Every member gets work; results are in input order and name their server."""
+    servers = fake_servers(3)
+    with VLLMQueueAnnotator([s.base_url for s in servers], batch_size=16, **FAST) as pool:
+        responses = pool.batch_generate(messages=conversations(600))
+        stats = pool.statistics()
+    assert_all_answered_in_order(responses, 600)
+    by_server = Counter(r.server for r in responses)
+    assert set(by_server) == {s.base_url for s in servers}
+    assert stats.completed == 600
+    assert {m.server: m.completed for m in stats.members} == dict(by_server)
+    assert stats.evictions == 0
+    assert sum(len(s.requests) for s in servers) == 600
+
+
+def test_a_faster_member_gets_more_work(fake_servers: FakeServers) -> None:
+    """A member that answers ten times faster takes most of the batches."""
+    fast, slow = fake_servers(2)
+
+    async def sluggish(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.1)
+        return await echo(request)
+
+    async def quick(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.01)
+        return await echo(request)
+
+    fast.handler, slow.handler = quick, sluggish
+    with VLLMQueueAnnotator(
+        [fast.base_url, slow.base_url], batch_size=10, max_concurrent_batches_per_client=1, **FAST
+    ) as pool:
+        responses = pool.batch_generate(messages=conversations(400))
+    assert_all_answered_in_order(responses, 400)
+    assert len(fast.requests) > 3 * len(slow.requests)
+
+
+def test_member_slots_bound_batches_in_flight(fake_servers: FakeServers) -> None:
+    """A member holds at most batch_size x max_concurrent_batches_per_client requests."""
+    (server,) = fake_servers(1)
+
+    async def slow(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.02)
+        return await echo(request)
+
+    server.handler = slow
+    with VLLMQueueAnnotator(
+        [server.base_url], batch_size=8, max_concurrent_batches_per_client=3, **FAST
+    ) as pool:
+        responses = pool.batch_generate(messages=conversations(200))
+    assert_all_answered_in_order(responses, 200)
+    assert 8 < server.max_in_flight <= 24
+
+
+def test_refused_member_is_not_fatal(fake_servers: FakeServers, refused_url: str) -> None:
+    """A URL where nothing listens is down from the start; the others do all the work."""
+    (server,) = fake_servers(1)
+    with VLLMQueueAnnotator([refused_url, server.base_url], batch_size=20, **FAST) as pool:
+        responses = pool.batch_generate(messages=conversations(200))
+        stats = pool.statistics()
+    assert_all_answered_in_order(responses, 200)
+    assert stats.member(refused_url).state == "evicted"
+    assert stats.member(refused_url).completed == 0
+    assert stats.member(server.base_url).completed == 200
+
+
+def test_member_that_dies_mid_run_loses_no_sample(fake_servers: FakeServers) -> None:
+    """When a member starts refusing connections, its samples go to the other member:
+    no error rows, one eviction, and samples counted as requeued."""
+    dying, healthy = fake_servers(2)
+    answered = 0
+
+    async def then_die(request: dict[str, Any]) -> web.StreamResponse:
+        nonlocal answered
+        answered += 1
+        if answered > 40:
+            await asyncio.sleep(0.05)
+            return error(
+                500, "EngineCore encountered an issue. See stack trace", "InternalServerError"
+            )
+        return await echo(request)
+
+    async def steady(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.01)
+        return await echo(request)
+
+    dying.handler, healthy.handler = then_die, steady
+    with VLLMQueueAnnotator([dying.base_url, healthy.base_url], batch_size=10, **FAST) as pool:
+        responses = pool.batch_generate(messages=conversations(300))
+        stats = pool.statistics()
+    assert_all_answered_in_order(responses, 300)
+    dead = stats.member(dying.base_url)
+    assert dead.evictions >= 1
+    assert dead.requeued >= 1
+    assert "EngineCore" in (dead.last_error or "")
+
+
+def test_bad_samples_are_error_rows_and_never_evict(fake_servers: FakeServers) -> None:
+    """400s stay error rows of their samples; the member keeps working."""
+    (server,) = fake_servers(1)
+
+    async def reject_tens(request: dict[str, Any]) -> web.StreamResponse:
+        if index_of(request) % 10 == 0:
+            return error(400, "This model's maximum context length is 512 tokens.")
+        return await echo(request)
+
+    server.handler = reject_tens
+    with VLLMQueueAnnotator([server.base_url], batch_size=25, on_error="ignore", **FAST) as pool:
+        responses = pool.batch_generate(messages=conversations(100))
+        stats = pool.statistics()
+    assert [r.ok for r in responses] == [i % 10 != 0 for i in range(100)]
+    assert {r.error_type for r in responses if not r.ok} == {"bad_request"}
+    assert stats.evictions == 0
+    assert stats.errors == 10
+    assert len(server.requests) == 100  # never retried
+
+
+def test_overloaded_member_backs_off_and_samples_succeed(fake_servers: FakeServers) -> None:
+    """503 busy answers are retried (here or elsewhere) until they succeed."""
+    (server,) = fake_servers(1)
+    busy = {"left": 30}
+
+    async def sometimes_busy(request: dict[str, Any]) -> web.StreamResponse:
+        if busy["left"] > 0:
+            busy["left"] -= 1
+            return error(503, "The engine is currently busy", "ServiceUnavailableError")
+        return await echo(request)
+
+    server.handler = sometimes_busy
+    with VLLMQueueAnnotator([server.base_url], batch_size=10, **FAST) as pool:
+        responses = pool.batch_generate(messages=conversations(50))
+        stats = pool.statistics()
+    assert_all_answered_in_order(responses, 50)
+    assert stats.evictions == 0
+    assert len(server.requests) == 80
+
+
+def test_transient_server_errors_are_retried_then_kept(fake_servers: FakeServers) -> None:
+    """A sample that always gets a plain 500 ends as an error row after its retries."""
+    (server,) = fake_servers(1)
+
+    async def always_500_for_7(request: dict[str, Any]) -> web.StreamResponse:
+        if index_of(request) == 7:
+            return error(500, "something broke", "InternalServerError")
+        return await echo(request)
+
+    server.handler = always_500_for_7
+    with VLLMQueueAnnotator(
+        [server.base_url], batch_size=10, max_sample_retries=2, on_error="ignore", **FAST
+    ) as pool:
+        responses = pool.batch_generate(messages=conversations(20))
+    assert [r.ok for r in responses] == [i != 7 for i in range(20)]
+    assert responses[7].error_type == "server_error"
+    sevens = [r for r in server.requests if index_of(r) == 7]
+    assert len(sevens) == 3
+
+
+def test_hung_member_is_evicted_and_its_samples_move(fake_servers: FakeServers) -> None:
+    """A member that accepts but never answers (requests nor /health) is evicted after
+    failed health checks, and its samples are answered by the other member."""
+    hung, healthy = fake_servers(2)
+    hung.handler = sleep_forever
+    started = time.monotonic()
+    with VLLMQueueAnnotator(
+        [hung.base_url, healthy.base_url],
+        batch_size=10,
+        health_check_interval=0.2,
+        health_check_timeout=0.3,
+        max_failed_health_checks=2,
+    ) as pool:
+        # /health hangs only once the run is going, like a server stopped mid-run.
+        threading.Timer(0.3, lambda: setattr(hung, "health_delay", 3600.0)).start()
+        responses = pool.batch_generate(messages=conversations(100))
+        stats = pool.statistics()
+    assert_all_answered_in_order(responses, 100)
+    assert stats.member(hung.base_url).evictions == 1
+    assert "health checks" in (stats.member(hung.base_url).last_error or "")
+    assert time.monotonic() - started < 10
+
+
+def test_all_members_down_raises_with_completed_responses(fake_servers: FakeServers) -> None:
+    """When every member dies, the call waits all_down_timeout, then raises
+    PoolExhaustedError naming the servers and holding every completed Response."""
+    (server,) = fake_servers(1)
+    served = {"count": 0}
+
+    async def die_after_30(request: dict[str, Any]) -> web.StreamResponse:
+        served["count"] += 1
+        if served["count"] > 30:
+            server.health_status = 503
+            return error(500, "EngineCore encountered an issue.", "InternalServerError")
+        return await echo(request)
+
+    server.handler = die_after_30
+    started = time.monotonic()
+    with (
+        VLLMQueueAnnotator(
+            [server.base_url],
+            batch_size=10,
+            max_concurrent_batches_per_client=1,
+            all_down_timeout=1.0,
+            **FAST,
+        ) as pool,
+        pytest.raises(PoolExhaustedError) as info,
+    ):
+        pool.batch_generate(messages=conversations(100))
+    assert time.monotonic() - started < 10
+    exc = info.value
+    assert server.base_url in str(exc)
+    assert "EngineCore" in exc.servers[server.base_url]
+    done = [r for r in exc.responses if r is not None]
+    assert len(exc.responses) == 100
+    assert len(done) == 30
+    assert all(r.ok for r in done)
+
+
+def test_poison_sample_becomes_an_error_row(fake_servers: FakeServers) -> None:
+    """A sample whose request kills every engine it reaches is stopped after
+    max_sample_evictions; the other samples all succeed."""
+    servers = fake_servers(3)
+
+    async def poisoned(request: dict[str, Any]) -> web.StreamResponse:
+        if index_of(request) == 13:
+            return error(500, "EngineCore encountered an issue.", "InternalServerError")
+        return await echo(request)
+
+    for server in servers:
+        server.handler = poisoned
+    with VLLMQueueAnnotator(
+        [s.base_url for s in servers],
+        batch_size=5,
+        max_sample_evictions=2,
+        on_error="ignore",
+        **FAST,
+    ) as pool:
+        responses = pool.batch_generate(messages=conversations(60))
+    assert [r.ok for r in responses] == [i != 13 for i in range(60)]
+    assert responses[13].error_type == "poison_sample"
+    assert "evicted" in (responses[13].error or "")
+    assert sum(index_of(r) == 13 for s in servers for r in s.requests) == 2
+
+
+def test_late_member_joins_and_takes_work(fake_servers: FakeServers) -> None:
+    """A server added during a call is probed and then receives batches."""
+    first, late = fake_servers(2)
+
+    async def slow(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.05)
+        return await echo(request)
+
+    first.handler = slow
+    late.handler = slow
+    with VLLMQueueAnnotator(
+        [first.base_url], batch_size=5, max_concurrent_batches_per_client=1, **FAST
+    ) as pool:
+        threading.Timer(0.3, pool.add_server, args=(late.base_url,)).start()
+        responses = pool.batch_generate(messages=conversations(200))
+        stats = pool.statistics()
+    assert_all_answered_in_order(responses, 200)
+    assert stats.member(late.base_url).completed > 20
+
+
+def test_removed_member_drains_and_leaves(fake_servers: FakeServers) -> None:
+    """remove_server during a call: the member finishes what it holds, takes nothing new."""
+    keep, leave = fake_servers(2)
+
+    async def slow(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.05)
+        return await echo(request)
+
+    keep.handler = leave.handler = slow
+    with VLLMQueueAnnotator(
+        [keep.base_url, leave.base_url], batch_size=5, max_concurrent_batches_per_client=1, **FAST
+    ) as pool:
+        timer = threading.Timer(0.3, pool.remove_server, args=(leave.base_url,))
+        timer.start()
+        responses = pool.batch_generate(messages=conversations(200))
+        timer.join()
+        assert pool.base_urls == [keep.base_url]
+    assert_all_answered_in_order(responses, 200)
+    assert 0 < len(leave.requests) < 60
+
+
+def test_unknown_model_disables_member_and_fails_fast(fake_servers: FakeServers) -> None:
+    """A pool asking for a model no server serves stops at once, saying what they serve."""
+    (server,) = fake_servers(1)
+    started = time.monotonic()
+    with VLLMQueueAnnotator([server.base_url], model="missing", **FAST) as pool:
+        with pytest.raises(PoolExhaustedError, match="does not serve model 'missing'"):
+            pool.batch_generate(messages=conversations(3))
+        assert pool.statistics().members[0].state == "disabled"
+    assert time.monotonic() - started < 5
+    assert server.requests == []
+
+
+def test_model_is_discovered_per_member(fake_servers: FakeServers) -> None:
+    """With model=None each member asks its server which model it serves."""
+    (server,) = fake_servers(1)
+    server.models = ["served"]
+    with VLLMQueueAnnotator([server.base_url], **FAST) as pool:
+        pool.batch_generate(messages=conversations(3))
+    assert {r["model"] for r in server.requests} == {"served"}
+
+
+def test_statistics_snapshot_is_frozen(fake_servers: FakeServers) -> None:
+    """statistics() returns a frozen snapshot; later work does not change it."""
+    (server,) = fake_servers(1)
+    with VLLMQueueAnnotator([server.base_url], **FAST) as pool:
+        pool.batch_generate(messages=conversations(5))
+        before = pool.statistics()
+        pool.batch_generate(messages=conversations(5))
+        after = pool.statistics()
+    assert isinstance(before, PoolStatistics)
+    assert (before.completed, after.completed) == (5, 10)
+    with pytest.raises(AttributeError):
+        before.healthy = 3  # type: ignore[misc]
+    assert "healthy=1" in repr(pool)
+
+
+def test_generate_and_async_twin(fake_servers: FakeServers) -> None:
+    """The pool meets the Client contract: generate, agenerate, is_healthy."""
+    (server,) = fake_servers(1)
+    with VLLMQueueAnnotator([server.base_url], **FAST) as pool:
+        assert pool.generate(messages=[{"role": "user", "content": "one"}]).text == "one"
+        assert pool.is_healthy()
+
+    async def twin() -> str | None:
+        async with VLLMQueueAnnotator([server.base_url], **FAST) as pool:
+            return (await pool.agenerate(messages=[{"role": "user", "content": "two"}])).text
+
+    assert asyncio.run(twin()) == "two"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"max_concurrent_batches_per_client": 0}, "max_concurrent_batches_per_client"),
+        ({"max_sample_evictions": 0}, "max_sample_evictions"),
+        ({"health_check_interval": 0}, "health_check_interval"),
+        ({"all_down_timeout": -1}, "all_down_timeout"),
+        ({"on_error": "explode"}, "on_error"),
+    ],
+)
+def test_bad_pool_settings_raise(kwargs: dict[str, Any], field: str) -> None:
+    """A pool setting out of range is refused, naming the setting."""
+    with pytest.raises(ValueError, match=field):
+        VLLMQueueAnnotator(["http://127.0.0.1:1/v1"], **kwargs)
+
+
+def test_pool_needs_distinct_servers() -> None:
+    """No servers, a bare string, or one server twice is a clear error."""
+    with pytest.raises(ValueError, match="at least one server"):
+        VLLMQueueAnnotator([])
+    with pytest.raises(ValueError, match="list of URLs"):
+        VLLMQueueAnnotator("http://127.0.0.1:1/v1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="twice"):
+        VLLMQueueAnnotator(["http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1/"])
+
+
+def test_completion_helper_unused_guard() -> None:
+    """The fake's completion body is a valid chat completion (guards the fakes)."""
+    assert completion("x").status == 200
