@@ -1,0 +1,1012 @@
+"""How many requests per second one CPU core drives through each client.
+
+Starts nginx answering every chat completion with a fixed body on four loopback ports,
+pinned to one core, then measures each client in a fresh subprocess pinned to another
+core: wall time, requests per second, CPU time per request (user + system, all threads),
+peak RSS, and how many requests succeeded. A run in which any request fails, or which
+does not finish within the per-case time limit, is reported as FAILED with its error
+counts, never as a figure.
+
+Clients measured:
+
+* the OpenAI SDK's default async client (``openai.AsyncOpenAI``, httpx2 transport),
+  ``asyncio.gather`` under a semaphore, at 512 and 4,096 requests in flight;
+* the same SDK with its aiohttp transport (``openai.DefaultAioHttpClient``), when the
+  installed version has one;
+* a plain ``aiohttp.ClientSession`` posting the JSON, the floor any aiohttp-based
+  client stands on;
+* ``VLLMOnlineClient.batch_generate`` (one client, one port), and its async twin
+  ``abatch_generate`` over four clients on the four ports, in batches of exactly
+  ``c`` conversations.
+
+Run it as::
+
+    python benchmarks/client_overhead.py            # full run, two to four minutes
+    python benchmarks/client_overhead.py --quick    # smoke run, about 2,000 requests a case
+
+It prints a table and the two targets of the client: at least 4,000 requests per second
+at 4,096 in flight, and at least 15 times the SDK default client at 512 in flight.
+The exit code is 0 whether or not the targets are met, and non-zero only when the
+harness itself fails: nginx cannot start, or a case's worker dies without a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
+
+Messages = list[dict[str, str]]
+CaseKind = Literal["sdk", "sdk_aiohttp", "floor", "ours_sync", "ours_async"]
+
+RESULT_MARKER = "@@client-overhead-result "
+"""Prefix of the one stdout line on which a worker subprocess reports its result."""
+
+GROUPS = ("sdk", "floor", "ours")
+"""Groups of cases that ``--only`` selects."""
+
+NOISY = 0.2
+"""Above this share of the client's core taken by other work, a row is called noisy."""
+
+TARGET_RPS_4096 = 4000.0
+TARGET_RATIO_512 = 15.0
+MAX_TOKENS = 16
+EXPECTED_TEXT = "positive"
+
+
+# --------------------------------------------------------------------------------------
+# What the parent hands a worker, and what a worker hands back
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """One measurement: a client, its concurrency and how many requests to time.
+
+    Attributes:
+        kind: Which client to drive.
+        label: The row's name in the table.
+        concurrency: Requests in flight (``c``).
+        requests: Requests in the timed part; batch-driven cases round it up to a
+            multiple of ``concurrency``.
+        base_urls: The OpenAI base URLs to spread requests over.
+        cpu: The CPU the worker pins itself to.
+        timeout: Seconds the whole case (set-up, warm-up and timed part) may take.
+    """
+
+    kind: CaseKind
+    label: str
+    concurrency: int
+    requests: int
+    base_urls: tuple[str, ...]
+    cpu: int
+    timeout: float
+
+
+@dataclass
+class CaseResult:
+    """What one worker measured.
+
+    Attributes:
+        label: The row's name.
+        concurrency: Requests in flight.
+        requests: Requests in the timed part.
+        status: ``"ok"`` when the case ran to its end, ``"timeout"`` when it hit its
+            time limit, ``"unavailable"`` when the client cannot be built here,
+            ``"crashed"`` when the worker died.
+        ok: Successful responses in the timed part.
+        errors: Failed requests by kind (warm-up failures are counted too, marked).
+        samples: One error message per kind, to show what went wrong.
+        wall: Seconds of wall time of the timed part.
+        cpu: Seconds of CPU time (user + system, all threads) of the timed part.
+        peak_rss_kb: The worker's peak resident set size, in KiB.
+        loop: Which event loop ran the requests.
+        other_load: Share of the client's core that went to anything else (other
+            processes, interrupts, a hypervisor) during the timed part; None where
+            unknown. A high figure means a noisy measurement.
+        server_other_load: The same share for nginx's core, over the whole case.
+        tcp: Machine-wide TCP counters that rose during the case (listen queue
+            overflows, SYN retransmits, ...); other programs can add to them too.
+        connections: TCP connections nginx accepted during the case (warm-up
+            included), or None when nginx cannot tell.
+        note: Anything else worth printing (why a client is unavailable, ...).
+    """
+
+    label: str
+    concurrency: int
+    requests: int
+    status: str = "ok"
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    samples: dict[str, str] = field(default_factory=dict)
+    wall: float = 0.0
+    cpu: float = 0.0
+    peak_rss_kb: int = 0
+    loop: str = ""
+    other_load: float | None = None
+    server_other_load: float | None = None
+    tcp: dict[str, int] = field(default_factory=dict)
+    connections: int | None = None
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        """Whether every request of the case succeeded within its time limit."""
+        return (
+            self.status == "ok" and not self.errors and self.ok == self.requests and self.wall > 0
+        )
+
+    @property
+    def rps(self) -> float | None:
+        """Requests per second, or None for a failed case."""
+        return self.requests / self.wall if self.passed else None
+
+    @property
+    def cpu_us_per_request(self) -> float | None:
+        """Microseconds of CPU per request, or None for a failed case."""
+        return self.cpu / self.requests * 1e6 if self.passed else None
+
+
+# --------------------------------------------------------------------------------------
+# Worker side: runs in a fresh subprocess, pinned to one core
+# --------------------------------------------------------------------------------------
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def core_busy_seconds(cpu: int) -> float | None:
+    """Seconds core ``cpu`` has spent busy since boot (anything but idle and I/O wait).
+
+    Read from ``/proc/stat``; None where it cannot be read. Steal time of a virtual
+    machine counts as busy: the core was not available to this process.
+    """
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                if line.startswith(f"cpu{cpu} "):
+                    ticks = [int(v) for v in line.split()[1:]]
+                    busy = sum(ticks) - ticks[3] - ticks[4]
+                    # guest time is already inside user time
+                    busy -= sum(ticks[8:10]) if len(ticks) >= 10 else 0
+                    return busy / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _conversations(count: int) -> list[Messages]:
+    return [
+        [{"role": "user", "content": f"Classify the sentiment of review {i}: great product."}]
+        for i in range(count)
+    ]
+
+
+def _batch_total(spec: CaseSpec) -> tuple[int, int]:
+    """(batches, requests) of a batch-driven case: whole batches of ``c`` each."""
+    batches = max(1, -(-spec.requests // spec.concurrency))
+    return batches, batches * spec.concurrency
+
+
+class Recorder:
+    """Counts outcomes as they come and reports the case's result exactly once.
+
+    A watchdog thread reports a partial result and ends the worker when the case runs
+    past its time limit, so a hung client cannot hang the benchmark.
+    """
+
+    def __init__(self, spec: CaseSpec, requests: int) -> None:
+        self.spec = spec
+        self.result = CaseResult(label=spec.label, concurrency=spec.concurrency, requests=requests)
+        self.errors: Counter[str] = Counter()
+        self.samples: dict[str, str] = {}
+        self.warming = True
+        self._wall0: float | None = None
+        self._cpu0 = 0.0
+        self._core0: float | None = None
+        self._lock = threading.Lock()
+        self._reported = False
+        self._watchdog = threading.Timer(spec.timeout, self._expire)
+        self._watchdog.daemon = True
+
+    def arm(self) -> None:
+        """Start the time limit."""
+        self._watchdog.start()
+
+    def success(self, count: int = 1) -> None:
+        """Count successful responses (only the timed part's are kept)."""
+        if not self.warming:
+            self.result.ok += count
+
+    def failure(self, kind: str, message: str) -> None:
+        """Count one failed request of the given kind."""
+        key = f"{kind} (warm-up)" if self.warming else kind
+        self.errors[key] += 1
+        self.samples.setdefault(key, message[:300])
+
+    def start_timing(self) -> None:
+        """End the warm-up and start the clocks."""
+        self.warming = False
+        self._core0 = core_busy_seconds(self.spec.cpu)
+        self._cpu0 = _cpu_seconds()
+        self._wall0 = time.perf_counter()
+
+    def stop_timing(self) -> None:
+        """Stop the clocks."""
+        if self._wall0 is not None:
+            self.result.wall = time.perf_counter() - self._wall0
+            self.result.cpu = _cpu_seconds() - self._cpu0
+            core1 = core_busy_seconds(self.spec.cpu)
+            if self._core0 is not None and core1 is not None and self.result.wall > 0:
+                others = core1 - self._core0 - self.result.cpu
+                self.result.other_load = max(0.0, others / self.result.wall)
+
+    def report(self, status: str = "ok", note: str = "") -> None:
+        """Print the result line for the parent (once; later calls do nothing)."""
+        with self._lock:
+            if self._reported:
+                return
+            self._reported = True
+            self._watchdog.cancel()
+        result = self.result
+        result.status = status
+        if note:
+            result.note = note
+        result.errors = dict(self.errors)
+        result.samples = dict(self.samples)
+        result.peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        sys.stdout.write(RESULT_MARKER + json.dumps(asdict(result)) + "\n")
+        sys.stdout.flush()
+
+    def _expire(self) -> None:
+        if self._wall0 is not None and self.result.wall == 0.0:
+            self.stop_timing()
+        done = self.result.ok + sum(v for k, v in self.errors.items() if "warm-up" not in k)
+        note = (
+            f"stopped at the {self.spec.timeout:.0f} s limit with "
+            f"{done} of {self.result.requests} timed requests finished"
+            + (" (still warming up)" if self.warming else "")
+        )
+        self.report("timeout", note)
+        os._exit(0)
+
+
+def _error_kind(exc: BaseException) -> str:
+    """The exception's type, and the type of the exception it wraps, if any."""
+    kind = type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and type(cause).__name__ != kind:
+        kind += f" <- {type(cause).__name__}"
+    return kind
+
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def _run_async(rec: Recorder, main: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
+    """Run ``main`` on a new loop (uvloop's if asked and installed), noting which."""
+    factory = _uvloop_factory() if use_uvloop else None
+    rec.result.loop = "uvloop" if factory is not None else "asyncio"
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
+async def _limited(
+    rec: Recorder, call: Callable[[int], Awaitable[str | None]], total: int, concurrency: int
+) -> None:
+    """Run ``call(i)`` for ``i < total`` with at most ``concurrency`` in flight.
+
+    ``call`` returns None on success, or an error kind; an exception is a failure too.
+    """
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with semaphore:
+            try:
+                kind = await call(i)
+            except Exception as exc:
+                rec.failure(_error_kind(exc), str(exc) or repr(exc))
+                return
+        if kind is None:
+            rec.success()
+        else:
+            rec.failure(kind, kind)
+
+    await asyncio.gather(*(one(i) for i in range(total)))
+
+
+def _worker_sdk(rec: Recorder, spec: CaseSpec, use_aiohttp: bool) -> None:
+    import openai
+
+    conversations = _conversations(spec.concurrency)
+
+    async def main() -> None:
+        http_client = None
+        if use_aiohttp:
+            factory = getattr(openai, "DefaultAioHttpClient", None)
+            if factory is None:
+                rec.report("unavailable", f"openai {openai.__version__} has no aiohttp transport")
+                return
+            try:
+                http_client = factory()
+            except RuntimeError as exc:
+                rec.report("unavailable", str(exc))
+                return
+        client = openai.AsyncOpenAI(
+            base_url=spec.base_urls[0], api_key="x", max_retries=0, http_client=http_client
+        )
+
+        async def call(i: int) -> str | None:
+            completion = await client.chat.completions.create(
+                model=MODEL,
+                messages=conversations[i % len(conversations)],  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+            )
+            if completion.choices[0].message.content != EXPECTED_TEXT:
+                return "unexpected body"
+            return None
+
+        try:
+            await _limited(rec, call, spec.concurrency, spec.concurrency)
+            rec.start_timing()
+            await _limited(rec, call, spec.requests, spec.concurrency)
+            rec.stop_timing()
+        finally:
+            await client.close()
+
+    _run_async(rec, main(), use_uvloop=False)
+
+
+def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
+    import aiohttp
+    import orjson
+
+    conversations = _conversations(spec.concurrency)
+    urls = [f"{base}/chat/completions" for base in spec.base_urls]
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer x"}
+    batches, _ = _batch_total(spec)
+
+    async def main() -> None:
+        connector = aiohttp.TCPConnector(limit=8192)
+        timeout = aiohttp.ClientTimeout(total=spec.timeout)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+            async def post(i: int, messages: Messages) -> None:
+                payload = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS}
+                try:
+                    async with session.post(
+                        urls[i % len(urls)], data=orjson.dumps(payload), headers=headers
+                    ) as answer:
+                        body = await answer.read()
+                        if answer.status != 200:
+                            rec.failure(
+                                f"HTTP {answer.status}", body[:200].decode(errors="replace")
+                            )
+                            return
+                    content = orjson.loads(body)["choices"][0]["message"]["content"]
+                except Exception as exc:
+                    rec.failure(_error_kind(exc), str(exc) or repr(exc))
+                    return
+                if content == EXPECTED_TEXT:
+                    rec.success()
+                else:
+                    rec.failure("unexpected body", repr(content))
+
+            async def batch() -> None:
+                await asyncio.gather(*(post(i, m) for i, m in enumerate(conversations)))
+
+            await batch()
+            rec.start_timing()
+            for _ in range(batches):
+                await batch()
+            rec.stop_timing()
+
+    _run_async(rec, main(), use_uvloop=True)
+
+
+def _ours_options() -> Any:
+    """Options asking for at most ``MAX_TOKENS`` tokens, like the SDK rows."""
+    from llm_annotator.clients.base import ProviderRuntimeOptions
+
+    try:
+        from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
+    except ImportError:
+        return ProviderRuntimeOptions(max_completion_tokens=MAX_TOKENS)
+    return VLLMOnlineRuntimeOptions(max_completion_tokens=MAX_TOKENS)
+
+
+def _tally_responses(rec: Recorder, responses: Sequence[Any], expected: int) -> None:
+    if len(responses) != expected:
+        rec.failure("wrong response count", f"{len(responses)} responses for {expected} inputs")
+    good = 0
+    for response in responses:
+        if response.ok and response.text == EXPECTED_TEXT:
+            good += 1
+        elif response.ok:
+            rec.failure("unexpected text", repr(response.text))
+        else:
+            rec.failure(str(response.error_type or "error"), str(response.error))
+    rec.success(good)
+
+
+def _import_ours(rec: Recorder) -> Any:
+    try:
+        from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
+    except ImportError as exc:
+        rec.report("unavailable", f"VLLMOnlineClient cannot be imported: {exc}")
+        return None
+    return VLLMOnlineClient
+
+
+def _worker_ours_sync(rec: Recorder, spec: CaseSpec) -> None:
+    client_class = _import_ours(rec)
+    if client_class is None:
+        return
+    conversations = _conversations(spec.concurrency)
+    batches, _ = _batch_total(spec)
+    options = _ours_options()
+    client = client_class(model=MODEL, base_url=spec.base_urls[0], max_retries=0)
+
+    def batch() -> None:
+        try:
+            responses = client.batch_generate(messages=conversations, options=options)
+        except Exception as exc:
+            for _ in conversations:
+                rec.failure(_error_kind(exc), str(exc) or repr(exc))
+            return
+        _tally_responses(rec, responses, len(conversations))
+
+    try:
+        batch()
+        rec.result.loop = _library_loop_name()
+        rec.start_timing()
+        for _ in range(batches):
+            batch()
+        rec.stop_timing()
+    finally:
+        client.close()
+
+
+def _library_loop_name() -> str:
+    """The event loop the synchronous API ran on, as far as can be told from outside."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("llm-annotator"):
+            try:
+                from llm_annotator import _sync
+
+                loop = _sync._RUNNER._loop
+            except (ImportError, AttributeError):
+                break
+            module = type(loop).__module__
+            return "uvloop" if module.startswith("uvloop") else "asyncio"
+    return "library's loop"
+
+
+def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
+    client_class = _import_ours(rec)
+    if client_class is None:
+        return
+    conversations = _conversations(spec.concurrency)
+    batches, _ = _batch_total(spec)
+    options = _ours_options()
+    ways = len(spec.base_urls)
+    cut = [len(conversations) * k // ways for k in range(ways + 1)]
+    parts = [conversations[cut[k] : cut[k + 1]] for k in range(ways)]
+
+    async def main() -> None:
+        clients = [client_class(model=MODEL, base_url=url, max_retries=0) for url in spec.base_urls]
+
+        async def batch() -> None:
+            outcomes = await asyncio.gather(
+                *(
+                    cl.abatch_generate(messages=part, options=options)
+                    for cl, part in zip(clients, parts, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            for part, outcome in zip(parts, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    for _ in part:
+                        rec.failure(_error_kind(outcome), str(outcome) or repr(outcome))
+                else:
+                    _tally_responses(rec, outcome, len(part))
+
+        try:
+            await batch()
+            rec.start_timing()
+            for _ in range(batches):
+                await batch()
+            rec.stop_timing()
+        finally:
+            await asyncio.gather(*(cl.aclose() for cl in clients), return_exceptions=True)
+
+    _run_async(rec, main(), use_uvloop=True)
+
+
+def worker(spec: CaseSpec) -> None:
+    """Measure one case in this process and print its result line."""
+    os.sched_setaffinity(0, {spec.cpu})
+    raise_nofile_limit()
+    requests = spec.requests
+    if spec.kind in ("floor", "ours_sync", "ours_async"):
+        _, requests = _batch_total(spec)
+    rec = Recorder(spec, requests)
+    rec.arm()
+    runners: dict[CaseKind, Callable[[], None]] = {
+        "sdk": lambda: _worker_sdk(rec, spec, use_aiohttp=False),
+        "sdk_aiohttp": lambda: _worker_sdk(rec, spec, use_aiohttp=True),
+        "floor": lambda: _worker_floor(rec, spec),
+        "ours_sync": lambda: _worker_ours_sync(rec, spec),
+        "ours_async": lambda: _worker_ours_async(rec, spec),
+    }
+    try:
+        runners[spec.kind]()
+    except Exception as exc:
+        rec.report("crashed", f"{type(exc).__name__}: {exc}")
+        raise
+    rec.report()
+
+
+# --------------------------------------------------------------------------------------
+# Parent side: starts nginx, runs each case in its own subprocess, prints the table
+# --------------------------------------------------------------------------------------
+
+
+def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResult:
+    """Run ``spec`` in a fresh worker subprocess and read back its result.
+
+    Around it, nginx's counters give the connections the client opened; nginx's CPU
+    time and its core's busy time give the share of that core other work took; the
+    kernel's TCP counters tell whether connection attempts were dropped.
+    """
+    before = server.counters()
+    core0, nginx0, tcp0 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    wall0 = time.perf_counter()
+    result = _run_worker(spec)
+    wall = time.perf_counter() - wall0
+    core1, nginx1, tcp1 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    after = server.counters()
+    if before is not None and after is not None:
+        result.connections = after[0] - before[0]
+    if core0 is not None and core1 is not None and nginx0 is not None and nginx1 is not None:
+        others = (core1 - core0) - (nginx1 - nginx0)
+        result.server_other_load = max(0.0, others / wall) if wall > 0 else None
+    result.tcp = {
+        name: tcp1[name] - tcp0.get(name, 0) for name in tcp1 if tcp1[name] > tcp0.get(name, 0)
+    }
+    return result
+
+
+TCP_COUNTERS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts")
+"""Kernel counters (``/proc/net/netstat``, TcpExt) that show dropped connection attempts."""
+
+
+def tcp_counters() -> dict[str, int]:
+    """The machine-wide values of :data:`TCP_COUNTERS` ({} where unreadable)."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return {}
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            table = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return {name: int(table[name]) for name in TCP_COUNTERS if name in table}
+    return {}
+
+
+def _run_worker(spec: CaseSpec) -> CaseResult:
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(spec))]
+    base = CaseResult(label=spec.label, concurrency=spec.concurrency, requests=spec.requests)
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=spec.timeout + 30,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        base.status = "timeout"
+        base.note = f"the worker did not report within {spec.timeout + 30:.0f} s and was killed"
+        return base
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_MARKER):
+            data = json.loads(line[len(RESULT_MARKER) :])
+            result = CaseResult(**data)
+            if result.status == "crashed":
+                result.note += "\n" + _tail(done.stderr)
+            return result
+    base.status = "crashed"
+    base.note = f"the worker exited with code {done.returncode}:\n{_tail(done.stderr)}"
+    return base
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _pick_cpus() -> tuple[int, int]:
+    """(client CPU, server CPU): two different cores when this process may use two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) == 1:
+        return cpus[0], cpus[0]
+    return cpus[0], cpus[1]
+
+
+def _sysctl(name: str) -> str:
+    path = Path("/proc/sys") / name.replace(".", "/")
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def build_cases(args: argparse.Namespace, base_urls: Sequence[str], cpu: int) -> list[CaseSpec]:
+    """The cases to run, in order, filtered by ``--only``."""
+    ours_n = args.requests
+    sdk_n = args.sdk_requests
+    urls = tuple(base_urls)
+    one = urls[:1]
+    table: list[tuple[str, CaseKind, str, int, int, tuple[str, ...]]] = [
+        ("sdk", "sdk", "openai AsyncOpenAI default (httpx2, asyncio)", 512, sdk_n, one),
+        ("sdk", "sdk", "openai AsyncOpenAI default (httpx2, asyncio)", 4096, sdk_n, one),
+        ("sdk", "sdk_aiohttp", "openai AsyncOpenAI + DefaultAioHttpClient", 512, sdk_n, one),
+        ("floor", "floor", "floor: plain aiohttp + orjson, 4 ports", 512, ours_n, urls),
+        ("floor", "floor", "floor: plain aiohttp + orjson, 4 ports", 4096, ours_n, urls),
+        ("ours", "ours_sync", "ours: batch_generate, 1 client, 1 port", 512, ours_n, one),
+        ("ours", "ours_sync", "ours: batch_generate, 1 client, 1 port", 4096, ours_n, one),
+        ("ours", "ours_async", "ours: abatch_generate x4 ports", 512, ours_n, urls),
+        ("ours", "ours_async", "ours: abatch_generate x4 ports", 4096, ours_n, urls),
+    ]
+    only = set(filter(None, args.only.split(","))) or None
+    return [
+        CaseSpec(kind, label, c, n, case_urls, cpu, args.case_timeout)
+        for group, kind, label, c, n, case_urls in table
+        if only is None or group in only
+    ]
+
+
+def _label(result: CaseResult) -> str:
+    if result.loop and result.loop not in result.label:
+        return f"{result.label} [{result.loop}]"
+    return result.label
+
+
+def print_table(results: Sequence[CaseResult]) -> None:
+    """Print one row per case, then the errors and notes of the rows that need them."""
+    header = (
+        "client",
+        "in flight",
+        "requests",
+        "ok",
+        "wall s",
+        "req/s",
+        "CPU us/req",
+        "RSS MB",
+        "conns",
+        "other % cl/srv",
+    )
+    rows: list[tuple[str, ...]] = []
+    for r in results:
+        if r.status == "unavailable":
+            rows.append((_label(r), str(r.concurrency), "-", "-", "-", "n/a", "-", "-", "-", "-"))
+            continue
+        rps, cpu = r.rps, r.cpu_us_per_request
+        rows.append(
+            (
+                _label(r),
+                f"{r.concurrency:,}",
+                f"{r.requests:,}",
+                f"{r.ok:,}",
+                f"{r.wall:.2f}" if r.wall else "-",
+                f"{rps:,.0f}" if rps is not None else "FAILED",
+                f"{cpu:,.0f}" if cpu is not None else "-",
+                f"{r.peak_rss_kb / 1024:.0f}" if r.peak_rss_kb else "-",
+                f"{r.connections:,}" if r.connections is not None else "-",
+                _percent(r.other_load) + "/" + _percent(r.server_other_load),
+            )
+        )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
+        return "  ".join([first, *rest])
+
+    print(line(header))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print(line(row))
+    noisy = [r for r in results if _noise(r) > NOISY]
+    if noisy:
+        print(
+            f"\nnoisy: {len(noisy)} case(s) lost more than {NOISY:.0%} of the client's or "
+            "nginx's core to other work ('other %': client core / nginx core); their "
+            "figures are low. Rerun on an idle machine, or with --wait-idle and --attempts."
+        )
+    notes = [r for r in results if not r.passed or r.tcp]
+    if notes:
+        print()
+    for r in notes:
+        status = r.status
+        if r.passed:
+            status = "passed"
+        elif status == "ok":
+            failed = r.requests - r.ok
+            status = f"failed: {failed:,} of {r.requests:,} timed requests did not succeed"
+        print(f"* {_label(r)} at {r.concurrency:,} in flight: {status}")
+        if r.note:
+            for note_line in r.note.strip().splitlines():
+                print(f"    {note_line}")
+        for kind, count in sorted(r.errors.items(), key=lambda item: -item[1]):
+            print(f"    {count:,} x {kind}: {r.samples.get(kind, '')}")
+        if r.tcp:
+            counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
+            print(f"    kernel TCP counters during the case: {counters}")
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}"
+
+
+def _find(results: Sequence[CaseResult], label_start: str, c: int) -> CaseResult | None:
+    for r in results:
+        if r.label.startswith(label_start) and r.concurrency == c:
+            return r
+    return None
+
+
+def print_targets(results: Sequence[CaseResult]) -> None:
+    """Print the two target lines (and the async twin's figures beside them)."""
+    print()
+    for name, prefix in (
+        ("ours", "ours: batch_generate"),
+        ("ours (abatch_generate x4 ports)", "ours: abatch_generate"),
+    ):
+        row = _find(results, prefix, 4096)
+        if row is None:
+            text = "not run"
+        elif row.status == "unavailable":
+            text = "n/a (client not available)"
+        elif row.rps is None:
+            text = "no figure, the run failed (MISS)"
+        else:
+            verdict = "PASS" if row.rps >= TARGET_RPS_4096 else "MISS"
+            text = f"{row.rps:,.0f} req/s (target >= {TARGET_RPS_4096:,.0f}): {verdict}"
+        print(f"{name} at 4096 in flight: {text}")
+    sdk = _find(results, "openai AsyncOpenAI default", 512)
+    for name, prefix in (
+        ("ours", "ours: batch_generate"),
+        ("ours (abatch_generate x4 ports)", "ours: abatch_generate"),
+    ):
+        row = _find(results, prefix, 512)
+        if row is None or sdk is None:
+            text = "not run"
+        elif row.rps is None or sdk.rps is None:
+            failed = "ours" if row.rps is None else "the SDK's"
+            text = f"no figure, {failed} run did not pass (MISS)"
+        else:
+            ratio = row.rps / sdk.rps
+            verdict = "PASS" if ratio >= TARGET_RATIO_512 else "MISS"
+            text = f"{ratio:.1f} x (target >= {TARGET_RATIO_512:.0f}x): {verdict}"
+        print(f"{name} / SDK default at 512: {text}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=40_000,
+        help="timed requests per case for our client and the aiohttp floor (default 40,000)",
+    )
+    parser.add_argument(
+        "--sdk-requests",
+        type=int,
+        default=10_000,
+        help="timed requests per case for the OpenAI SDK (default 10,000)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: about 2,000 requests per case"
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated groups to run: sdk, floor, ours (default: all)",
+    )
+    parser.add_argument(
+        "--case-timeout",
+        type=float,
+        default=60.0,
+        help="seconds one case may take, warm-up included (default 60)",
+    )
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=4096,
+        help="nginx listen backlog per port (nginx's own default is 511; default 4096)",
+    )
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each case, wait up to this long for the CPUs to go idle "
+        "(for shared machines; default 0: do not wait)",
+    )
+    parser.add_argument(
+        "--attempts",
+        type=int,
+        default=1,
+        help="measure a case up to this many times while other work takes more than "
+        f"{100 * NOISY:.0f}%% of either core, keeping the quietest run (default 1)",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests = args.sdk_requests = 2_000
+    if min(args.requests, args.sdk_requests, args.attempts) < 1 or args.case_timeout <= 0:
+        parser.error("--requests, --sdk-requests, --attempts and --case-timeout must be positive")
+    unknown = set(filter(None, args.only.split(","))) - set(GROUPS)
+    if unknown:
+        parser.error(f"--only takes {', '.join(GROUPS)}; unknown: {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; return the process exit code."""
+    args = parse_args(argv)
+    if args.worker:
+        data = json.loads(args.worker)
+        data["base_urls"] = tuple(data["base_urls"])
+        worker(CaseSpec(**data))
+        return 0
+    # A plain `kill` should stop nginx too: turn SIGTERM into an orderly exit.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    raise_nofile_limit()
+    client_cpu, server_cpu = _pick_cpus()
+    try:
+        server = CannedServer(ports=4, cpu=server_cpu, backlog=args.backlog)
+        server.start()
+    except NginxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        print(
+            f"python {platform.python_version()}, openai {_version('openai')}, "
+            f"httpx2 {_version('httpx2')}, aiohttp {_version('aiohttp')}, "
+            f"uvloop {_version('uvloop')}, llm-annotator {_version('llm-annotator')}"
+        )
+        somaxconn = _sysctl("net.core.somaxconn")
+        syn_backlog = _sysctl("net.ipv4.tcp_max_syn_backlog")
+        print(
+            f"clients pinned to CPU {client_cpu}, nginx (1 worker) to CPU {server_cpu}; "
+            f"listen backlog {args.backlog} (somaxconn {somaxconn}, "
+            f"tcp_max_syn_backlog {syn_backlog}); open-file limit "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+        )
+        if client_cpu == server_cpu:
+            print("warning: only one CPU is available, so nginx shares it with the clients")
+        background = _background_load([client_cpu, server_cpu])
+        if background:
+            shown = ", ".join(f"CPU {cpu} {share:.0%}" for cpu, share in background.items())
+            print(f"CPU busy before the first case (nginx idle): {shown}")
+            if max(background.values()) > 0.2:
+                print(
+                    "warning: other processes keep these CPUs busy; the figures below will "
+                    "be low and noisy (see the 'other %' column)"
+                )
+        print()
+        results: list[CaseResult] = []
+        for spec in build_cases(args, server.base_urls, client_cpu):
+            print(f"running {spec.label} at {spec.concurrency:,} in flight ...", flush=True)
+            best: CaseResult | None = None
+            for attempt in range(1, args.attempts + 1):
+                if args.wait_idle > 0:
+                    _wait_for_idle([client_cpu, server_cpu], args.wait_idle)
+                result = run_case(spec, server, server_cpu)
+                if best is None or _noise(result) < _noise(best):
+                    best = result
+                if _noise(result) <= NOISY or attempt == args.attempts:
+                    break
+                print(
+                    f"  noisy ({_noise(result):.0%} of the core went to other work); "
+                    f"measuring again ({attempt + 1} of {args.attempts})",
+                    flush=True,
+                )
+            assert best is not None
+            results.append(best)
+        print()
+        print_table(results)
+        print_targets(results)
+        log = server.error_log().strip()
+        if log:
+            print("\nnginx error log (tail):\n" + _tail(log))
+        if any(r.status == "crashed" for r in results):
+            print("\nerror: a case could not be measured (see above)", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        server.stop()
+    return 0
+
+
+def _background_load(cpus: Sequence[int], seconds: float = 1.0) -> dict[int, float]:
+    """The busy share of each core over ``seconds`` while the benchmark itself is idle."""
+    unique = sorted(set(cpus))
+    before = [core_busy_seconds(cpu) for cpu in unique]
+    time.sleep(seconds)
+    after = [core_busy_seconds(cpu) for cpu in unique]
+    return {
+        cpu: min(1.0, (b1 - b0) / seconds)
+        for cpu, b0, b1 in zip(unique, before, after, strict=True)
+        if b0 is not None and b1 is not None
+    }
+
+
+def _noise(result: CaseResult) -> float:
+    """The largest share of either core that other work took during the case (0 if unknown)."""
+    return max(result.other_load or 0.0, result.server_other_load or 0.0)
+
+
+def _wait_for_idle(cpus: Sequence[int], budget: float, threshold: float = 0.1) -> None:
+    """Wait up to ``budget`` seconds until no core in ``cpus`` is busier than ``threshold``.
+
+    On a shared machine another job's burst of work would otherwise land in the middle
+    of a case. Gives up (and says so) when the budget runs out.
+    """
+    deadline = time.monotonic() + budget
+    waited = False
+    for _ in range(int(budget) + 2):
+        load = _background_load(cpus, seconds=1.0)
+        if not load or max(load.values()) <= threshold:
+            return
+        if time.monotonic() >= deadline:
+            break
+        if not waited:
+            print("  waiting for the CPUs to go idle ...", flush=True)
+            waited = True
+    print(f"  still busy after {budget:.0f} s; measuring anyway", flush=True)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
