@@ -41,7 +41,10 @@ class ErrorKind(StrEnum):
     """
 
     CONNECT = "connect"
-    """Connection refused, connect timeout or DNS failure: the server is gone."""
+    """Connection refused or DNS failure: the server is gone."""
+    CONNECT_TIMEOUT = "connect_timeout"
+    """No connection within the connect timeout: the host is down or drops packets (or,
+    rarely, this process was too busy to see the answer in time)."""
     READ_TIMEOUT = "read_timeout"
     """Connected, but the answer did not arrive in time: slow or hung."""
     DISCONNECTED = "disconnected"
@@ -76,10 +79,13 @@ class ErrorKind(StrEnum):
         return self in _RETRYABLE
 
 
-_SERVER_GONE = frozenset({ErrorKind.CONNECT, ErrorKind.DISCONNECTED, ErrorKind.ENGINE_DEAD})
+_SERVER_GONE = frozenset(
+    {ErrorKind.CONNECT, ErrorKind.CONNECT_TIMEOUT, ErrorKind.DISCONNECTED, ErrorKind.ENGINE_DEAD}
+)
 _RETRYABLE = frozenset(
     {
         ErrorKind.CONNECT,
+        ErrorKind.CONNECT_TIMEOUT,
         ErrorKind.READ_TIMEOUT,
         ErrorKind.DISCONNECTED,
         ErrorKind.ENGINE_DEAD,

@@ -249,7 +249,7 @@ def test_listener_that_never_accepts_fails_within_the_connect_timeout(
     with client:
         response = client.generate(messages=[{"role": "user", "content": "x"}])
     elapsed = time.monotonic() - started
-    assert response.error_type == "connect"
+    assert response.error_type == "connect_timeout"
     assert "connect timeout" in (response.error or "")
     assert elapsed < 5.0  # the read timeout is an hour
 

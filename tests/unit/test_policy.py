@@ -48,6 +48,7 @@ def test_status_classification(status: int, message: str, kind: ErrorKind) -> No
     ("kind", "server_gone", "retryable"),
     [
         (ErrorKind.CONNECT, True, True),
+        (ErrorKind.CONNECT_TIMEOUT, True, True),
         (ErrorKind.DISCONNECTED, True, True),
         (ErrorKind.ENGINE_DEAD, True, True),
         (ErrorKind.READ_TIMEOUT, False, True),

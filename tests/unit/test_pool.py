@@ -45,6 +45,7 @@ def assert_all_answered_in_order(responses: list[Any], n: int) -> None:
     ("kind", "action"),
     [
         (ErrorKind.CONNECT, Action.EVICT),
+        (ErrorKind.CONNECT_TIMEOUT, Action.VERIFY),
         (ErrorKind.ENGINE_DEAD, Action.EVICT),
         (ErrorKind.DISCONNECTED, Action.VERIFY),
         (ErrorKind.READ_TIMEOUT, Action.CHECK_HEALTH),

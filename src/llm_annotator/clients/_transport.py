@@ -167,7 +167,7 @@ class HttpTransport:
             return ServerConnectError(
                 f"no connection within {self._connect_timeout:g} s (connect timeout); "
                 "the host may be down or dropping packets",
-                kind=ErrorKind.CONNECT,
+                kind=ErrorKind.CONNECT_TIMEOUT,
                 server=server,
             )
         if isinstance(exc, aiohttp.ClientConnectorError):

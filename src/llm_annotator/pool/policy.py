@@ -13,10 +13,13 @@ class Action(Enum):
     EVICT = "evict"
     """The server is gone: evict it, requeue the sample (no error row)."""
     VERIFY = "verify"
-    """The connection dropped: evict if the server fails a health check, else requeue.
+    """Evict if the server fails a health check, else requeue the sample.
 
     A dropped connection is how a killed server looks, but also how a keep-alive
-    connection closed by a live server at the wrong moment looks."""
+    connection closed by a live server at the wrong moment looks; a connect timeout is
+    how a dead host looks, but also how thousands of connections opened at once by a
+    busy client can look. One health check (shared by every sample that doubts the
+    server) tells them apart within seconds."""
     BACKOFF = "backoff"
     """The server is overloaded: pause it a little, requeue the sample elsewhere."""
     RETRY = "retry"
@@ -31,6 +34,7 @@ class Action(Enum):
 
 _ACTIONS = {
     ErrorKind.CONNECT: Action.EVICT,
+    ErrorKind.CONNECT_TIMEOUT: Action.VERIFY,
     ErrorKind.DISCONNECTED: Action.VERIFY,
     ErrorKind.ENGINE_DEAD: Action.EVICT,
     ErrorKind.OVERLOADED: Action.BACKOFF,
