@@ -109,6 +109,8 @@ def test_sigkill_a_third_of_the_way(vllm_servers: LocalServers, start_vllm: Any)
     victim = start_vllm(1)
     urls = [*vllm_servers.base_urls, victim.base_urls[0]]
     with VLLMQueueAnnotator(urls, batch_size=128) as pool:
+        _, without_fault = timed_run(pool)
+    with VLLMQueueAnnotator(urls, batch_size=128) as pool:
         watch = Watch(pool, N // 3, victim[0].kill, victim.base_urls[0])
         responses, seconds = timed_run(pool)
         stats = pool.statistics().member(victim.base_urls[0])
@@ -117,7 +119,8 @@ def test_sigkill_a_third_of_the_way(vllm_servers: LocalServers, start_vllm: Any)
     assert stats.requeued > 0
     assert Counter(r.server for r in responses)[victim.base_urls[0]] == stats.completed
     print(
-        f"\nSIGKILL: evicted {watch.seconds_to_eviction:.2f} s after the kill; run {seconds:.1f} s"
+        f"\nSIGKILL: evicted {watch.seconds_to_eviction:.2f} s after the kill; "
+        f"run {seconds:.1f} s, {without_fault:.1f} s without the fault"
     )
 
 
@@ -130,10 +133,13 @@ def test_sigstop_is_detected_and_sigcont_readmits(
     victim = start_vllm(1)
     url = victim.base_urls[0]
     urls = [*vllm_servers.base_urls, url]
+    n = 4 * N  # long enough that the stopped server still holds work when it stops
     with VLLMQueueAnnotator(urls, batch_size=128) as pool:
-        watch = Watch(pool, N // 3, victim[0].pause, url)
-        responses, seconds = timed_run(pool)
-        assert_exactly_one_success_each(responses)
+        _, without_fault = timed_run(pool, n)
+    with VLLMQueueAnnotator(urls, batch_size=128) as pool:
+        watch = Watch(pool, n // 3, victim[0].pause, url)
+        responses, seconds = timed_run(pool, n)
+        assert_exactly_one_success_each(responses, n)
         detected = watch.seconds_to_eviction
         assert detected < 30
         victim[0].resume()
@@ -143,7 +149,10 @@ def test_sigstop_is_detected_and_sigcont_readmits(
     assert stats.evictions == 1
     assert stats.readmissions == 1
     assert Counter(r.server for r in again)[url] > 0
-    print(f"\nSIGSTOP: evicted {detected:.2f} s after the stop; run {seconds:.1f} s")
+    print(
+        f"\nSIGSTOP: evicted {detected:.2f} s after the stop; "
+        f"run {seconds:.1f} s, {without_fault:.1f} s without the fault"
+    )
 
 
 def test_listener_that_never_accepts(vllm_servers: LocalServers, blackhole_url: str) -> None:

@@ -107,9 +107,11 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         max_concurrent_batches_per_client: Batches in flight per member.
         timeout: Read timeout of one request, for clients built here.
         connect_timeout: Connect timeout, for clients built here.
-        health_check_interval: Seconds between two probes of a member.
-        health_check_timeout: Seconds a probe may take.
+        health_check_interval: Seconds between the starts of two probes of a member.
+        health_check_timeout: Seconds a probe may take. Kept under 5 s, where aiohttp
+            starts rounding timeouts up to whole seconds.
         max_failed_health_checks: Failed probes in a row that evict a healthy member.
+            With the defaults a hung server is evicted within about 15 s of hanging.
         max_sample_evictions: Evictions a sample may live through before it is poison.
         max_sample_retries: Retries of a sample after transient server errors.
         all_down_timeout: Seconds to wait for a member when all are down.
@@ -139,8 +141,8 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         max_concurrent_batches_per_client: int = 4,
         timeout: float = 3600.0,
         connect_timeout: float = CONNECT_TIMEOUT,
-        health_check_interval: float = 5.0,
-        health_check_timeout: float = 5.0,
+        health_check_interval: float = 3.0,
+        health_check_timeout: float = 4.0,
         max_failed_health_checks: int = 3,
         max_sample_evictions: int = 3,
         max_sample_retries: int = 2,
