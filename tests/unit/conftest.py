@@ -62,6 +62,9 @@ class FakeServer:
 
     base_url: str
     handler: Handler = echo
+    raw_handler: Callable[[dict[str, Any], web.Request], Awaitable[web.StreamResponse]] | None = (
+        None
+    )
     requests: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -85,6 +88,8 @@ def running_fake_server() -> Iterator[FakeServer]:
         server.in_flight += 1
         server.max_in_flight = max(server.max_in_flight, server.in_flight)
         try:
+            if server.raw_handler is not None:
+                return await server.raw_handler(body, request)
             return await server.handler(body)
         finally:
             server.in_flight -= 1

@@ -19,6 +19,7 @@ from llm_annotator import (
     VLLMQueueAnnotator,
 )
 from llm_annotator.pool.policy import Action, action_for
+from llm_annotator.pool.run import Run
 from tests.unit.conftest import FakeServer, completion, echo, error, sleep_forever
 
 FakeServers = Callable[[int], list[FakeServer]]
@@ -298,10 +299,14 @@ def test_poison_sample_becomes_an_error_row(fake_servers: FakeServers) -> None:
         **FAST,
     ) as pool:
         responses = pool.batch_generate(messages=conversations(60))
-    assert [r.ok for r in responses] == [i != 13 for i in range(60)]
     assert responses[13].error_type == "poison_sample"
     assert "evicted" in (responses[13].error or "")
     assert sum(index_of(r) == 13 for s in servers for r in s.requests) == 2
+    # By the rule, samples that shared both evicted servers with sample 13 are poison
+    # too; they are bounded by what one member holds (batch_size x 4 slots).
+    failed = [i for i, r in enumerate(responses) if not r.ok]
+    assert {responses[i].error_type for i in failed} == {"poison_sample"}
+    assert len(failed) <= 5 * 4
 
 
 def test_late_member_joins_and_takes_work(fake_servers: FakeServers) -> None:
@@ -425,3 +430,115 @@ def test_pool_needs_distinct_servers() -> None:
 def test_completion_helper_unused_guard() -> None:
     """The fake's completion body is a valid chat completion (guards the fakes)."""
     assert completion("x").status == 200
+
+
+def test_requeued_samples_travel_in_full_batches() -> None:
+    """Samples put back after an eviction are cut into full batches again, in order."""
+
+    async def scenario() -> None:
+        run = Run([[{"role": "user", "content": str(i)}] for i in range(100)], batch_size=10)
+        first = run.take()
+        second = run.take()
+        assert first == list(range(10))
+        assert second == list(range(10, 20))
+        assert run.requeue([*first, *second]) == 20
+        assert run.take() == list(range(10))
+        assert run.take() == list(range(10, 20))
+        assert run.take() == list(range(20, 30))
+
+    asyncio.run(scenario())
+
+
+def dying_handler(server: FakeServer, trigger: int, down_for: float) -> Any:
+    """A handler whose server 'dies' (drops connections, /health 503) when it receives
+    sample ``trigger``, and 'restarts' ``down_for`` seconds later."""
+    state = {"dead_until": 0.0}
+
+    async def handle(request: dict[str, Any], raw: web.Request) -> web.StreamResponse:
+        now = time.monotonic()
+        if index_of(request) == trigger:
+            state["dead_until"] = now + down_for
+            server.health_status = 503
+        if now < state["dead_until"] or index_of(request) == trigger:
+            assert raw.transport is not None
+            raw.transport.abort()
+            await asyncio.sleep(0.1)
+            raise web.HTTPServiceUnavailable()
+        server.health_status = 200
+        await asyncio.sleep(0.02)
+        return await echo(request)
+
+    return handle
+
+
+def test_sample_that_kills_servers_by_reset_is_poison(fake_servers: FakeServers) -> None:
+    """A sample whose request makes each server drop every connection (as a SIGKILL
+    does) is marked poison after max_sample_evictions; every other sample succeeds."""
+    servers = fake_servers(3)
+    for server in servers:
+        server.raw_handler = dying_handler(server, trigger=13, down_for=0.5)
+    with VLLMQueueAnnotator(
+        [s.base_url for s in servers],
+        batch_size=5,
+        max_sample_evictions=2,
+        on_error="ignore",
+        **FAST,
+    ) as pool:
+        responses = pool.batch_generate(messages=conversations(120))
+    assert responses[13].error_type == "poison_sample"
+    failed = [i for i, r in enumerate(responses) if not r.ok]
+    assert {responses[i].error_type for i in failed} == {"poison_sample"}
+    assert len(failed) <= 5 * 4  # bystanders of both evictions, at most one member's load
+
+
+def test_sample_whose_connection_always_drops_ends_as_an_error_row(
+    fake_servers: FakeServers,
+) -> None:
+    """A live server that always cuts one sample's answer does not loop forever: the
+    sample is retried max_sample_retries times, then kept as an error row."""
+    (server,) = fake_servers(1)
+
+    async def cut_seven(request: dict[str, Any], raw: web.Request) -> web.StreamResponse:
+        if index_of(request) == 7:
+            assert raw.transport is not None
+            raw.transport.abort()
+            raise web.HTTPServiceUnavailable()
+        return await echo(request)
+
+    server.raw_handler = cut_seven
+    with VLLMQueueAnnotator(
+        [server.base_url], batch_size=10, max_sample_retries=2, on_error="ignore", **FAST
+    ) as pool:
+        responses = pool.batch_generate(messages=conversations(20))
+        stats = pool.statistics()
+    assert [r.ok for r in responses] == [i != 7 for i in range(20)]
+    assert responses[7].error_type == "disconnected"
+    assert sum(index_of(r) == 7 for r in server.requests) == 3
+    assert stats.evictions == 0
+
+
+def test_removed_member_that_fails_does_not_come_back(fake_servers: FakeServers) -> None:
+    """A member removed during a call that then fails leaves for good."""
+    keep, leave = fake_servers(2)
+
+    async def slow(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.05)
+        return await echo(request)
+
+    async def dies(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.2)
+        return error(500, "EngineCore encountered an issue.", "InternalServerError")
+
+    keep.handler, leave.handler = slow, slow
+    with VLLMQueueAnnotator(
+        [keep.base_url, leave.base_url], batch_size=5, max_concurrent_batches_per_client=1, **FAST
+    ) as pool:
+
+        def remove_then_fail() -> None:
+            leave.handler = dies
+            pool.remove_server(leave.base_url)
+
+        threading.Timer(0.2, remove_then_fail).start()
+        responses = pool.batch_generate(messages=conversations(150))
+        assert pool.base_urls == [keep.base_url]
+    assert_all_answered_in_order(responses, 150)

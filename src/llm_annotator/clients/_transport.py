@@ -9,7 +9,6 @@ become :mod:`llm_annotator.errors` exceptions.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import weakref
 from urllib.parse import urlsplit
 
@@ -217,7 +216,7 @@ class HttpTransport:
             if loop is here:
                 await session.close()
             elif loop.is_running():
-                done = asyncio.run_coroutine_threadsafe(session.close(), loop)
-                with contextlib.suppress(Exception):
-                    await asyncio.wrap_future(done)
-            # A session whose loop has stopped holds no live sockets worth closing.
+                # Scheduled, not awaited: that loop's thread may be the one blocked on
+                # this very call (a sync close() from inside a running loop).
+                asyncio.run_coroutine_threadsafe(session.close(), loop)
+            # A session whose loop has stopped cannot be closed any more; see _session.

@@ -28,6 +28,8 @@ log = structlog.get_logger(__name__)
 
 _MALFORMED_STREAK_TO_EVICT = 20
 """Malformed answers in a row, without a good one between, that evict a member."""
+_MAX_OVERLOAD_REQUEUES = 50
+"""Overload answers (429, 503) one sample may get before it becomes an error row."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,9 +349,12 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             for task in list(self._tasks):
                 task.cancel()
             self._tasks.clear()
+            for check in self._verifying.values():
+                check.cancel()
             self._verifying.clear()
             for member in list(self._members.values()):
                 member.in_flight.clear()
+                member.suspects.clear()
                 if member.state is MemberState.DRAINING:
                     self._forget(member)
             self._run = None
@@ -417,8 +422,10 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             if self._members.get(member.url) is not member:
                 return
             started = time.monotonic()
+            evictions = member.evictions
             healthy = await member.client.ais_healthy(self.health_check_timeout)
-            await self._after_probe(run, member, healthy)
+            if member.evictions == evictions:  # else the answer predates the eviction
+                await self._after_probe(run, member, healthy)
             pause = self.health_check_interval - (time.monotonic() - started)
             if pause > 0:
                 await asyncio.sleep(pause)
@@ -471,6 +478,8 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         member.state = MemberState.HEALTHY
         member.failed_probes = 0
         member.backoff_until = 0.0
+        member.overload_streak = 0
+        member.malformed_streak = 0
         if rejoined:
             member.readmissions += 1
             log.info("member_readmitted", server=member.url, model=member.client.model)
@@ -528,7 +537,8 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             self._requeue_one(run, member, cause)
         if not evicting:
             return
-        member.state = MemberState.EVICTED
+        if member.state is MemberState.HEALTHY:
+            member.state = MemberState.EVICTED  # a draining member just leaves
         member.evictions += 1
         member.failed_probes = 0
         member.last_error = reason
@@ -550,10 +560,17 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         run.notify()
 
     def _cancel_in_flight(self, run: Run, member: Member) -> int:
+        """Cancel the member's requests; count the eviction for every sample it held,
+        including those whose request already failed and wait for a health check."""
         poisoned = 0
         for task, index in list(member.in_flight.items()):
+            if task.done():
+                continue  # its answer is being settled
             poisoned += self._note_eviction(run, member, index)
             task.cancel()
+        for index in member.suspects:
+            poisoned += self._note_eviction(run, member, index)
+        member.suspects.clear()
         return poisoned
 
     def _note_eviction(self, run: Run, member: Member, index: int) -> bool:
@@ -608,23 +625,23 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         """Send a batch at once; settle each answer as it arrives; requeue what is left."""
         params = self._params_for(member)
         client = member.client
+        arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
         tasks: dict[asyncio.Task[Response | ProviderError], int] = {}
         for index in batch:
             task = asyncio.ensure_future(client.asend(run.messages[index], params))
+            task.add_done_callback(arrived.put_nowait)  # one callback a task: O(batch)
             tasks[task] = index
             member.in_flight[task] = index
-        pending: set[asyncio.Task[Response | ProviderError]] = set(tasks)
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    member.in_flight.pop(task, None)
-                    if not task.cancelled():
-                        self._settle(run, member, tasks[task], task.result())
+            for _ in range(len(tasks)):
+                task = await arrived.get()
+                member.in_flight.pop(task, None)
+                if not task.cancelled():
+                    self._settle(run, member, tasks[task], self._outcome(task, member))
         finally:
-            for task in pending:
-                task.cancel()
             for task in tasks:
+                if not task.done():
+                    task.cancel()
                 member.in_flight.pop(task, None)
             leftovers = [i for t, i in tasks.items() if t.cancelled() or not t.done()]
             if leftovers and not run.finished:
@@ -632,6 +649,20 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
                 member.requeued += moved
                 if moved:
                     log.info("samples_requeued", server=member.url, samples=moved)
+
+    @staticmethod
+    def _outcome(
+        task: asyncio.Task[Response | ProviderError], member: Member
+    ) -> Response | ProviderError:
+        """The task's result; an unexpected exception becomes an error for the sample."""
+        error = task.exception()
+        if error is None:
+            return task.result()
+        return ProviderError(
+            f"unexpected {type(error).__name__} in the client: {error}",
+            kind=ErrorKind.HTTP_ERROR,
+            server=member.url,
+        )
 
     def _settle(
         self, run: Run, member: Member, index: int, result: Response | ProviderError
@@ -648,12 +679,20 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         if action is Action.EVICT:
             self._evict(run, member, reason, cause=index)
         elif action is Action.VERIFY or action is Action.CHECK_HEALTH:
-            self._spawn(self._verify_then_settle(run, member, index, result, action))
+            if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
+                self._requeue_one(run, member, index)  # already out; nothing to verify
+            else:
+                member.suspects.add(index)
+                self._spawn(self._verify_then_settle(run, member, index, result, action))
         elif action is Action.BACKOFF:
             member.overload_streak += 1
             member.backoff_until = time.monotonic() + retry_delay(member.overload_streak - 1)
             member.last_error = reason
-            self._requeue_one(run, member, index)
+            run.overloads[index] += 1
+            if run.overloads[index] > _MAX_OVERLOAD_REQUEUES:
+                self._error_row(run, member, index, result)
+            else:
+                self._requeue_one(run, member, index)
         elif action is Action.RETRY:
             run.retries[index] += 1
             member.last_error = reason
@@ -677,14 +716,25 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         self, run: Run, member: Member, index: int, error: ProviderError, action: Action
     ) -> None:
         healthy = await self._verify(member)
+        if not healthy:
+            # Counts the eviction for every suspect of this member, this one included.
+            self._evict(run, member, f"{error} and then failed a health check")
+            member.suspects.discard(index)
+            self._requeue_one(run, member, index)
+            return
+        member.suspects.discard(index)
         if run.results[index] is not None:
             return
-        if not healthy:
-            self._evict(run, member, f"{error} and then failed a health check", cause=index)
-        elif action is Action.VERIFY:
-            self._requeue_one(run, member, index)  # a dropped keep-alive connection
-        else:
+        if action is Action.CHECK_HEALTH:
             self._error_row(run, member, index, error)  # slow, on a healthy server
+            return
+        # A dropped connection or connect timeout on a healthy server: try again, a
+        # bounded number of times, so a sample that always breaks its connection ends.
+        run.retries[index] += 1
+        if run.retries[index] > self.max_sample_retries:
+            self._error_row(run, member, index, error)
+        else:
+            self._requeue_one(run, member, index)
 
     async def _requeue_later(self, run: Run, index: int, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -719,7 +769,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
 
     def statistics(self) -> PoolStatistics:
         """A frozen snapshot of the pool's counters."""
-        members = tuple(m.statistics() for m in self._members.values())
+        members = tuple(m.statistics() for m in list(self._members.values()))
         run = self._run
         return PoolStatistics(
             members=members,
@@ -729,7 +779,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         )
 
     def __repr__(self) -> str:
-        states = Counter(m.state.value for m in self._members.values())
+        states = Counter(m.state.value for m in list(self._members.values()))
         parts = " ".join(
             f"{state.value}={states[state.value]}" for state in MemberState if states[state.value]
         )

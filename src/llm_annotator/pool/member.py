@@ -61,6 +61,8 @@ class Member:
         self.url = client.base_url
         self.state = MemberState.JOINING
         self.in_flight: dict[asyncio.Task[Any], int] = {}
+        self.suspects: set[int] = set()
+        """Samples whose request failed here and that wait for a health check."""
         self.failed_probes = 0
         self.overload_streak = 0
         self.malformed_streak = 0

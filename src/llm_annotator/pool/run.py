@@ -14,9 +14,11 @@ from llm_annotator.response import Response
 class Run:
     """Work and results of one ``abatch_generate`` call.
 
-    The queue holds batches of sample indices. Requeued samples go to the front. A
-    sample is done once it has a Response; the first Response stored wins, so a sample
-    that comes back twice is never written twice.
+    The queue is a flat line of sample indices; a batch is whatever :meth:`take` cuts
+    from its front, so samples put back after an eviction travel in full batches
+    again. Requeued samples go to the front. A sample is done once it has a Response;
+    the first Response stored wins, so a sample that comes back twice is never written
+    twice.
     """
 
     def __init__(self, messages: list[Messages], batch_size: int) -> None:
@@ -24,12 +26,10 @@ class Run:
         self.batch_size = batch_size
         self.results: list[Response | None] = [None] * len(messages)
         self.remaining = len(messages)
-        self.queue: deque[list[int]] = deque(
-            list(range(start, min(start + batch_size, len(messages))))
-            for start in range(0, len(messages), batch_size)
-        )
+        self.queue: deque[int] = deque(range(len(messages)))
         self.evicted_with: dict[int, list[str]] = {}
         self.retries: Counter[int] = Counter()
+        self.overloads: Counter[int] = Counter()
         self.exhausted: PoolExhaustedError | None = None
         self.done = asyncio.Event()
         self._changed = asyncio.Event()
@@ -40,7 +40,8 @@ class Run:
 
     @property
     def queued(self) -> int:
-        return sum(len(batch) for batch in self.queue)
+        """Samples in the queue (an upper bound: some may have finished meanwhile)."""
+        return len(self.queue)
 
     def store(self, index: int, response: Response) -> bool:
         """Record the result of sample ``index``; False if it already had one."""
@@ -55,19 +56,20 @@ class Run:
     def requeue(self, indices: list[int]) -> int:
         """Put the samples that still lack a result back at the front of the queue."""
         open_ = [i for i in indices if self.results[i] is None]
-        for start in reversed(range(0, len(open_), self.batch_size)):
-            self.queue.appendleft(open_[start : start + self.batch_size])
         if open_:
+            self.queue.extendleft(reversed(open_))
             self.notify()
         return len(open_)
 
     def take(self) -> list[int] | None:
-        """The next batch, skipping samples finished meanwhile; None if the queue is empty."""
-        while self.queue:
-            batch = [i for i in self.queue.popleft() if self.results[i] is None]
-            if batch:
-                return batch
-        return None
+        """Up to ``batch_size`` open samples from the front; None if there are none."""
+        batch: list[int] = []
+        queue, results = self.queue, self.results
+        while queue and len(batch) < self.batch_size:
+            index = queue.popleft()
+            if results[index] is None:
+                batch.append(index)
+        return batch or None
 
     def finish(self, error: PoolExhaustedError | None = None) -> None:
         if error is not None and not self.finished:
