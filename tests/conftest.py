@@ -9,7 +9,9 @@ unless ``LLM_ANNOTATOR_REQUIRE_VLLM`` is set (the test command sets it): then th
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -87,3 +89,29 @@ def start_vllm(
     yield start
     for servers in started:
         servers.stop(grace=5.0)
+
+
+@pytest.fixture
+def blackhole_url() -> Iterator[str]:
+    """A loopback URL whose listener never accepts and whose backlog is full.
+
+    New connections then wait for a handshake that never completes: a connect timeout,
+    as from a host that drops packets.
+    """
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers: list[socket.socket] = []
+    for _ in range(8):  # bounded: the backlog of 0 fills after one or two
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()

@@ -164,32 +164,6 @@ def refused_url() -> str:
     return f"http://127.0.0.1:{port}/v1"
 
 
-@pytest.fixture
-def blackhole_url() -> Iterator[str]:
-    """A loopback URL whose listener never accepts and whose backlog is full.
-
-    New connections then wait for a handshake that never completes: a connect timeout,
-    as from a host that drops packets.
-    """
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers: list[socket.socket] = []
-    for _ in range(8):  # bounded: the backlog of 0 fills after one or two
-        filler = socket.socket()
-        filler.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        for filler in fillers:
-            filler.close()
-        listener.close()
-
-
 async def sleep_forever(_: dict[str, Any]) -> web.StreamResponse:
     """A handler that never answers (until the test ends)."""
     await asyncio.sleep(3600)
