@@ -8,10 +8,12 @@ from the fault to the eviction is printed (run pytest with -s to see it).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -157,8 +159,32 @@ def test_url_with_nothing_behind_it(vllm_servers: LocalServers) -> None:
     print(f"\nrefused URL: run {seconds:.1f} s")
 
 
+@contextlib.contextmanager
+def lower_priority(servers: LocalServers, niceness: int = 15) -> Iterator[None]:
+    """Run the given servers at a lower CPU priority for a while.
+
+    On a cluster a late server starts on its own node; here it shares two cores with
+    servers that are busy, and would take minutes to start. Lowering the busy servers'
+    priority gives it the CPU its own node would.
+    """
+    groups = [os.getpgid(server.pid) for server in servers]
+    for group in groups:
+        os.setpriority(os.PRIO_PGRP, group, niceness)
+    try:
+        yield
+    finally:
+        for group in groups:
+            with contextlib.suppress(OSError):  # raising priority again needs root
+                os.setpriority(os.PRIO_PGRP, group, 0)
+
+
 def test_late_server_joins_and_gets_work(vllm_servers: LocalServers) -> None:
-    """A server that starts 20 s after the run began joins and receives work."""
+    """A server in the list that starts 20 s after the job began joins and receives work.
+
+    The job is a series of calls on one pool, as an annotation job drives it, each of
+    6,000 conversations with exactly one success each, until the late server has
+    answered some (bounded at 240 s: on this loaded 2-core machine its start-up takes
+    from 30 s to well over a minute)."""
     (port,) = pick_free_ports(1)
     late_url = f"http://127.0.0.1:{port}/v1"
     late: list[LocalServers] = []
@@ -167,21 +193,30 @@ def test_late_server_joins_and_gets_work(vllm_servers: LocalServers) -> None:
         late.append(start_local_servers(1, ports=[port], wait=False))
 
     timer = threading.Timer(20.0, start_late)
-    # Long enough (about 140 s on two busy CPU servers) for the late server to finish its
-    # start-up, which takes 60 s or more on a loaded 2-core machine, and then help.
-    n = 50 * N
+    started = time.monotonic()
+    calls = 0
     try:
-        with VLLMQueueAnnotator(
-            [*vllm_servers.base_urls, late_url], batch_size=128, health_check_interval=2.0
-        ) as pool:
+        with (
+            lower_priority(vllm_servers),
+            VLLMQueueAnnotator(
+                [*vllm_servers.base_urls, late_url], batch_size=128, health_check_interval=2.0
+            ) as pool,
+        ):
             timer.start()
-            responses, seconds = timed_run(pool, n)
+            while time.monotonic() - started < 240:
+                responses, _ = timed_run(pool, 4 * N)
+                assert_exactly_one_success_each(responses, 4 * N)
+                calls += 1
+                if pool.statistics().member(late_url).completed > 0:
+                    break
             stats = pool.statistics().member(late_url)
-        assert_exactly_one_success_each(responses, n)
         assert stats.readmissions == 1
         assert stats.completed > 0
         assert Counter(r.server for r in responses)[late_url] == stats.completed
-        print(f"\nlate start: joined and answered {stats.completed} of {n}; run {seconds:.1f} s")
+        print(
+            f"\nlate start: joined {time.monotonic() - started:.0f} s into the job (call "
+            f"{calls}) and answered {stats.completed} of its {4 * N} conversations"
+        )
     finally:
         timer.cancel()
         timer.join()
