@@ -35,6 +35,16 @@ def index_of(request: dict[str, Any]) -> int:
     return int(request["messages"][0]["content"].split()[1])
 
 
+def delayed_echo(seconds: float) -> Any:
+    """A handler that answers like ``echo`` after ``seconds``."""
+
+    async def handle(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(seconds)
+        return await echo(request)
+
+    return handle
+
+
 def assert_all_answered_in_order(responses: list[Any], n: int) -> None:
     assert len(responses) == n
     bad = [r for r in responses if not r.ok]
@@ -83,13 +93,9 @@ def test_a_faster_member_gets_more_work(fake_servers: FakeServers) -> None:
     """A member that answers ten times faster takes most of the batches."""
     fast, slow = fake_servers(2)
 
-    async def sluggish(request: dict[str, Any]) -> web.StreamResponse:
-        await asyncio.sleep(0.1)
-        return await echo(request)
+    sluggish = delayed_echo(0.1)
 
-    async def quick(request: dict[str, Any]) -> web.StreamResponse:
-        await asyncio.sleep(0.01)
-        return await echo(request)
+    quick = delayed_echo(0.01)
 
     fast.handler, slow.handler = quick, sluggish
     with VLLMQueueAnnotator(
@@ -104,9 +110,7 @@ def test_member_slots_bound_batches_in_flight(fake_servers: FakeServers) -> None
     """A member holds at most batch_size x max_concurrent_batches_per_client requests."""
     (server,) = fake_servers(1)
 
-    async def slow(request: dict[str, Any]) -> web.StreamResponse:
-        await asyncio.sleep(0.02)
-        return await echo(request)
+    slow = delayed_echo(0.02)
 
     server.handler = slow
     with VLLMQueueAnnotator(
@@ -313,9 +317,7 @@ def test_late_member_joins_and_takes_work(fake_servers: FakeServers) -> None:
     """A server added during a call is probed and then receives batches."""
     first, late = fake_servers(2)
 
-    async def slow(request: dict[str, Any]) -> web.StreamResponse:
-        await asyncio.sleep(0.05)
-        return await echo(request)
+    slow = delayed_echo(0.05)
 
     first.handler = slow
     late.handler = slow
@@ -333,9 +335,7 @@ def test_removed_member_drains_and_leaves(fake_servers: FakeServers) -> None:
     """remove_server during a call: the member finishes what it holds, takes nothing new."""
     keep, leave = fake_servers(2)
 
-    async def slow(request: dict[str, Any]) -> web.StreamResponse:
-        await asyncio.sleep(0.05)
-        return await echo(request)
+    slow = delayed_echo(0.05)
 
     keep.handler = leave.handler = slow
     with VLLMQueueAnnotator(
@@ -521,9 +521,7 @@ def test_removed_member_that_fails_does_not_come_back(fake_servers: FakeServers)
     """A member removed during a call that then fails leaves for good."""
     keep, leave = fake_servers(2)
 
-    async def slow(request: dict[str, Any]) -> web.StreamResponse:
-        await asyncio.sleep(0.05)
-        return await echo(request)
+    slow = delayed_echo(0.05)
 
     async def dies(request: dict[str, Any]) -> web.StreamResponse:
         await asyncio.sleep(0.2)
