@@ -12,7 +12,15 @@ them::
     │   │   └── DisconnectedError   the connection dropped before the answer was whole
     │   ├── StatusError             an HTTP error status (the kind tells which)
     │   └── MalformedResponseError  a 200 whose body is not a chat completion
-    └── PoolExhaustedError          (pool) every server is gone past the deadline
+    ├── PoolExhaustedError          (pool) every server is gone past the deadline
+    └── JobError                    (jobs) an annotation job cannot start or go on
+        ├── InputError              unreadable input, a bad id, an unknown column
+        ├── PromptError             a template that cannot be rendered safely
+        ├── FingerprintMismatchError  resuming a directory made with other settings
+        └── RunInterruptedError     stopped by a signal; everything done is written
+
+``InputError``, ``PromptError`` and ``FingerprintMismatchError`` are also
+``ConfigurationError`` (and so ``ValueError``): the fix is in what the user passed.
 
 A failure's ``kind`` (an :class:`ErrorKind`) says whose fault it is, which is what a
 pool needs to decide between evicting a server, retrying a sample and keeping an
@@ -67,6 +75,12 @@ class ErrorKind(StrEnum):
     """A 2xx whose body is not a chat completion (server or proxy bug)."""
     POISON = "poison_sample"
     """(pool) The sample was in flight on several servers that were each evicted."""
+    INPUT = "input_error"
+    """(jobs) The input row could not be read or turned into a prompt."""
+    INVALID_OUTPUT = "invalid_output"
+    """(jobs) The answer is not valid JSON or does not follow the output_schema."""
+    TRUNCATED = "truncated_output"
+    """(jobs) The answer hit max_completion_tokens before the output_schema was complete."""
 
     @property
     def server_gone(self) -> bool:
@@ -190,3 +204,41 @@ class PoolExhaustedError(LLMAnnotatorError):
         super().__init__(message)
         self.responses: list[Response | None] = responses if responses is not None else []
         self.servers: dict[str, str] = servers if servers is not None else {}
+
+
+class JobError(LLMAnnotatorError):
+    """An annotation job cannot start or cannot go on."""
+
+
+class InputError(JobError, ConfigurationError):
+    """The input cannot be read as asked; the message names the file, the row and the field."""
+
+
+class PromptError(JobError, ConfigurationError):
+    """A prompt template that cannot be rendered safely, or a row it cannot render."""
+
+
+class FingerprintMismatchError(JobError, ConfigurationError):
+    """The output directory holds results made with other settings.
+
+    Attributes:
+        changes: One line per setting that differs, old and new.
+    """
+
+    def __init__(self, message: str, *, changes: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.changes: list[str] = changes if changes is not None else []
+
+
+class RunInterruptedError(JobError):
+    """A job stopped by SIGINT or SIGTERM; every result completed before is written.
+
+    Attributes:
+        output_dir: The run directory; running the same job again resumes it.
+        num_done: Rows with a result on disk when the job stopped.
+    """
+
+    def __init__(self, message: str, *, output_dir: str = "", num_done: int = 0) -> None:
+        super().__init__(message)
+        self.output_dir = output_dir
+        self.num_done = num_done

@@ -1,0 +1,1 @@
+"""Annotation jobs: rows in, prompts rendered, answers checked, results stored once."""
