@@ -20,6 +20,7 @@ from llm_annotator import (
 )
 from llm_annotator.pool.policy import Action, action_for
 from llm_annotator.pool.run import Run
+from llm_annotator.response import Response
 from tests.unit.conftest import FakeServer, completion, echo, error, sleep_forever
 
 FakeServers = Callable[[int], list[FakeServer]]
@@ -436,7 +437,9 @@ def test_requeued_samples_travel_in_full_batches() -> None:
     """Samples put back after an eviction are cut into full batches again, in order."""
 
     async def scenario() -> None:
-        run = Run([[{"role": "user", "content": str(i)}] for i in range(100)], batch_size=10)
+        run = Run(batch_size=10, deliver=lambda index, response: None)
+        for i in range(100):
+            run.admit(i, [{"role": "user", "content": str(i)}])
         first = run.take()
         second = run.take()
         assert first == list(range(10))
@@ -445,6 +448,35 @@ def test_requeued_samples_travel_in_full_batches() -> None:
         assert run.take() == list(range(10))
         assert run.take() == list(range(10, 20))
         assert run.take() == list(range(20, 30))
+
+    asyncio.run(scenario())
+
+
+def test_run_delivers_each_sample_once_and_ends_when_the_source_is_done() -> None:
+    """A sample stored twice is delivered once; the run ends only after the source is
+    closed and every admitted sample is delivered; a stopping run hands out no work."""
+
+    async def scenario() -> None:
+        delivered: list[int] = []
+        run = Run(batch_size=4, deliver=lambda index, response: delivered.append(index))
+        for i in range(3):
+            run.admit(i, [{"role": "user", "content": str(i)}])
+        assert run.take() == [0, 1, 2]
+        assert run.store(0, Response(text="a"))
+        assert not run.store(0, Response(text="again"))
+        assert run.store(1, Response(text="b"))
+        assert run.store(2, Response(text="c"))
+        assert not run.finished  # the source may still admit samples
+        run.admit(3, [{"role": "user", "content": "3"}])
+        run.close_source()
+        assert not run.finished
+        run.stop = asyncio.Event()
+        run.stop.set()
+        assert run.take() is None
+        assert run.store(3, Response(text="d"))
+        assert run.finished
+        assert delivered == [0, 1, 2, 3]
+        assert run.requeue([0, 1]) == 0  # delivered samples never go back on the queue
 
     asyncio.run(scenario())
 

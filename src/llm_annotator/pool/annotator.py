@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Sequence,
+)
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -21,10 +29,12 @@ from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlin
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
 from llm_annotator.pool.member import Member, MemberState, MemberStatistics
 from llm_annotator.pool.policy import Action, action_for
-from llm_annotator.pool.run import Run
+from llm_annotator.pool.run import Deliver, Run
 from llm_annotator.response import OnError, Response
 
 log = structlog.get_logger(__name__)
+
+K = TypeVar("K")
 
 _MALFORMED_STREAK_TO_EVICT = 20
 """Malformed answers in a row, without a good one between, that evict a member."""
@@ -321,17 +331,114 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         """Async twin of :meth:`batch_generate`."""
         if not messages:
             return []
+        results: list[Response | None] = [None] * len(messages)
+
+        def deliver(index: int, response: Response) -> None:
+            results[index] = response
+
+        run = self._begin(deliver, options, gen_kwargs)
+        for index, conversation in enumerate(messages):
+            run.admit(index, conversation)
+        run.close_source()
+        started = time.monotonic()
+        try:
+            await self._drive(run)
+        except PoolExhaustedError as exc:
+            exc.responses = list(results)
+            raise
+        done: list[Response] = [r for r in results if r is not None]
+        self._report(done, time.monotonic() - started)
+        return done
+
+    async def astream(
+        self,
+        samples: Iterable[tuple[K, Messages]] | AsyncIterable[tuple[K, Messages]],
+        *,
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> AsyncIterator[tuple[K, Response]]:
+        """Generate for a stream of ``(key, conversation)`` pairs, yielding
+        ``(key, Response)`` as each completes, in completion order.
+
+        Samples are read from ``samples`` only as fast as the pool works through them
+        (a bounded window of open samples), so a stream of any length runs in bounded
+        memory. Every key comes back exactly once, unless the stream is stopped.
+        A consumer that may stop reading early should close the stream
+        (``async with contextlib.aclosing(pool.astream(...)) as stream``), which
+        cancels the work in flight and frees the pool for its next call at once.
+
+        Args:
+            samples: The work, as a sync or async iterable of pairs. Keys are the
+                caller's; they are handed back untouched.
+            options: Generation options for every sample.
+            gen_kwargs: Raw request parameters that override ``options``.
+            stop: When set, no new work is taken: the requests in flight finish and
+                are yielded, then the stream ends. Samples not yet sent are dropped.
+
+        Raises:
+            PoolExhaustedError: Every server stayed down for ``all_down_timeout``
+                (after everything completed before was yielded).
+        """
+        outbox: deque[tuple[K, Response]] = deque()
+        keys: dict[int, K] = {}
+        arrived = asyncio.Event()
+        room = asyncio.Event()
+
+        def deliver(index: int, response: Response) -> None:
+            outbox.append((keys.pop(index), response))
+            arrived.set()
+
+        def has_room(run: Run) -> bool:
+            slots = self.max_concurrent_batches_per_client * max(1, len(self._members))
+            return len(run.open) + len(outbox) < 2 * self.batch_size * slots
+
+        run = self._begin(deliver, options, gen_kwargs)
+        run.stop = stop
+        extra = [self._feed(run, samples, keys, has_room, room)]
+        if stop is not None:
+            extra.append(self._watch_stop(run, stop))
+        driver = asyncio.ensure_future(self._drive(run, extra))
+        try:
+            while True:
+                while outbox:
+                    yield outbox.popleft()
+                room.set()
+                if driver.done():
+                    break
+                arrived.clear()
+                waiter = asyncio.ensure_future(arrived.wait())
+                await asyncio.wait({driver, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            driver.result()  # PoolExhaustedError, or a failure of the source
+        finally:
+            if not driver.done():
+                run.finish()  # every loop of the call ends on its own, then cancel
+                driver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await driver
+
+    def _begin(
+        self,
+        deliver: Deliver,
+        options: VLLMOnlineRuntimeOptions | None,
+        gen_kwargs: dict[str, Any] | None,
+    ) -> Run:
+        """Check the options and claim the pool for one call."""
         if self._run is not None:
-            raise RuntimeError("VLLMQueueAnnotator runs one batch_generate call at a time")
+            raise RuntimeError("VLLMQueueAnnotator runs one call at a time")
         first = next(iter(self._members.values()))
         first.client.encode_params(options, gen_kwargs)  # ValueError before anything starts
-        run = Run(list(messages), self.batch_size)
+        run = Run(self.batch_size, deliver)
         self._run, self._loop = run, asyncio.get_running_loop()
         self._params, self._options = {}, (options, gen_kwargs)
-        started = time.monotonic()
+        return run
+
+    async def _drive(self, run: Run, extra: Sequence[Coroutine[Any, Any, None]] = ()) -> None:
+        """Run the members on ``run`` until it finishes; then release the pool."""
         log.info(
             "run_started",
-            samples=len(messages),
+            samples=run.admitted if run.source_done else None,
             servers=len(self._members),
             batch_size=self.batch_size,
             batches_per_server=self.max_concurrent_batches_per_client,
@@ -342,10 +449,14 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
                 for member in list(self._members.values()):
                     self._attach(run, member)
                 self._spawn(self._watch_all_down(run))
+                for coro in extra:
+                    self._spawn(coro)
                 await run.done.wait()
                 for task in list(self._tasks):
                     task.cancel()
         finally:
+            for coro in extra:
+                coro.close()  # never started if the group failed early
             for task in list(self._tasks):
                 task.cancel()
             self._tasks.clear()
@@ -358,15 +469,52 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
                 if member.state is MemberState.DRAINING:
                     self._forget(member)
             self._run = None
-        elapsed = time.monotonic() - started
+        if run.failure is not None:
+            raise run.failure
         if run.exhausted is not None:
-            log.error(
-                "pool_exhausted", servers=run.exhausted.servers, done=len(messages) - run.remaining
-            )
+            log.error("pool_exhausted", servers=run.exhausted.servers, done=run.delivered)
             raise run.exhausted
-        results: list[Response] = [r for r in run.results if r is not None]
-        self._report(results, elapsed)
-        return results
+
+    async def _feed(
+        self,
+        run: Run,
+        samples: Iterable[tuple[K, Messages]] | AsyncIterable[tuple[K, Messages]],
+        keys: dict[int, K],
+        has_room: Callable[[Run], bool],
+        room: asyncio.Event,
+    ) -> None:
+        """Admit samples from the caller's stream while the window has room."""
+        index = 0
+        try:
+            async for key, conversation in _aiterate(samples):
+                while not has_room(run):
+                    run.notify()
+                    room.clear()
+                    await room.wait()
+                if run.finished or run.stopping:
+                    return
+                idle = not run.queue
+                keys[index] = key
+                run.admit(index, conversation)
+                index += 1
+                if idle:
+                    run.notify()
+        except Exception as exc:  # the source failed: end the call with its error
+            run.finish(failure=exc)
+            return
+        run.close_source()
+
+    async def _watch_stop(self, run: Run, stop: asyncio.Event) -> None:
+        """Once ``stop`` is set, take no new work and end when nothing is in flight."""
+        await stop.wait()
+        in_flight = sum(len(m.in_flight) for m in self._members.values())
+        log.info("run_stopping", in_flight=in_flight, open=len(run.open))
+        run.notify()
+        while not run.finished:
+            if not any(m.in_flight or m.suspects for m in self._members.values()):
+                run.finish()
+                return
+            await run.wait_for_change(0.1)
 
     def _report(self, results: list[Response], elapsed: float) -> None:
         failed = [r for r in results if not r.ok]
@@ -514,13 +662,11 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
 
     def _exhausted(self, run: Run, members: list[Member], waited: float) -> PoolExhaustedError:
         servers = {m.url: m.last_error or m.state.value for m in members}
-        done = len(run.results) - run.remaining
         listing = "; ".join(f"{url}: {said}" for url, said in servers.items())
         return PoolExhaustedError(
             f"no server of the pool could take work for {waited:.0f} s "
-            f"(all_down_timeout={self.all_down_timeout:g}); {done} of {len(run.results)} "
-            f"samples were done and are in .responses. Servers: {listing}",
-            responses=list(run.results),
+            f"(all_down_timeout={self.all_down_timeout:g}); {run.delivered} of "
+            f"{run.admitted} samples were done and are in .responses. Servers: {listing}",
             servers=servers,
         )
 
@@ -576,7 +722,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
     def _note_eviction(self, run: Run, member: Member, index: int) -> bool:
         """Count that sample ``index`` was on ``member`` when it was evicted; True if that
         made it a poison sample (it then has its error Response)."""
-        if run.results[index] is not None:
+        if not run.is_open(index):
             return False
         history = run.evicted_with.setdefault(index, [])
         history.append(member.url)
@@ -628,7 +774,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
         tasks: dict[asyncio.Task[Response | ProviderError], int] = {}
         for index in batch:
-            task = asyncio.ensure_future(client.asend(run.messages[index], params))
+            task = asyncio.ensure_future(client.asend(run.open[index], params))
             task.add_done_callback(arrived.put_nowait)  # one callback a task: O(batch)
             tasks[task] = index
             member.in_flight[task] = index
@@ -723,7 +869,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             self._requeue_one(run, member, index)
             return
         member.suspects.discard(index)
-        if run.results[index] is not None:
+        if not run.is_open(index):
             return
         if action is Action.CHECK_HEALTH:
             self._error_row(run, member, index, error)  # slow, on a healthy server
@@ -785,3 +931,13 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         )
         stats = self.statistics()
         return f"<VLLMQueueAnnotator {parts} in_flight={stats.in_flight} queued={stats.queued}>"
+
+
+async def _aiterate(samples: Iterable[K] | AsyncIterable[K]) -> AsyncIterator[K]:
+    """Iterate a sync or an async iterable the same way."""
+    if isinstance(samples, AsyncIterable):
+        async for item in samples:
+            yield item
+    else:
+        for item in samples:
+            yield item

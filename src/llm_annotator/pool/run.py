@@ -1,36 +1,49 @@
-"""The state of one pooled call: the work queue, the results, and a change signal."""
+"""The state of one pooled call: open samples, the work queue, and a change signal."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections import Counter, deque
+from collections.abc import Callable
 
 from llm_annotator.clients.base import Messages
 from llm_annotator.errors import PoolExhaustedError
 from llm_annotator.response import Response
 
+Deliver = Callable[[int, Response], None]
+"""Called once per sample with its final Response."""
+
 
 class Run:
-    """Work and results of one ``abatch_generate`` call.
+    """Work and results of one call (``abatch_generate`` or a stream).
 
-    The queue is a flat line of sample indices; a batch is whatever :meth:`take` cuts
-    from its front, so samples put back after an eviction travel in full batches
-    again. Requeued samples go to the front. A sample is done once it has a Response;
-    the first Response stored wins, so a sample that comes back twice is never written
-    twice.
+    A sample is *open* from :meth:`admit` until its first Response is stored; only open
+    samples are sent, and storing is what closes one, so a sample that comes back twice
+    (or from two members) is delivered once. The queue is a flat line of sample
+    indices; a batch is whatever :meth:`take` cuts from its front, so samples put back
+    after an eviction travel in full batches again, and requeued samples go first.
+
+    A run ends when its source is exhausted and no sample is open, when it is stopped
+    and nothing is in flight (see :attr:`stopping`), or when :meth:`finish` is called.
+    Nothing here grows with the samples already delivered.
     """
 
-    def __init__(self, messages: list[Messages], batch_size: int) -> None:
-        self.messages = messages
+    def __init__(self, batch_size: int, deliver: Deliver) -> None:
         self.batch_size = batch_size
-        self.results: list[Response | None] = [None] * len(messages)
-        self.remaining = len(messages)
-        self.queue: deque[int] = deque(range(len(messages)))
+        self.deliver = deliver
+        self.open: dict[int, Messages] = {}
+        self.queue: deque[int] = deque()
+        self.admitted = 0
+        self.delivered = 0
+        self.source_done = False
+        self.stop: asyncio.Event | None = None
+        """Set by the caller: no new work is taken; the run ends once nothing is in flight."""
         self.evicted_with: dict[int, list[str]] = {}
         self.retries: Counter[int] = Counter()
         self.overloads: Counter[int] = Counter()
         self.exhausted: PoolExhaustedError | None = None
+        self.failure: BaseException | None = None
         self.done = asyncio.Event()
         self._changed = asyncio.Event()
 
@@ -43,19 +56,42 @@ class Run:
         """Samples in the queue (an upper bound: some may have finished meanwhile)."""
         return len(self.queue)
 
+    @property
+    def stopping(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def is_open(self, index: int) -> bool:
+        return index in self.open
+
+    def admit(self, index: int, messages: Messages) -> None:
+        """Add one sample at the back of the queue."""
+        self.open[index] = messages
+        self.queue.append(index)
+        self.admitted += 1
+
+    def close_source(self) -> None:
+        """No sample will be admitted any more."""
+        self.source_done = True
+        if not self.open:
+            self.finish()
+        self.notify()
+
     def store(self, index: int, response: Response) -> bool:
         """Record the result of sample ``index``; False if it already had one."""
-        if self.results[index] is not None:
+        if self.open.pop(index, None) is None:
             return False
-        self.results[index] = response
-        self.remaining -= 1
-        if self.remaining == 0:
+        self.evicted_with.pop(index, None)
+        self.retries.pop(index, None)
+        self.overloads.pop(index, None)
+        self.delivered += 1
+        self.deliver(index, response)
+        if self.source_done and not self.open:
             self.finish()
         return True
 
     def requeue(self, indices: list[int]) -> int:
-        """Put the samples that still lack a result back at the front of the queue."""
-        open_ = [i for i in indices if self.results[i] is None]
+        """Put the samples that are still open back at the front of the queue."""
+        open_ = [i for i in indices if i in self.open]
         if open_:
             self.queue.extendleft(reversed(open_))
             self.notify()
@@ -63,17 +99,24 @@ class Run:
 
     def take(self) -> list[int] | None:
         """Up to ``batch_size`` open samples from the front; None if there are none."""
+        if self.stopping:
+            return None
         batch: list[int] = []
-        queue, results = self.queue, self.results
+        queue, open_ = self.queue, self.open
         while queue and len(batch) < self.batch_size:
             index = queue.popleft()
-            if results[index] is None:
+            if index in open_:
                 batch.append(index)
         return batch or None
 
-    def finish(self, error: PoolExhaustedError | None = None) -> None:
-        if error is not None and not self.finished:
-            self.exhausted = error
+    def finish(
+        self, error: PoolExhaustedError | None = None, failure: BaseException | None = None
+    ) -> None:
+        if not self.finished:
+            if error is not None:
+                self.exhausted = error
+            if failure is not None:
+                self.failure = failure
         self.done.set()
         self.notify()
 
@@ -85,5 +128,8 @@ class Run:
     async def wait_for_change(self, timeout: float) -> None:
         """Sleep until the next :meth:`notify`, or ``timeout`` seconds at most."""
         changed = self._changed
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+        # cancellation that arrives as the event fires, and the waiter then never ends.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await changed.wait()

@@ -1,0 +1,464 @@
+"""Input rows, streamed: JSONL, Parquet or CSV files, a list of dicts, or a Dataset.
+
+:func:`open_input` picks a reader; the :class:`RowSource` it returns streams
+:class:`Row` objects without holding the input in memory, however many rows it has.
+A row's id is its position (0-based, counting rows, not blank lines) or the value of
+the id column. :meth:`RowSource.scan` makes one cheap pass first: it counts the rows
+and, with an id column, checks that every id is there, an int or a str, and unique.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import os
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from typing import IO, Any, cast
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from llm_annotator.errors import InputError
+from llm_annotator.jobs.ids import RowId, hash_id
+
+PARQUET_BATCH_ROWS = 1024
+"""Rows decoded at a time from a Parquet file."""
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
+CSV_SUFFIXES = (".csv",)
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+_CSV_FIELD_LIMIT = 2**31 - 1
+_UTF8_CHECK = "\x1f"
+_NO_ID = "pass id_column=None to number the rows by position"
+# A record as a reader yields it: where it is, its columns (None when unreadable), the error.
+_Record = tuple[str, "dict[str, Any] | None", "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One input row.
+
+    Attributes:
+        id: The row's position (0-based) or the value of its id column.
+        values: The row's columns; empty when ``error`` is set.
+        where: Where the row is, for messages: ``"data.jsonl line 18"``,
+            ``"data.parquet row 17"``, ``"data.csv line 19"``, ``"list item 17"``,
+            ``"dataset row 17"``.
+        error: Why the row could not be read (the message names where and what), or None.
+    """
+
+    id: RowId
+    values: dict[str, Any]
+    where: str
+    error: str | None = None
+
+
+class RowSource(ABC):
+    """Rows from one input, streamed; iterating again reads the input again.
+
+    Attributes:
+        description: What the input is, for messages: the path, or ``"a list of 3 rows"``.
+        columns: The input's columns when known up front: a Parquet or CSV file's and a
+            Dataset's columns; for JSONL and lists, the keys of the first row (later rows
+            may differ), or None when that row cannot be read or there is none.
+        id_column: The column that holds the row ids, or None for positions.
+    """
+
+    description: str
+    columns: tuple[str, ...] | None
+    id_column: str | None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.description!r} id_column={self.id_column!r}>"
+
+    @abstractmethod
+    def _records(self) -> Iterator[_Record]:
+        """Every row of the input, in order, read or not."""
+
+    def _id_records(self) -> Iterator[_Record]:
+        """Rows with at least the id column; readers that can read less override this."""
+        return self._records()
+
+    def _count(self) -> int:
+        """The number of rows; readers that know it without a pass override this."""
+        return sum(1 for _ in self._records())
+
+    def __iter__(self) -> Iterator[Row]:
+        """Stream the rows.
+
+        Raises:
+            InputError: With an id column, a row has no valid id (:meth:`scan` finds
+                these, and duplicates, before any row is used).
+        """
+        if self.id_column is None:
+            for position, (where, values, error) in enumerate(self._records()):
+                yield Row(position, values if values is not None else {}, where, error)
+        else:
+            for where, values, error in self._records():
+                row_id = self._checked_id(where, values, error)
+                yield Row(row_id, values if values is not None else {}, where)
+
+    def scan(self) -> int:
+        """One pass over the input: count the rows and, with an id column, check the ids.
+
+        Returns:
+            The number of rows (unreadable rows included; blank lines are not rows).
+
+        Raises:
+            InputError: The input cannot be read, or with an id column: a row cannot be
+                read, its id is missing, null, not an int or a str, or not unique. The
+                message names the input, the line or row, the id and the field.
+        """
+        if self.id_column is None:
+            count = self._count()
+        else:
+            hashes = array("Q")
+            for where, values, error in self._id_records():
+                hashes.append(hash_id(self._checked_id(where, values, error)))
+            count = len(hashes)
+            self._check_unique(hashes)
+        return count
+
+    def _checked_id(self, where: str, values: dict[str, Any] | None, error: str | None) -> RowId:
+        column = self.id_column
+        if error is not None or values is None:
+            raise InputError(
+                f"{error}; with id_column={column!r} this row cannot be given an id: "
+                f"fix or remove it, or {_NO_ID}"
+            )
+        if column not in values:
+            raise InputError(
+                f"{where} has no {column!r} field (id_column={column!r}); "
+                f"every row needs one, or {_NO_ID}"
+            )
+        value = values[column]
+        if value is None or value == "":
+            problem = "is null" if value is None else "is empty"
+        elif isinstance(value, bool) or not isinstance(value, int | str):
+            problem = f"is {value!r}, a {type(value).__name__}; ids must be ints or strings"
+        else:
+            return cast(RowId, value)
+        raise InputError(f"{where}: the id in field {column!r} {problem}; fix it, or {_NO_ID}")
+
+    def _check_unique(self, hashes: array[int]) -> None:
+        """Find repeated ids: sort the 64-bit hashes, then re-check equal hashes exactly."""
+        if len(hashes) < 2:
+            return
+        ordered = np.frombuffer(hashes, dtype=np.uint64).copy()
+        ordered.sort()
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size == 0:
+            return
+        candidates = set(np.unique(repeated).tolist())
+        del ordered, repeated
+        first_seen: dict[RowId, str] = {}  # only ids whose hash is repeated
+        for where, values, error in self._id_records():
+            row_id = self._checked_id(where, values, error)
+            if hash_id(row_id) not in candidates:
+                continue
+            if row_id in first_seen:
+                raise InputError(
+                    f"{self.description}: the id {row_id!r} (field {self.id_column!r}) appears "
+                    f"more than once: at {first_seen[row_id]} and at {where}; ids must be "
+                    f"unique: fix the input, or {_NO_ID}"
+                )
+            first_seen[row_id] = where
+
+
+def open_input(
+    data: str | os.PathLike[str] | Sequence[Mapping[str, Any]] | Any,
+    *,
+    id_column: str | None = None,
+) -> RowSource:
+    """A streaming reader for ``data``.
+
+    Args:
+        data: A path to a ``.jsonl`` (also ``.ndjson``, ``.jsonlines``), ``.parquet`` or
+            ``.csv`` file (JSONL and CSV may be gzipped: ``.jsonl.gz``); a list of dicts;
+            or a ``datasets.Dataset`` (anything with ``column_names`` and ``__len__`` that
+            iterates as dicts), or a ``pyarrow.Table``. CSV values are strings.
+        id_column: The column holding each row's id; None numbers rows by position.
+
+    Returns:
+        The rows' source; call :meth:`RowSource.scan` before using the rows.
+
+    Raises:
+        InputError: The file is missing, unreadable or of an unknown kind, the input is
+            of an unsupported type, or ``id_column`` is not among known columns.
+
+    Examples:
+        >>> source = open_input([{"id": "a", "text": "good"}, {"id": "b", "text": "bad"}],
+        ...                     id_column="id")
+        >>> source.scan()
+        2
+        >>> [(row.id, row.where) for row in source]
+        [('a', 'list item 0'), ('b', 'list item 1')]
+    """
+    if id_column is not None and not isinstance(id_column, str):
+        raise InputError(f"id_column must be a column name (a str), not {id_column!r}")
+    if isinstance(data, str | os.PathLike):
+        source: RowSource = _open_file(os.fspath(data), id_column)
+    elif hasattr(data, "column_names") and hasattr(data, "__len__"):
+        source = _DatasetSource(data, id_column)
+    elif isinstance(data, Sequence) and not isinstance(data, bytes | bytearray):
+        source = _ListSource(data, id_column)
+    else:
+        raise InputError(
+            f"cannot read input of type {type(data).__name__}: pass a path to a .jsonl, "
+            ".parquet or .csv file, a list of dicts, a datasets.Dataset or a pyarrow.Table "
+            "(for a pandas DataFrame: df.to_dict('records'), or df.to_parquet(path) first)"
+        )
+    known = isinstance(source, _CsvSource | _ParquetSource | _DatasetSource)
+    if known and id_column is not None and id_column not in (source.columns or ()):
+        raise InputError(
+            f"{source.description} has no column {id_column!r} (id_column); its columns: "
+            f"{', '.join(source.columns or ()) or '(none)'}; name one of them, or {_NO_ID}"
+        )
+    return source
+
+
+def _open_file(path: str, id_column: str | None) -> RowSource:
+    name = path.lower()
+    compressed = name.endswith(".gz")
+    base = name.removesuffix(".gz")
+    if base.endswith(JSONL_SUFFIXES):
+        kind = "jsonl"
+    elif base.endswith(CSV_SUFFIXES):
+        kind = "csv"
+    elif base.endswith(PARQUET_SUFFIXES) and not compressed:
+        kind = "parquet"
+    else:
+        hint = " (a .json file: write one JSON object per line and name it .jsonl)" * (
+            base.endswith(".json")
+        )
+        raise InputError(
+            f"{path}: unknown input format{hint}; use .jsonl/.ndjson (one JSON object per "
+            "line), .parquet or .csv; JSONL and CSV may be gzipped (.jsonl.gz, .csv.gz)"
+        )
+    if os.path.isdir(path):
+        raise InputError(f"{path} is a directory; pass the path of one input file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise InputError(
+            f"cannot read the input file {path}: {exc.strerror or exc}; check the path"
+        ) from exc
+    if kind == "jsonl":
+        return _JsonlSource(path, id_column, compressed)
+    if kind == "csv":
+        return _CsvSource(path, id_column, compressed)
+    return _ParquetSource(path, id_column)
+
+
+class _JsonlSource(RowSource):
+    def __init__(self, path: str, id_column: str | None, compressed: bool) -> None:
+        self.description = path
+        self.id_column = id_column
+        self._compressed = compressed
+        with closing(self._records()) as records:
+            first = next(records, None)
+        self.columns = tuple(first[1]) if first is not None and first[1] is not None else None
+
+    def _open(self) -> IO[bytes]:
+        try:
+            if self._compressed:
+                return cast(IO[bytes], gzip.open(self.description, "rb"))
+            return open(self.description, "rb")
+        except OSError as exc:
+            raise InputError(f"cannot read {self.description}: {exc}") from exc
+
+    def _records(self) -> Generator[_Record, None, None]:
+        path = self.description
+        with self._open() as file:
+            try:
+                for number, line in enumerate(file, 1):
+                    if number == 1 and line.startswith(b"\xef\xbb\xbf"):
+                        line = line[3:]
+                    if not line.strip():
+                        continue
+                    where = f"{path} line {number}"
+                    try:
+                        values = orjson.loads(line)
+                    except orjson.JSONDecodeError as exc:
+                        yield where, None, f"{where}: {_json_problem(line, exc)}"
+                        continue
+                    if type(values) is dict:
+                        yield where, values, None
+                    else:
+                        kind = type(values).__name__
+                        yield where, None, f"{where}: is JSON but not an object (a {kind})"
+            except (OSError, EOFError) as exc:
+                raise InputError(f"cannot read {path}: {exc}") from exc
+
+
+def _json_problem(line: bytes, exc: orjson.JSONDecodeError) -> str:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"not valid UTF-8 (byte {bad.start + 1} of the line); save the file as UTF-8"
+    cut = "" if line.endswith(b"\n") else " (the last line has no newline: the file may be cut off)"
+    return f"not valid JSON: {exc.msg} at column {exc.pos + 1}{cut}"
+
+
+class _CsvSource(RowSource):
+    def __init__(self, path: str, id_column: str | None, compressed: bool) -> None:
+        self.description = path
+        self.id_column = id_column
+        self._compressed = compressed
+        with self._open() as file:
+            header = next(self._lines(file), None)
+        if header is None:
+            raise InputError(f"{path} is empty: a CSV input needs a header line of column names")
+        names = header[1]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise InputError(
+                f"{path}: the header names column {', '.join(map(repr, repeated))} more than "
+                "once; give every column its own name"
+            )
+        self.columns = tuple(names)
+
+    def _open(self) -> IO[str]:
+        try:
+            if self._compressed:
+                return gzip.open(
+                    self.description,
+                    "rt",
+                    encoding="utf-8-sig",
+                    errors="surrogateescape",
+                    newline="",
+                )
+            return open(
+                self.description, encoding="utf-8-sig", errors="surrogateescape", newline=""
+            )
+        except OSError as exc:
+            raise InputError(f"cannot read {self.description}: {exc}") from exc
+
+    def _lines(self, file: IO[str]) -> Iterator[tuple[int, list[str]]]:
+        """Each record that is not a blank line, with the line it starts on."""
+        if csv.field_size_limit() < _CSV_FIELD_LIMIT:
+            csv.field_size_limit(_CSV_FIELD_LIMIT)
+        reader = csv.reader(file)
+        end = 0
+        try:
+            for fields in reader:
+                start, end = end + 1, reader.line_num
+                if fields:
+                    yield start, fields
+        except (csv.Error, OSError, EOFError) as exc:
+            raise InputError(f"{self.description} line {reader.line_num + 1}: {exc}") from exc
+
+    def _records(self) -> Iterator[_Record]:
+        path, columns = self.description, self.columns or ()
+        with self._open() as file:
+            lines = self._lines(file)
+            next(lines, None)
+            for number, fields in lines:
+                where = f"{path} line {number}"
+                if len(fields) != len(columns):
+                    problem = f"has {len(fields)} fields where the header has {len(columns)}"
+                    yield where, None, f"{where}: {problem}"
+                    continue
+                try:
+                    _UTF8_CHECK.join(fields).encode("utf-8")
+                except UnicodeEncodeError:
+                    yield where, None, f"{where}: not valid UTF-8; save the file as UTF-8"
+                    continue
+                yield where, dict(zip(columns, fields, strict=True)), None
+
+
+class _ParquetSource(RowSource):
+    def __init__(self, path: str, id_column: str | None) -> None:
+        self.description = path
+        self.id_column = id_column
+        try:
+            with pq.ParquetFile(path) as file:
+                self.columns = tuple(file.schema_arrow.names)
+                self._num_rows = int(file.metadata.num_rows)
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise InputError(f"cannot read {path} as Parquet: {exc}") from exc
+
+    def _count(self) -> int:
+        return self._num_rows
+
+    def _batches(self, columns: list[str] | None) -> Iterator[list[dict[str, Any]]]:
+        try:
+            with pq.ParquetFile(self.description) as file:
+                for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+                    yield batch.to_pylist()
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise InputError(f"cannot read {self.description} as Parquet: {exc}") from exc
+
+    def _records(self) -> Iterator[_Record]:
+        return self._rows(None)
+
+    def _id_records(self) -> Iterator[_Record]:
+        assert self.id_column is not None
+        return self._rows([self.id_column])
+
+    def _rows(self, columns: list[str] | None) -> Iterator[_Record]:
+        path, position = self.description, 0
+        for batch in self._batches(columns):
+            for values in batch:
+                yield f"{path} row {position}", values, None
+                position += 1
+
+
+class _ListSource(RowSource):
+    def __init__(self, data: Sequence[Any], id_column: str | None) -> None:
+        self._data = data
+        self.description = f"a list of {len(data)} rows"
+        self.id_column = id_column
+        first = data[0] if len(data) else None
+        self.columns = tuple(first) if isinstance(first, Mapping) else None
+
+    def _count(self) -> int:
+        return len(self._data)
+
+    def _records(self) -> Iterator[_Record]:
+        return _items(self._data, "list item")
+
+
+class _DatasetSource(RowSource):
+    def __init__(self, data: Any, id_column: str | None) -> None:
+        names = data.column_names
+        if not isinstance(names, list | tuple):
+            raise InputError(
+                f"cannot read a {type(data).__name__} whose column_names is not a list "
+                "(a DatasetDict?): pass one split, e.g. data['train']"
+            )
+        self._data = data
+        self._label = "table row" if isinstance(data, pa.Table) else "dataset row"
+        self.description = f"a {self._label.split()[0]} of {len(data)} rows"
+        self.id_column = id_column
+        self.columns = tuple(str(name) for name in names)
+
+    def _count(self) -> int:
+        return len(self._data)
+
+    def _records(self) -> Iterator[_Record]:
+        if isinstance(self._data, pa.Table):
+            batches = self._data.to_batches(max_chunksize=PARQUET_BATCH_ROWS)
+            rows = (values for batch in batches for values in batch.to_pylist())
+            return _items(rows, self._label)
+        return _items(self._data, self._label)
+
+
+def _items(data: Any, label: str) -> Iterator[_Record]:
+    for position, item in enumerate(data):
+        where = f"{label} {position}"
+        if type(item) is dict:
+            yield where, item, None
+        elif isinstance(item, Mapping):
+            yield where, dict(item), None
+        else:
+            kind = type(item).__name__
+            yield where, None, f"{where}: is a {kind}, not a mapping of column names to values"
