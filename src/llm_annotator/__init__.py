@@ -30,17 +30,33 @@ from llm_annotator.errors import (
     StatusError,
     TransportError,
 )
-from llm_annotator.pool import MemberState, MemberStatistics, PoolStatistics, VLLMQueueAnnotator
+from llm_annotator.jobs import AnnotationResult, Annotator, OutputSchema, PromptTemplate
+from llm_annotator.pool import (
+    DirectorySource,
+    DnsSource,
+    FileSource,
+    MemberState,
+    MemberStatistics,
+    PoolStatistics,
+    ServerDiscovery,
+    ServerSource,
+    VLLMQueueAnnotator,
+)
 from llm_annotator.response import OnError, Response
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MAX_CONNECTIONS",
+    "AnnotationResult",
+    "Annotator",
     "Client",
     "ConfigurationError",
+    "DirectorySource",
     "DisconnectedError",
+    "DnsSource",
     "ErrorKind",
+    "FileSource",
     "FingerprintMismatchError",
     "InputError",
     "JobError",
@@ -50,15 +66,19 @@ __all__ = [
     "MemberStatistics",
     "OnError",
     "OpenAIClient",
+    "OutputSchema",
     "PoolExhaustedError",
     "PoolStatistics",
     "PromptError",
+    "PromptTemplate",
     "ProviderError",
     "ProviderRuntimeOptions",
     "ReadTimeoutError",
     "Response",
     "RunInterruptedError",
     "ServerConnectError",
+    "ServerDiscovery",
+    "ServerSource",
     "StatusError",
     "TransportError",
     "VLLMBaseRuntimeOptions",

@@ -2,6 +2,8 @@
 
 Subcommands:
 
+``run``
+    Annotate a dataset over vLLM servers into an output directory, resumably.
 ``serve-local``
     Start local vLLM servers, print one base URL per line once all are healthy, and
     serve until SIGINT or SIGTERM.
@@ -27,6 +29,7 @@ from types import FrameType
 
 import structlog
 
+from llm_annotator._run_command import add_run
 from llm_annotator.errors import LLMAnnotatorError
 from llm_annotator.local import LocalServer, ensure_tiny_model, start_local_servers
 
@@ -190,7 +193,11 @@ def _demo(args: argparse.Namespace) -> int:
     from llm_annotator.demo import run_demo
 
     return run_demo(
-        num_servers=args.num_servers, num_rows=args.rows, out=sys.stdout, base_urls=args.servers
+        num_servers=args.num_servers,
+        num_rows=args.rows,
+        out=sys.stdout,
+        base_urls=args.servers,
+        output_dir=args.output_dir,
     )
 
 
@@ -208,10 +215,13 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--servers", nargs="+", default=[], metavar="URL", help="use running servers instead"
     )
+    parser.add_argument(
+        "--output-dir", default=None, help="run directory (default: a new temporary one)"
+    )
     parser.set_defaults(handler=_demo)
 
 
-_SUBCOMMANDS = (_add_demo, _add_serve_local, _add_tiny_model)
+_SUBCOMMANDS = (add_run, _add_demo, _add_serve_local, _add_tiny_model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,16 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configure_logging() -> None:
-    """Render log events on stderr: readable on a terminal, JSON lines otherwise.
+def configure_logging(log_format: str | None = None) -> None:
+    """Render log events on stderr: ``"console"`` (readable) or ``"json"`` (one JSON
+    object a line); by default readable on a terminal, JSON otherwise.
 
     Leaves an existing structlog configuration alone.
     """
     if structlog.is_configured():
         return
+    if log_format is None:
+        log_format = "console" if sys.stderr.isatty() else "json"
     renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer()
-        if sys.stderr.isatty()
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if log_format == "console"
         else structlog.processors.JSONRenderer()
     )
     structlog.configure(
@@ -252,6 +265,21 @@ def configure_logging() -> None:
     )
 
 
+def _log_format(args: argparse.Namespace) -> str | None:
+    """``--log-format``, or the job file's ``log_format``, when the command has one."""
+    chosen: str | None = getattr(args, "log_format", None)
+    if chosen is None and getattr(args, "config", None):
+        try:
+            import tomllib
+
+            with open(args.config, "rb") as file:
+                value = tomllib.load(file).get("log_format")
+        except (OSError, ValueError):
+            return None  # the command reports the unreadable file
+        chosen = value if isinstance(value, str) else None
+    return chosen if chosen in ("json", "console") else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``llm-annotator`` command.
 
@@ -262,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         The exit status.
     """
     args = build_parser().parse_args(argv)
-    configure_logging()
+    configure_logging(_log_format(args))
     handler: Handler = args.handler
     try:
         return handler(args)

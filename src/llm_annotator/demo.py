@@ -1,23 +1,26 @@
 """The built-in demo: local vLLM servers on the tiny model, a small dataset, a table.
 
-``llm-annotator demo`` (and ``make demo``) runs it: it starts local servers, sends every
-row of a built-in dataset to them at once, and prints a sample of the answers with the
-run's figures. The tiny model has random weights, so the answers are noise; the point
+``llm-annotator demo`` (and ``make demo``) runs it: it starts local servers, annotates a
+built-in dataset through them into a run directory, and prints a sample of the output
+rows with the run's figures. The tiny model has random weights, so the answers are noise; the point
 is the path they take.
 """
 
 from __future__ import annotations
 
 import itertools
+import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
+
+import orjson
+import pyarrow.parquet as pq
 
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.local import start_local_servers
 from llm_annotator.pool import VLLMQueueAnnotator
-from llm_annotator.response import Response
 
 _SUBJECTS = ("the film", "this phone", "the hotel", "our waiter", "the update", "that book")
 _VERDICTS = (
@@ -43,16 +46,13 @@ def demo_rows(count: int) -> list[str]:
     return [f"{subject} {verdict}." for subject, verdict in itertools.islice(pairs, count)]
 
 
-def _annotate(
-    base_urls: Sequence[str], rows: Sequence[str], options: VLLMOnlineRuntimeOptions
-) -> tuple[list[Response], VLLMQueueAnnotator]:
-    conversations = [[{"role": "user", "content": PROMPT.format(text=row)}] for row in rows]
-    with VLLMQueueAnnotator(list(base_urls), batch_size=64) as pool:
-        return pool.batch_generate(messages=conversations, options=options), pool
-
-
 def run_demo(
-    *, num_servers: int = 2, num_rows: int = 400, out: TextIO, base_urls: Sequence[str] = ()
+    *,
+    num_servers: int = 2,
+    num_rows: int = 400,
+    out: TextIO,
+    base_urls: Sequence[str] = (),
+    output_dir: str | Path | None = None,
 ) -> int:
     """Annotate the built-in rows with local servers and print what happened.
 
@@ -61,13 +61,16 @@ def run_demo(
         num_rows: Rows of the built-in dataset to annotate.
         out: Where the report goes.
         base_urls: Servers already running; none are started then.
+        output_dir: The run directory; a new temporary one by default.
 
     Returns:
         0 when every row was annotated, 1 otherwise.
     """
-    rows = demo_rows(num_rows)
+    rows = [{"text": text} for text in demo_rows(num_rows)]
     # Sampled, not greedy: random weights pick the end token at once when greedy.
     options = VLLMOnlineRuntimeOptions(max_completion_tokens=8, temperature=1.0, seed=0)
+    if output_dir is None:
+        output_dir = Path(tempfile.mkdtemp(prefix="llm-annotator-demo-"))
     servers = None
     if not base_urls:
         print(f"starting {num_servers} local vLLM servers on the tiny model...", file=out)
@@ -76,31 +79,32 @@ def run_demo(
         base_urls = servers.base_urls
         print(f"  ready in {time.monotonic() - started:.1f} s: {', '.join(base_urls)}", file=out)
     try:
-        started = time.monotonic()
-        responses, pool = _annotate(base_urls, rows, options)
-        elapsed = time.monotonic() - started
+        with VLLMQueueAnnotator(list(base_urls), batch_size=64) as pool:
+            result = pool.annotate(rows, PROMPT, output_dir, options=options)
+            members = pool.statistics().members
     finally:
         if servers is not None:
             servers.stop()
-    ok = [r for r in responses if r.ok]
-    output_tokens = sum(r.num_output_tokens or 0 for r in ok)
-    print(f"\n{'row':>4}  {'review':<44} answer", file=out)
-    for index in range(min(8, len(rows))):
-        r = responses[index]
-        answer = repr(r.text) if r.ok else f"ERROR {r.error_type}: {r.error}"
-        print(f"{index:>4}  {rows[index]:<44} {answer[:60]}", file=out)
+    table = pq.read_table(result.output_path).to_pylist()
+    print(f"\n{'id':>4}  {'text':<44} response", file=out)
+    for row in table[:8]:
+        answer = repr(row["response"]) if not row["error"] else f"ERROR {row['error_type']}"
+        print(f"{row['id']:>4}  {row['text']:<44} {answer[:60]}", file=out)
+    report = orjson.loads(result.report_path.read_bytes())
+    this_run = report["this_run"]
     print(
-        f"\n{len(ok)}/{len(rows)} rows annotated in {elapsed:.1f} s "
-        f"({len(rows) / elapsed:.0f} rows/s, {output_tokens / elapsed:.0f} output tokens/s)",
+        f"\n{result.num_succeeded}/{result.num_rows} rows annotated in {result.seconds:.1f} s "
+        f"({this_run['rows_per_second']:.0f} rows/s, "
+        f"{this_run['output_tokens_per_second']:.0f} output tokens/s)",
         file=out,
     )
-    for member in pool.statistics().members:
+    for member in members:
         print(
             f"  {member.server}: {member.completed} rows, {member.evictions} evictions, "
             f"state {member.state}",
             file=out,
         )
-    errors = Counter(r.error_type for r in responses if not r.ok)
-    if errors:
-        print(f"  errors: {dict(errors)}", file=out)
-    return 0 if len(ok) == len(rows) else 1
+    if report["by_error_type"]:
+        print(f"  errors: {report['by_error_type']}", file=out)
+    print(f"\nannotations: {result.output_path}\nreport:      {result.report_path}", file=out)
+    return 0 if result.num_succeeded == len(rows) else 1

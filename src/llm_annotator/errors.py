@@ -236,9 +236,13 @@ class RunInterruptedError(JobError):
     Attributes:
         output_dir: The run directory; running the same job again resumes it.
         num_done: Rows with a result on disk when the job stopped.
+        signum: The signal that stopped it, or None when the caller asked.
     """
 
-    def __init__(self, message: str, *, output_dir: str = "", num_done: int = 0) -> None:
+    def __init__(
+        self, message: str, *, output_dir: str = "", num_done: int = 0, signum: int | None = None
+    ) -> None:
         super().__init__(message)
         self.output_dir = output_dir
         self.num_done = num_done
+        self.signum = signum

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from typing import Any, TypeGuard, cast
+
+import numpy as np
 
 RowId = int | str
 """A row's id: its position in the input, or the value of the id column."""
@@ -24,3 +28,194 @@ def hash_id(row_id: RowId) -> int:
     tagged = f"i:{row_id}" if isinstance(row_id, int) else f"s:{row_id}"
     digest = hashlib.blake2b(tagged.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+_MIN_BITMAP_BITS = 1 << 23
+"""The bitmap may always cover ids below this (1 MiB), however few ids it holds."""
+_BITS_PER_ID = 64
+"""Beyond that, the bitmap grows only while it costs at most 64 bits (8 bytes, the price
+of one hash) per id held: ids at least 1/64 dense are cheaper as bits than as hashes."""
+_MERGE_THRESHOLD = 1 << 16
+"""Recent hashes are merged into the sorted array when more than this many wait, or more
+than 1/32 of the array, whichever is larger (so merging stays linear overall)."""
+
+
+def _is_position(row_id: object) -> bool:
+    return type(row_id) is int and row_id >= 0
+
+
+class IdSet:
+    """A compact set of row ids, for knowing which of 10^7 or more rows are done.
+
+    Non-negative int ids (row positions) live in a growable bitmap, one bit an id, as
+    long as they are dense enough for that to be cheaper than hashing them (at least
+    one id in 64 of the range covered; the first 2^23 positions are always bits).
+    Every other id (str ids, negative or far-apart ints) is kept as its 64-bit
+    :func:`hash_id` in a sorted numpy ``uint64`` array, about 8 bytes an id with
+    O(log n) lookups, plus a small Python set of recent hashes that is merged into
+    the array as it grows. Int and str ids mix freely; ``7`` and ``"7"`` are different.
+
+    Hashes can collide: two distinct hashed ids share a hash with probability about
+    ``n**2 / 2**65`` for ``n`` hashed ids (about 3e-8 for 10^6 ids, 3e-4 for 10^8). A
+    collision makes the second id look present although it was never added, so a job
+    would skip that row as done. Ids held in the bitmap never collide.
+
+    Ids cannot be removed. The set is not thread-safe.
+
+    Args:
+        merge_threshold: How many recent hashes wait in the Python set before they are
+            merged into the sorted array (at least; see above).
+
+    Examples:
+        >>> done = IdSet()
+        >>> done.add(3), done.add("row-9"), done.add(3)
+        (True, True, False)
+        >>> 3 in done, "row-9" in done, "3" in done, 4 in done
+        (True, True, False, False)
+        >>> len(done)
+        2
+        >>> done.update(range(1000))
+        999
+    """
+
+    __slots__ = ("_bits", "_merge_threshold", "_num_bits", "_recent", "_sorted")
+
+    def __init__(self, *, merge_threshold: int = _MERGE_THRESHOLD) -> None:
+        if merge_threshold < 1:
+            raise ValueError(f"merge_threshold must be at least 1, not {merge_threshold}")
+        self._merge_threshold = merge_threshold
+        self._bits = bytearray()
+        self._num_bits = 0
+        self._sorted: np.ndarray[Any, np.dtype[np.uint64]] = np.empty(0, dtype=np.uint64)
+        self._recent: set[int] = set()
+
+    def __len__(self) -> int:
+        return self._num_bits + len(self._sorted) + len(self._recent)
+
+    def __contains__(self, row_id: object) -> bool:
+        if _is_position(row_id):
+            position = cast(int, row_id)
+            byte = position >> 3
+            if byte < len(self._bits) and self._bits[byte] >> (position & 7) & 1:
+                return True
+            if not self._recent and not len(self._sorted):
+                return False
+        return self._has_hash(hash_id(cast(RowId, row_id)))
+
+    def __repr__(self) -> str:
+        return (
+            f"<IdSet ids={len(self)} bitmap_bytes={len(self._bits)} "
+            f"hashed={len(self._sorted) + len(self._recent)}>"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Roughly how much memory the set takes, in bytes."""
+        return len(self._bits) + self._sorted.nbytes + 64 * len(self._recent)
+
+    def add(self, row_id: RowId) -> bool:
+        """Add one id.
+
+        Returns:
+            Whether the id was new.
+
+        Raises:
+            TypeError: If the id is neither an int nor a str.
+        """
+        if _is_position(row_id):
+            position = cast(int, row_id)
+            if self._bitmap_covers(position):
+                return self._set_bit(position)
+            if position in self:
+                return False
+        h = hash_id(row_id)
+        if self._has_hash(h):
+            return False
+        self._recent.add(h)
+        if len(self._recent) > max(self._merge_threshold, len(self._sorted) >> 5):
+            self._merge()
+        return True
+
+    def update(self, row_ids: Iterable[RowId]) -> int:
+        """Add many ids at once; faster than :meth:`add` one by one for hashed ids.
+
+        Returns:
+            How many of them were new.
+        """
+        added = 0
+        hashes: list[int] = []
+        for row_id in row_ids:
+            if _is_position(row_id):
+                added += self.add(row_id)
+            else:
+                hashes.append(hash_id(row_id))
+        if hashes:
+            self._merge()
+            new = np.unique(np.array(hashes, dtype=np.uint64))
+            new = new[~self._sorted_contains(new)]
+            self._sorted = _merge_sorted(self._sorted, new)
+            added += len(new)
+        return added
+
+    def _bitmap_covers(self, position: int) -> bool:
+        """Whether the bitmap covers ``position``, growing it if that is worth it."""
+        byte = position >> 3
+        if byte < len(self._bits):
+            return True
+        if position >= max(_MIN_BITMAP_BITS, _BITS_PER_ID * (len(self) + 1)):
+            return False
+        size = max(byte + 1, 2 * len(self._bits), 1024)
+        self._bits.extend(bytes(size - len(self._bits)))
+        return True
+
+    def _set_bit(self, position: int) -> bool:
+        byte, mask = position >> 3, 1 << (position & 7)
+        if self._bits[byte] & mask:
+            return False
+        if (self._recent or len(self._sorted)) and self._has_hash(hash_id(position)):
+            return False  # hashed before the bitmap grew to cover it
+        self._bits[byte] |= mask
+        self._num_bits += 1
+        return True
+
+    def _has_hash(self, h: int) -> bool:
+        if h in self._recent:
+            return True
+        array = self._sorted
+        index = int(array.searchsorted(np.uint64(h)))
+        return index < len(array) and int(array[index]) == h
+
+    def _sorted_contains(
+        self, hashes: np.ndarray[Any, np.dtype[np.uint64]]
+    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        array = self._sorted
+        if not len(array):
+            return np.zeros(len(hashes), dtype=np.bool_)
+        index = np.minimum(np.searchsorted(array, hashes), len(array) - 1)
+        return np.asarray(array[index] == hashes)
+
+    def _merge(self) -> None:
+        if self._recent:
+            recent = np.fromiter(self._recent, dtype=np.uint64, count=len(self._recent))
+            recent.sort()
+            self._sorted = _merge_sorted(self._sorted, recent)
+            self._recent.clear()
+
+
+def _merge_sorted(
+    array: np.ndarray[Any, np.dtype[np.uint64]], new: np.ndarray[Any, np.dtype[np.uint64]]
+) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """Two sorted arrays with no common element merged into one, in linear time."""
+    if not len(array):
+        return new
+    return np.insert(array, np.searchsorted(array, new), new)
+
+
+def is_valid_id(value: object) -> TypeGuard[RowId]:
+    """Whether ``value`` can be a stored row id: an int that fits 64 bits, or a str.
+
+    Examples:
+        >>> is_valid_id(3), is_valid_id("a"), is_valid_id(True), is_valid_id(2**63)
+        (True, True, False, False)
+    """
+    return (type(value) is int and -(1 << 63) <= value < 1 << 63) or isinstance(value, str)

@@ -1,6 +1,23 @@
-"""The pool: one work queue over many servers, members, health and eviction."""
+"""The pool: one work queue over many servers, members, health, eviction, discovery."""
 
 from llm_annotator.pool.annotator import PoolStatistics, VLLMQueueAnnotator
+from llm_annotator.pool.discovery import (
+    DirectorySource,
+    DnsSource,
+    FileSource,
+    ServerDiscovery,
+    ServerSource,
+)
 from llm_annotator.pool.member import MemberState, MemberStatistics
 
-__all__ = ["MemberState", "MemberStatistics", "PoolStatistics", "VLLMQueueAnnotator"]
+__all__ = [
+    "DirectorySource",
+    "DnsSource",
+    "FileSource",
+    "MemberState",
+    "MemberStatistics",
+    "PoolStatistics",
+    "ServerDiscovery",
+    "ServerSource",
+    "VLLMQueueAnnotator",
+]

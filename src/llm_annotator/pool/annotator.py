@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
     Callable,
@@ -16,7 +18,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
@@ -27,10 +29,14 @@ from llm_annotator.clients.base import Client, Messages
 from llm_annotator.clients.openai_client import check_client_settings
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
+from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.member import Member, MemberState, MemberStatistics
 from llm_annotator.pool.policy import Action, action_for
 from llm_annotator.pool.run import Deliver, Run
 from llm_annotator.response import OnError, Response
+
+if TYPE_CHECKING:
+    from llm_annotator.jobs.annotate import AnnotationResult
 
 log = structlog.get_logger(__name__)
 
@@ -129,6 +135,10 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         all_down_timeout: Seconds to wait for a member when all are down.
         on_error: What error rows do: ``"warn"`` logs a summary, ``"ignore"`` nothing,
             ``"raise"`` raises the first one as ProviderError after the call.
+        discovery: Sources of servers re-read during every call (a file, a directory
+            of ``*.url`` files, a DNS name): servers that appear join once healthy,
+            servers that disappear are drained and removed. With a discovery the pool
+            may start empty and wait (``all_down_timeout``) for its first server.
 
     Raises:
         ValueError: If no server is given, one is given twice, or a setting is out of
@@ -160,6 +170,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         max_sample_retries: int = 2,
         all_down_timeout: float = 300.0,
         on_error: OnError = "warn",
+        discovery: ServerDiscovery | None = None,
     ) -> None:
         if isinstance(base_urls, str):
             raise ValueError("base_urls must be a list of URLs, not one string")
@@ -200,9 +211,15 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             self._add_member(Member(self._new_client(url)))
         for client in clients or ():
             self._add_member(Member(client))
-        if not self._members:
+        self._discovery = discovery
+        if discovery is not None:
+            for url in discovery.initial_urls():
+                if normalize_base_url(url) not in self._members:
+                    self._add_member(Member(self._new_client(url)))
+        elif not self._members:
             raise ValueError(
-                "VLLMQueueAnnotator needs at least one server: give base_urls or clients"
+                "VLLMQueueAnnotator needs at least one server: give base_urls, clients "
+                "or a discovery"
             )
         self._run: Run | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,6 +240,12 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             on_error="ignore",
             connect_timeout=self.connect_timeout,
         )
+
+    def _prototype(self) -> VLLMOnlineClient:
+        """A client to check options with (no connection is made)."""
+        for member in self._members.values():
+            return member.client
+        return self._new_client("http://127.0.0.1:9/v1")
 
     def _add_member(self, member: Member) -> None:
         if member.url in self._members:
@@ -357,7 +380,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         options: VLLMOnlineRuntimeOptions | None = None,
         gen_kwargs: dict[str, Any] | None = None,
         stop: asyncio.Event | None = None,
-    ) -> AsyncIterator[tuple[K, Response]]:
+    ) -> AsyncGenerator[tuple[K, Response], None]:
         """Generate for a stream of ``(key, conversation)`` pairs, yielding
         ``(key, Response)`` as each completes, in completion order.
 
@@ -427,8 +450,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         """Check the options and claim the pool for one call."""
         if self._run is not None:
             raise RuntimeError("VLLMQueueAnnotator runs one call at a time")
-        first = next(iter(self._members.values()))
-        first.client.encode_params(options, gen_kwargs)  # ValueError before anything starts
+        self._prototype().encode_params(options, gen_kwargs)  # ValueError before anything
         run = Run(self.batch_size, deliver)
         self._run, self._loop = run, asyncio.get_running_loop()
         self._params, self._options = {}, (options, gen_kwargs)
@@ -449,6 +471,8 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
                 for member in list(self._members.values()):
                     self._attach(run, member)
                 self._spawn(self._watch_all_down(run))
+                if self._discovery is not None:
+                    self._spawn(self._discovery.run(self, run.done))
                 for coro in extra:
                     self._spawn(coro)
                 await run.done.wait()
@@ -655,7 +679,8 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
                 if down_since is None:
                     down_since = now
                 usable = [m for m in members if m.state is not MemberState.DISABLED]
-                if not usable or now - down_since >= self.all_down_timeout:
+                hopeless = not usable and self._discovery is None
+                if hopeless or now - down_since >= self.all_down_timeout:
                     run.finish(self._exhausted(run, members, now - down_since))
                     return
             await run.wait_for_change(0.5)
@@ -901,7 +926,122 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             member.errors += 1
             member.last_error = str(error)
 
+    # -- annotation jobs ------------------------------------------------------------------
+
+    def annotate(
+        self,
+        data: Any,
+        prompt_template: str,
+        output_dir: str | os.PathLike[str],
+        *,
+        system_message: str | None = None,
+        id_column: str | None = None,
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+        columns: Sequence[str] | None = None,
+        retry_errors: bool = False,
+        force: bool = False,
+        write_jsonl: bool = False,
+        max_regenerations: int = 2,
+        progress: bool | None = None,
+        stop_grace: float = 30.0,
+    ) -> AnnotationResult:
+        """Annotate a dataset over the pool into ``output_dir``, resumably.
+
+        The same as ``Annotator(pool, progress=..., stop_grace=...).annotate(...)``;
+        see :meth:`llm_annotator.Annotator.annotate` for every argument.
+        """
+        from llm_annotator.jobs.annotate import Annotator
+
+        annotator = Annotator(self, progress=progress, stop_grace=stop_grace)
+        return annotator.annotate(
+            data,
+            prompt_template,
+            output_dir,
+            system_message=system_message,
+            id_column=id_column,
+            options=options,
+            gen_kwargs=gen_kwargs,
+            columns=columns,
+            retry_errors=retry_errors,
+            force=force,
+            write_jsonl=write_jsonl,
+            max_regenerations=max_regenerations,
+        )
+
+    async def aannotate(
+        self,
+        data: Any,
+        prompt_template: str,
+        output_dir: str | os.PathLike[str],
+        *,
+        system_message: str | None = None,
+        id_column: str | None = None,
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+        columns: Sequence[str] | None = None,
+        retry_errors: bool = False,
+        force: bool = False,
+        write_jsonl: bool = False,
+        max_regenerations: int = 2,
+        progress: bool | None = None,
+        stop_grace: float = 30.0,
+        stop: asyncio.Event | None = None,
+    ) -> AnnotationResult:
+        """Async twin of :meth:`annotate`; set ``stop`` for a clean stop."""
+        from llm_annotator.jobs.annotate import Annotator
+
+        annotator = Annotator(self, progress=progress, stop_grace=stop_grace)
+        return await annotator.aannotate(
+            data,
+            prompt_template,
+            output_dir,
+            system_message=system_message,
+            id_column=id_column,
+            options=options,
+            gen_kwargs=gen_kwargs,
+            columns=columns,
+            retry_errors=retry_errors,
+            force=force,
+            write_jsonl=write_jsonl,
+            max_regenerations=max_regenerations,
+            stop=stop,
+        )
+
     # -- the rest of the Client contract -------------------------------------------------
+
+    async def aresolve_model(self, timeout: float | None = None) -> str:
+        """The model the pool runs: the configured one, or the first a server lists.
+
+        Waits for a server to answer ``/v1/models``, up to ``timeout`` seconds
+        (``all_down_timeout`` by default), asking every member every 2 s.
+
+        Raises:
+            PoolExhaustedError: No server listed a model in time.
+        """
+        if self.model is not None:
+            return self.model
+        deadline = time.monotonic() + (self.all_down_timeout if timeout is None else timeout)
+        said: dict[str, str] = {}
+        while True:
+            if self._discovery is not None:
+                await self._discovery.refresh(self)
+            members = list(self._members.values())
+            answers = await asyncio.gather(
+                *(m.client.alist_models() for m in members), return_exceptions=True
+            )
+            for member, answer in zip(members, answers, strict=True):
+                if isinstance(answer, list) and answer:
+                    return str(answer[0])
+                said[member.url] = str(answer) if isinstance(answer, BaseException) else "no model"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                listing = "; ".join(f"{url}: {text}" for url, text in said.items())
+                raise PoolExhaustedError(
+                    f"no server of the pool listed a model on /v1/models in time: {listing}",
+                    servers=said,
+                )
+            await asyncio.sleep(min(2.0, left))
 
     async def ais_healthy(self, timeout: float = 5.0) -> bool:
         """Whether at least one member answers /health."""

@@ -1,0 +1,560 @@
+"""Annotator: a dataset in, one result row per input row out, resumable after any crash."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from llm_annotator._sync import run_sync
+from llm_annotator.clients.base import Client, Messages
+from llm_annotator.clients.openai_client import OpenAIClient
+from llm_annotator.errors import InputError, PromptError, RunInterruptedError
+from llm_annotator.jobs.consolidate import consolidate
+from llm_annotator.jobs.fingerprint import make_fingerprint
+from llm_annotator.jobs.ids import RowId
+from llm_annotator.jobs.inputs import RowSource, open_input
+from llm_annotator.jobs.interrupt import Interrupt, handling_signals
+from llm_annotator.jobs.progress import Progress
+from llm_annotator.jobs.prompts import PromptTemplate, build_messages
+from llm_annotator.jobs.records import RecordBuilder
+from llm_annotator.jobs.schema import OutputSchema
+from llm_annotator.jobs.store import ResultStore
+from llm_annotator.jobs.streaming import stream
+from llm_annotator.pool.annotator import VLLMQueueAnnotator
+from llm_annotator.response import Response
+
+log = structlog.get_logger(__name__)
+
+REPORT_NAME = "report.json"
+
+
+@dataclass(frozen=True, slots=True)
+class AnnotationResult:
+    """What an annotation job produced.
+
+    Attributes:
+        output_dir: The run directory.
+        output_path: ``annotations.parquet``: one row per input id, sorted by id.
+        jsonl_path: ``annotations.jsonl`` when asked for, else None.
+        report_path: ``report.json``: counts, token rates, per-server statistics.
+        num_rows: Rows in the consolidated output.
+        num_succeeded: Rows with an answer.
+        num_failed: Error rows (their ``error`` and ``error_type`` say why).
+        num_resumed: Rows already done by an earlier run of the same job.
+        num_sent: Rows sent to the model by this run (regenerations not counted).
+        seconds: Wall time of this run.
+    """
+
+    output_dir: Path
+    output_path: Path
+    jsonl_path: Path | None
+    report_path: Path
+    num_rows: int
+    num_succeeded: int
+    num_failed: int
+    num_resumed: int
+    num_sent: int
+    seconds: float
+
+
+class _Item:
+    """One row on its way through the model (the key of the stream)."""
+
+    __slots__ = ("attempt", "id", "messages", "values")
+
+    def __init__(
+        self, row_id: RowId, values: dict[str, Any], messages: Messages, attempt: int
+    ) -> None:
+        self.id = row_id
+        self.values = values
+        self.messages = messages
+        self.attempt = attempt
+
+
+class Annotator:
+    """Annotate a dataset with any client: a pool of vLLM servers or a single one.
+
+    Rows are streamed from the input, rendered into prompts, sent, checked against the
+    output schema, and appended to the run directory as they complete, each id once.
+    Running the same job again resumes it: ids already written are not sent again.
+    At the end the results are consolidated into ``annotations.parquet`` (one row per
+    input id, sorted by id) beside a ``report.json``.
+
+    Args:
+        client: Any client; a :class:`VLLMQueueAnnotator` streams over its servers,
+            another client gets batches of ``batch_size`` through ``abatch_generate``.
+        batch_size: Rows per batch for a single client (a pool uses its own).
+        max_concurrent_batches: Batches in flight for a single client.
+        progress: True for a progress bar, False for log lines, None for a bar only
+            on a terminal.
+        stop_grace: Seconds the requests in flight get to finish after SIGINT or
+            SIGTERM before the job stops anyway.
+        flush_interval: Seconds between flushes of the results to the file.
+        sync_interval: Seconds between fsyncs of the results file.
+    """
+
+    def __init__(
+        self,
+        client: Client[Any],
+        *,
+        batch_size: int = 256,
+        max_concurrent_batches: int = 4,
+        progress: bool | None = None,
+        stop_grace: float = 30.0,
+        flush_interval: float = 0.5,
+        sync_interval: float = 5.0,
+    ) -> None:
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_concurrent_batches", max_concurrent_batches),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(stop_grace, int | float) or stop_grace < 0:
+            raise ValueError(f"stop_grace must be a number of seconds >= 0, got {stop_grace!r}")
+        self.client = client
+        self.batch_size = batch_size
+        self.max_concurrent_batches = max_concurrent_batches
+        self.progress = progress
+        self.stop_grace = float(stop_grace)
+        self.flush_interval = flush_interval
+        self.sync_interval = sync_interval
+
+    def annotate(
+        self,
+        data: Any,
+        prompt_template: str,
+        output_dir: str | os.PathLike[str],
+        *,
+        system_message: str | None = None,
+        id_column: str | None = None,
+        options: Any = None,
+        gen_kwargs: dict[str, Any] | None = None,
+        columns: Sequence[str] | None = None,
+        retry_errors: bool = False,
+        force: bool = False,
+        write_jsonl: bool = False,
+        max_regenerations: int = 2,
+        handle_signals: bool = True,
+    ) -> AnnotationResult:
+        """Annotate ``data`` into ``output_dir``; resume it if it holds this job already.
+
+        Args:
+            data: A ``.jsonl``/``.parquet``/``.csv`` path, a list of dicts, or a
+                ``datasets.Dataset``.
+            prompt_template: The user message, with ``{column}`` fields.
+            output_dir: The run directory (created if needed).
+            system_message: A system message for every row, or None.
+            id_column: The column holding each row's id; None numbers rows by position.
+            options: The client's runtime options (e.g. ``VLLMOnlineRuntimeOptions``);
+                an ``output_schema`` there makes answers parsed and validated.
+            gen_kwargs: Raw request parameters that override ``options``.
+            columns: The input columns to keep in the output; None keeps all.
+            retry_errors: Send again the rows whose result is an error.
+            force: Resume even if the directory was made with other settings.
+            write_jsonl: Also write ``annotations.jsonl``.
+            max_regenerations: With an output schema, times an invalid or truncated
+                answer is generated again before it is kept as an error row.
+            handle_signals: Turn SIGINT/SIGTERM into a clean stop (main thread only).
+
+        Returns:
+            An :class:`AnnotationResult`.
+
+        Raises:
+            InputError: The input cannot be read, an id is missing or repeated, or the
+                template names a column the input lacks.
+            PromptError: The template cannot be rendered safely.
+            FingerprintMismatchError: ``output_dir`` holds a job with other settings.
+            RunInterruptedError: A signal stopped the job; everything done is written.
+            PoolExhaustedError: Every server stayed down; everything done is written.
+        """
+        interrupt = Interrupt(self.stop_grace)
+        with handling_signals(interrupt, enabled=handle_signals):
+            return run_sync(
+                self._annotate(
+                    data,
+                    prompt_template,
+                    Path(output_dir),
+                    system_message=system_message,
+                    id_column=id_column,
+                    options=options,
+                    gen_kwargs=gen_kwargs,
+                    columns=columns,
+                    retry_errors=retry_errors,
+                    force=force,
+                    write_jsonl=write_jsonl,
+                    max_regenerations=max_regenerations,
+                    interrupt=interrupt,
+                )
+            )
+
+    async def aannotate(
+        self,
+        data: Any,
+        prompt_template: str,
+        output_dir: str | os.PathLike[str],
+        *,
+        system_message: str | None = None,
+        id_column: str | None = None,
+        options: Any = None,
+        gen_kwargs: dict[str, Any] | None = None,
+        columns: Sequence[str] | None = None,
+        retry_errors: bool = False,
+        force: bool = False,
+        write_jsonl: bool = False,
+        max_regenerations: int = 2,
+        stop: asyncio.Event | None = None,
+    ) -> AnnotationResult:
+        """Async twin of :meth:`annotate`. Signals are the caller's to handle: set
+        ``stop`` for a clean stop, or cancel the task to stop at once."""
+        interrupt = Interrupt(self.stop_grace, stop=stop)
+        return await self._annotate(
+            data,
+            prompt_template,
+            Path(output_dir),
+            system_message=system_message,
+            id_column=id_column,
+            options=options,
+            gen_kwargs=gen_kwargs,
+            columns=columns,
+            retry_errors=retry_errors,
+            force=force,
+            write_jsonl=write_jsonl,
+            max_regenerations=max_regenerations,
+            interrupt=interrupt,
+        )
+
+    async def _annotate(
+        self,
+        data: Any,
+        prompt_template: str,
+        output_dir: Path,
+        *,
+        system_message: str | None,
+        id_column: str | None,
+        options: Any,
+        gen_kwargs: dict[str, Any] | None,
+        columns: Sequence[str] | None,
+        retry_errors: bool,
+        force: bool,
+        write_jsonl: bool,
+        max_regenerations: int,
+        interrupt: Interrupt,
+    ) -> AnnotationResult:
+        started = time.monotonic()
+        interrupt.bind()
+        template = PromptTemplate(prompt_template)
+        raw_schema = getattr(options, "output_schema", None)
+        schema = OutputSchema(raw_schema) if raw_schema is not None else None
+        source = open_input(data, id_column=id_column)
+        total = await asyncio.to_thread(source.scan)
+        _check_columns(source, template, columns)
+        model = await _model_of(self.client)
+        fingerprint = make_fingerprint(
+            prompt_template=prompt_template,
+            system_message=system_message,
+            model=model,
+            options=options.to_payload() if options is not None else {},
+            gen_kwargs=gen_kwargs or {},
+            output_schema=raw_schema,
+            id_column=id_column,
+            columns=list(columns) if columns is not None else None,
+        )
+        store = await asyncio.to_thread(
+            ResultStore.open, output_dir, fingerprint, force=force, retry_errors=retry_errors
+        )
+        resumed = store.num_done
+        log.info(
+            "job_started",
+            input=source.description,
+            rows=total,
+            done_before=resumed,
+            output_dir=str(output_dir),
+            model=model,
+        )
+        job = _Job(
+            annotator=self,
+            source=source,
+            template=template,
+            system_message=system_message,
+            builder=RecordBuilder(schema, columns),
+            schema=schema,
+            store=store,
+            regenerate=max_regenerations if _varies(options, gen_kwargs) else 0,
+            progress=Progress(
+                total, resumed, healthy=lambda: _healthy(self.client), bar=self.progress
+            ),
+        )
+        try:
+            await job.run(options, gen_kwargs, interrupt)
+        except asyncio.CancelledError:
+            if not interrupt.hard:
+                raise
+            interrupt.uncancel()
+        finally:
+            job.progress.close()
+            await asyncio.to_thread(store.close)
+        done = store.num_done
+        if interrupt.triggered:
+            message = (
+                f"stopped by {interrupt.reason}: {done} of {total} rows are written in "
+                f"{output_dir}. Run the same job again to resume; rows already written "
+                "are not sent again."
+            )
+            log.warning("job_interrupted", done=done, total=total, output_dir=str(output_dir))
+            raise RunInterruptedError(
+                message,
+                output_dir=str(output_dir),
+                num_done=done,
+                signum=interrupt.signals[0] if interrupt.signals else None,
+            )
+        result = await asyncio.to_thread(
+            consolidate, output_dir, jsonl=write_jsonl, column_order=job.builder.output_columns()
+        )
+        seconds = time.monotonic() - started
+        report = _report(job, result, total, resumed, seconds, self.client)
+        report_path = output_dir / REPORT_NAME
+        await asyncio.to_thread(_write_json, report_path, report)
+        log.info(
+            "job_finished",
+            rows=result.num_rows,
+            succeeded=result.num_succeeded,
+            failed=result.num_failed,
+            sent=job.sent,
+            seconds=round(seconds, 2),
+            output=str(result.parquet_path),
+        )
+        if result.num_rows < total:
+            log.error("rows_missing", expected=total, written=result.num_rows)
+        return AnnotationResult(
+            output_dir=output_dir,
+            output_path=result.parquet_path,
+            jsonl_path=result.jsonl_path,
+            report_path=report_path,
+            num_rows=result.num_rows,
+            num_succeeded=result.num_succeeded,
+            num_failed=result.num_failed,
+            num_resumed=resumed,
+            num_sent=job.sent,
+            seconds=seconds,
+        )
+
+
+class _Job:
+    """The moving parts of one run: rows out to the model, records into the store."""
+
+    def __init__(
+        self,
+        *,
+        annotator: Annotator,
+        source: RowSource,
+        template: PromptTemplate,
+        system_message: str | None,
+        builder: RecordBuilder,
+        schema: OutputSchema | None,
+        store: ResultStore,
+        regenerate: int,
+        progress: Progress,
+    ) -> None:
+        self.annotator = annotator
+        self.source = source
+        self.template = template
+        self.system_message = system_message
+        self.builder = builder
+        self.schema = schema
+        self.store = store
+        self.regenerate = regenerate
+        self.progress = progress
+        self.retries: deque[_Item] = deque()
+        self.retry_ready = asyncio.Event()
+        self.out = 0
+        """Items handed to the model and not yet concluded."""
+        self.sent = 0
+        self.regenerated = 0
+        self.output_tokens = 0
+        self.prompt_tokens = 0
+
+    async def run(
+        self, options: Any, gen_kwargs: dict[str, Any] | None, interrupt: Interrupt
+    ) -> None:
+        annotator = self.annotator
+        store = self.store
+        flushed = synced = time.monotonic()
+        results = stream(
+            annotator.client,
+            self._items(),
+            options=options,
+            gen_kwargs=gen_kwargs,
+            stop=interrupt.stop,
+            batch_size=annotator.batch_size,
+            max_concurrent_batches=annotator.max_concurrent_batches,
+        )
+        async with contextlib.aclosing(results):
+            async for item, response in results:
+                self._conclude(item, response)
+                now = time.monotonic()
+                if now - flushed >= annotator.flush_interval:
+                    store.flush()
+                    flushed = now
+                    if now - synced >= annotator.sync_interval:
+                        await asyncio.to_thread(store.sync)
+                        synced = time.monotonic()
+
+    async def _items(self) -> AsyncIterator[tuple[_Item, Messages]]:
+        """Rows not done yet, as prompts; regenerations go first."""
+        store, retries = self.store, self.retries
+        scanned = 0
+        for row in self.source:
+            scanned += 1
+            if scanned % 4096 == 0:
+                await asyncio.sleep(0)  # a long run of done rows must not starve the loop
+            while retries:
+                item = retries.popleft()
+                yield item, item.messages
+            if store.is_done(row.id):
+                continue
+            if row.error is not None:
+                self._write(self.builder.error_record(row.id, {}, row.error), failed=True)
+                continue
+            try:
+                prompt = self.template.render(row.values, row.where)
+            except PromptError as exc:
+                self._write(self.builder.error_record(row.id, row.values, str(exc)), failed=True)
+                continue
+            messages = build_messages(prompt, self.system_message)
+            self.out += 1
+            self.sent += 1
+            yield _Item(row.id, row.values, messages, 0), messages
+        while True:
+            while retries:
+                item = retries.popleft()
+                yield item, item.messages
+            if self.out == 0:
+                return
+            self.retry_ready.clear()
+            await self.retry_ready.wait()
+
+    def _conclude(self, item: _Item, response: Response) -> None:
+        """Write the row's record, or send it again for a better answer."""
+        self.output_tokens += response.num_output_tokens or 0
+        self.prompt_tokens += response.num_prompt_tokens or 0
+        parsed = None
+        if self.schema is not None and response.ok:
+            parsed = self.schema.parse(response.text, response.finish_reason)
+            if not parsed.valid:
+                if item.attempt < self.regenerate:
+                    item.attempt += 1
+                    self.regenerated += 1
+                    self.retries.append(item)
+                    self.retry_ready.set()
+                    return
+                response = _invalid(response, parsed.error, parsed.kind)
+        self.out -= 1
+        if self.out == 0:
+            self.retry_ready.set()  # the stream of items may end now
+        record = self.builder.build(item.id, item.values, response, parsed)
+        self._write(record, failed=not response.ok)
+
+    def _write(self, record: dict[str, Any], *, failed: bool) -> None:
+        self.store.append(record)
+        self.progress.add(failed=int(failed), output_tokens=record.get("num_output_tokens") or 0)
+
+
+def _invalid(response: Response, error: str | None, kind: Any) -> Response:
+    """The Response as an error row that keeps the raw text."""
+    return dataclasses.replace(
+        response,
+        error=error or "the answer does not follow the output_schema",
+        error_type=str(kind) if kind is not None else "invalid_output",
+    )
+
+
+def _varies(options: Any, gen_kwargs: dict[str, Any] | None) -> bool:
+    """Whether generating again can give another answer (no fixed seed)."""
+    seed = (gen_kwargs or {}).get("seed", getattr(options, "seed", None))
+    return seed is None
+
+
+def _check_columns(
+    source: RowSource, template: PromptTemplate, columns: Sequence[str] | None
+) -> None:
+    if source.columns is None:
+        return
+    template.check_columns(source.columns, source.description)
+    if columns is not None:
+        unknown = [c for c in columns if c not in source.columns]
+        if unknown:
+            raise InputError(
+                f"{source.description}: columns to keep {unknown} are not in the input; "
+                f"its columns are {list(source.columns)}"
+            )
+
+
+async def _model_of(client: Client[Any]) -> str | None:
+    """The model the job runs on, for the fingerprint."""
+    if isinstance(client, VLLMQueueAnnotator):
+        return await client.aresolve_model()
+    if isinstance(client, OpenAIClient):
+        return await client.aresolve_model()
+    model = getattr(client, "model", None)
+    return model if isinstance(model, str) else None
+
+
+def _healthy(client: Client[Any]) -> int:
+    if isinstance(client, VLLMQueueAnnotator):
+        return client.statistics().healthy
+    return 1
+
+
+def _report(
+    job: _Job, result: Any, total: int, resumed: int, seconds: float, client: Client[Any]
+) -> dict[str, Any]:
+    per_server: dict[str, Any] = {}
+    if isinstance(client, VLLMQueueAnnotator):
+        for member in client.statistics().members:
+            per_server[member.server] = {
+                "state": member.state,
+                "completed": member.completed,
+                "errors": member.errors,
+                "evictions": member.evictions,
+                "readmissions": member.readmissions,
+                "requeued": member.requeued,
+            }
+    elapsed = max(seconds, 1e-9)
+    return {
+        "rows": result.num_rows,
+        "input_rows": total,
+        "succeeded": result.num_succeeded,
+        "failed": result.num_failed,
+        "by_finish_reason": result.by_finish_reason,
+        "by_error_type": result.by_error_type,
+        "prompt_tokens": result.prompt_tokens,
+        "output_tokens": result.output_tokens,
+        "this_run": {
+            "resumed_rows": resumed,
+            "sent_rows": job.sent,
+            "regenerations": job.regenerated,
+            "wall_seconds": round(seconds, 3),
+            "rows_per_second": round(job.progress.rows / elapsed, 2),
+            "output_tokens_per_second": round(job.output_tokens / elapsed, 2),
+            "prompt_tokens_per_second": round(job.prompt_tokens / elapsed, 2),
+        },
+        "per_server": per_server,
+    }
+
+
+def _write_json(path: Path, value: Mapping[str, Any]) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_bytes(orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
+    os.replace(temporary, path)

@@ -1,0 +1,258 @@
+"""A job's fingerprint: the settings that define its results, to refuse mixing two jobs.
+
+A run directory records the fingerprint of the job that made it in ``job.json``.
+Resuming with other settings (another prompt, model or output schema) would mix two
+kinds of results in one dataset, so the result store compares fingerprints, names what
+changed, and refuses unless forced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from llm_annotator.errors import ConfigurationError, FingerprintMismatchError, JobError
+
+logger = structlog.get_logger(__name__)
+
+_SHORT = 60
+"""Longest value shown whole by :func:`describe_changes`; longer ones are cut with …."""
+_CONTEXT = 20
+"""Characters kept before the first difference when a long string is cut."""
+
+
+def make_fingerprint(**settings: Any) -> dict[str, Any]:
+    """The canonical, JSON-able form of the settings that define a job's results.
+
+    Keys are sorted at every depth and values normalized through a JSON round trip
+    (tuples become lists, dataclasses dicts, enums their values), so two equal
+    settings give equal fingerprints whatever their Python types.
+
+    Args:
+        **settings: What defines the results: template, system message, model, options
+            payload, output schema, id column, and so on.
+
+    Returns:
+        A new dict, keys sorted.
+
+    Raises:
+        ConfigurationError: If a setting cannot be written as JSON.
+
+    Examples:
+        >>> make_fingerprint(model="m", options={"top_p": 1, "temperature": 0.5}, stop=("a",))
+        {'model': 'm', 'options': {'temperature': 0.5, 'top_p': 1}, 'stop': ['a']}
+    """
+    try:
+        encoded = orjson.dumps(settings, option=orjson.OPT_SORT_KEYS)
+    except TypeError as error:
+        raise ConfigurationError(
+            f"a job setting cannot be part of the job's fingerprint (not JSON-able): {error}"
+        ) from error
+    fingerprint: dict[str, Any] = orjson.loads(encoded)
+    return fingerprint
+
+
+def fingerprint_digest(fingerprint: Mapping[str, Any]) -> str:
+    """The SHA-256 hex digest of a fingerprint's canonical JSON.
+
+    Examples:
+        >>> a = fingerprint_digest({"model": "m", "seed": 1})
+        >>> a == fingerprint_digest({"seed": 1, "model": "m"})
+        True
+        >>> len(a), a == fingerprint_digest({"model": "m", "seed": 2})
+        (64, False)
+    """
+    return hashlib.sha256(_canonical(fingerprint)).hexdigest()
+
+
+def describe_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """One line per setting that differs between two fingerprints, old value first.
+
+    Nested mappings (such as the options payload) are compared key by key, their
+    lines named by the dotted path. Long values are cut with … around the first place
+    they differ.
+
+    Examples:
+        >>> old = {"prompt_template": "Classify: {text}", "options": {"temperature": 0}}
+        >>> new = {"prompt_template": "Label: {text}", "options": {"temperature": 0.7},
+        ...        "id_column": "uid"}
+        >>> for line in describe_changes(old, new):
+        ...     print(line)
+        id_column: added 'uid'
+        options.temperature: 0 -> 0.7
+        prompt_template: 'Classify: {text}' -> 'Label: {text}'
+        >>> describe_changes({"model": "m"}, {"model": "m"})
+        []
+    """
+    lines: list[str] = []
+    _compare(dict(make_fingerprint(**old)), dict(make_fingerprint(**new)), "", lines)
+    return lines
+
+
+def _compare(old: dict[str, Any], new: dict[str, Any], prefix: str, lines: list[str]) -> None:
+    for key in sorted(old.keys() | new.keys()):
+        name = f"{prefix}{key}"
+        if key not in old:
+            lines.append(f"{name}: added {_show(new[key])}")
+        elif key not in new:
+            lines.append(f"{name}: removed (was {_show(old[key])})")
+        elif isinstance(old[key], dict) and isinstance(new[key], dict):
+            _compare(old[key], new[key], f"{name}.", lines)
+        elif _canonical(old[key]) != _canonical(new[key]):
+            before, after = _show_pair(old[key], new[key])
+            lines.append(f"{name}: {before} -> {after}")
+
+
+def _canonical(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def _text(value: Any) -> str:
+    """A value as shown to a user: strings quoted and escaped, everything else as JSON."""
+    return repr(value) if isinstance(value, str) else _canonical(value).decode()
+
+
+def _show(value: Any) -> str:
+    text = _text(value)
+    return text if len(text) <= _SHORT else text[: _SHORT - 1] + "…"
+
+
+def _show_pair(old: Any, new: Any) -> tuple[str, str]:
+    """Both values, cut to a window that starts just before their first difference."""
+    before, after = _text(old), _text(new)
+    if len(before) <= _SHORT and len(after) <= _SHORT:
+        return before, after
+    same = 0
+    for a, b in zip(before, after, strict=False):
+        if a != b:
+            break
+        same += 1
+    start = max(0, same - _CONTEXT)
+    return _window(before, start), _window(after, start)
+
+
+def _window(text: str, start: int) -> str:
+    head = "…" if start else ""
+    body = text[start : start + _SHORT - len(head)]
+    tail = "…" if start + len(body) < len(text) else ""
+    if tail:
+        body = body[:-1]
+    return head + body + tail
+
+
+JOB_FORMAT_VERSION = 1
+"""The version of the ``job.json`` layout this code writes and reads."""
+
+
+def job_record(
+    previous: Mapping[str, Any] | None,
+    fingerprint: Mapping[str, Any],
+    *,
+    where: str,
+    now: str,
+    force: bool = False,
+) -> dict[str, Any]:
+    """What a run directory's ``job.json`` says once a run with ``fingerprint`` starts.
+
+    A pure function: the caller reads and writes the file.
+
+    Args:
+        previous: The directory's record so far, or None for a new directory.
+        fingerprint: The settings of the run that starts (see :func:`make_fingerprint`).
+        where: The directory, for messages.
+        now: The time of the start, an ISO 8601 string.
+        force: Accept a fingerprint that differs from the recorded one; the old one
+            moves to ``history``.
+
+    Returns:
+        The new record: ``format_version``, ``fingerprint``, ``digest``, ``created``,
+        ``updated`` and ``history`` (earlier fingerprints, each with when it was
+        replaced).
+
+    Raises:
+        FingerprintMismatchError: If the fingerprints differ and ``force`` is False.
+        JobError: If the record was written by a newer version of this package.
+
+    Examples:
+        >>> first = job_record(None, {"model": "a"}, where="out", now="t0")
+        >>> job_record(first, {"model": "a"}, where="out", now="t1")["updated"]
+        't1'
+        >>> job_record(first, {"model": "b"}, where="out", now="t1")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.FingerprintMismatchError: out holds results made with other settings:
+          model: 'a' -> 'b'
+        Pass force=True (CLI --force) to resume anyway, or choose a new output directory.
+    """
+    canonical = make_fingerprint(**fingerprint)
+    digest = fingerprint_digest(canonical)
+    if previous is None:
+        return {
+            "format_version": JOB_FORMAT_VERSION,
+            "fingerprint": canonical,
+            "digest": digest,
+            "created": now,
+            "updated": now,
+            "history": [],
+        }
+    version = previous.get("format_version", JOB_FORMAT_VERSION)
+    if not isinstance(version, int) or version > JOB_FORMAT_VERSION:
+        raise JobError(
+            f"{where} was made by a newer llm-annotator (job format {version!r}, this one "
+            f"reads {JOB_FORMAT_VERSION}); upgrade, or choose a new output directory"
+        )
+    record = dict(previous)
+    old = dict(previous.get("fingerprint") or {})
+    history = list(previous.get("history") or [])
+    old_digest = fingerprint_digest(old)
+    if old_digest != digest:
+        changes = describe_changes(old, canonical)
+        if not force:
+            listed = "".join(f"\n  {line}" for line in changes)
+            raise FingerprintMismatchError(
+                f"{where} holds results made with other settings:{listed}\n"
+                "Pass force=True (CLI --force) to resume anyway, or choose a new output "
+                "directory.",
+                changes=changes,
+            )
+        logger.warning("fingerprint changed, resuming anyway", output_dir=where, changes=changes)
+        history.append({"fingerprint": old, "digest": old_digest, "replaced": now})
+    record.update(
+        format_version=JOB_FORMAT_VERSION,
+        fingerprint=canonical,
+        digest=digest,
+        updated=now,
+        history=history,
+    )
+    record.setdefault("created", now)
+    return record
+
+
+def read_job_record(path: Path, *, force: bool = False) -> dict[str, Any] | None:
+    """A run directory's ``job.json``; None if it has none (or, with ``force``, a broken one).
+
+    Raises:
+        JobError: If the file is not a job record and ``force`` is False.
+    """
+    try:
+        job = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, orjson.JSONDecodeError) as error:
+        problem = str(error)
+    else:
+        if isinstance(job, dict) and isinstance(job.get("fingerprint"), dict):
+            return job
+        problem = "no fingerprint in it"
+    if not force:
+        raise JobError(
+            f"{path} is not a readable job record ({problem}); restore it, or pass "
+            "force=True (CLI --force) to record the current settings"
+        )
+    logger.warning("broken job record replaced", path=str(path))
+    return None

@@ -1,0 +1,102 @@
+"""The output row of an annotation job: the input's columns, the id, and the answer."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from llm_annotator.jobs.ids import RowId
+from llm_annotator.jobs.schema import OutputSchema, Parsed
+from llm_annotator.response import Response
+
+ANSWER_COLUMNS: tuple[str, ...] = (
+    "response",
+    "finish_reason",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "error",
+    "error_type",
+    "server",
+    "model",
+)
+"""The columns every output row has besides its id and the input's columns."""
+VALID_COLUMN = "valid"
+"""With an output_schema: whether the answer parsed and followed it."""
+INPUT_PREFIX = "input_"
+"""Prefix given to an input column whose name is taken by an output column."""
+
+
+class RecordBuilder:
+    """Turns a row and its Response into one output record (a JSON-able dict).
+
+    Output columns come first: ``id``, the answer's columns, then with an output
+    schema its parsed fields and ``valid``. The input's columns follow (all of them, or
+    ``columns``); one whose name an output column already uses gets the prefix
+    ``input_``, so nothing the user passed in is lost or overwritten.
+
+    Args:
+        schema: The output schema whose fields become columns, or None.
+        columns: The input columns to keep, or None for all.
+
+    Examples:
+        >>> builder = RecordBuilder(None, columns=None)
+        >>> record = builder.build(3, {"text": "ok", "error": "x"}, Response(text="positive"))
+        >>> record["id"], record["response"], record["error"], record["input_error"]
+        (3, 'positive', None, 'x')
+    """
+
+    def __init__(self, schema: OutputSchema | None, columns: Sequence[str] | None) -> None:
+        self.schema = schema
+        self.columns = tuple(columns) if columns is not None else None
+        taken = {"id", *ANSWER_COLUMNS}
+        if schema is not None:
+            taken.update(schema.columns)
+            taken.add(VALID_COLUMN)
+        self.taken: Collection[str] = frozenset(taken)
+
+    def output_columns(self) -> list[str]:
+        """The output columns, in the order records list them."""
+        names = ["id", *ANSWER_COLUMNS]
+        if self.schema is not None:
+            names += [*self.schema.columns, VALID_COLUMN]
+        return names
+
+    def build(
+        self,
+        row_id: RowId,
+        values: Mapping[str, Any],
+        response: Response,
+        parsed: Parsed | None = None,
+    ) -> dict[str, Any]:
+        """The record of one row."""
+        record: dict[str, Any] = {
+            "id": row_id,
+            "response": response.text,
+            "finish_reason": response.finish_reason,
+            "num_prompt_tokens": response.num_prompt_tokens,
+            "num_output_tokens": response.num_output_tokens,
+            "error": response.error,
+            "error_type": response.error_type,
+            "server": response.server,
+            "model": response.model,
+        }
+        if self.schema is not None:
+            if parsed is None:
+                record.update(dict.fromkeys(self.schema.columns))
+                record[VALID_COLUMN] = False
+            else:
+                record.update(parsed.values)
+                record[VALID_COLUMN] = parsed.valid
+        self._add_input(record, values)
+        return record
+
+    def error_record(self, row_id: RowId, values: Mapping[str, Any], error: str) -> dict[str, Any]:
+        """The record of a row that could not be sent (unreadable, or no prompt)."""
+        return self.build(row_id, values, Response(error=error, error_type="input_error"))
+
+    def _add_input(self, record: dict[str, Any], values: Mapping[str, Any]) -> None:
+        taken = self.taken
+        names = self.columns if self.columns is not None else values.keys()
+        for name in names:
+            key = INPUT_PREFIX + name if name in taken else name
+            record[key] = values.get(name)

@@ -1,0 +1,435 @@
+"""The result store of an annotation job: append-only shards, each id once, resumable.
+
+A run directory looks like this::
+
+    output_dir/
+      job.json                   the fingerprint of the settings, timestamps, history
+      .lock                      flock'ed by the one process using the directory
+      shards/part-<UTC time>-<pid>-<n>.jsonl   one JSON record a line; one new shard
+                                                each time the store is opened
+      annotations.parquet        written by consolidate() at the end
+
+Each record is one line written whole: a process killed mid-write leaves at most a
+truncated last line, which the next open cuts off (that row is simply run again).
+Opening reads every shard and keeps the ids that have a result, not the records, in
+compact :class:`~llm_annotator.jobs.ids.IdSet` s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import orjson
+import structlog
+
+from llm_annotator.errors import JobError
+from llm_annotator.jobs.fingerprint import job_record, read_job_record
+from llm_annotator.jobs.ids import IdSet, RowId, is_valid_id
+
+logger = structlog.get_logger(__name__)
+
+JOB_FILE = "job.json"
+SHARDS_DIR = "shards"
+LOCK_FILE = ".lock"
+_WRITE_BUFFER = 1 << 20
+"""Bytes of records buffered before they are written without waiting for flush()."""
+_SHARD_NAME = re.compile(r"^part-.*-(\d+)\.jsonl$")
+
+
+def is_error_record(record: Mapping[str, Any]) -> bool:
+    """Whether a result record is an error row: its ``"error"`` field is truthy."""
+    return bool(record.get("error"))
+
+
+def shard_paths(output_dir: str | os.PathLike[str]) -> list[Path]:
+    """The shard files of a run directory, oldest first (by their sequence number)."""
+    folder = Path(output_dir) / SHARDS_DIR
+    if not folder.is_dir():
+        return []
+    numbered = []
+    for path in folder.iterdir():
+        match = _SHARD_NAME.match(path.name)
+        if match and path.is_file():
+            numbered.append((int(match.group(1)), path.name, path))
+    return [path for _, _, path in sorted(numbered)]
+
+
+def read_shard(path: Path, *, repair: bool = False) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """The records of one shard, as ``(byte offset, line length, record)``.
+
+    A line that is not a JSON object with a valid ``"id"`` is skipped with a warning
+    naming the shard and line (its row will be run again). If it is the last line, or
+    the last line has no newline, it is a write cut short by a killed process: with
+    ``repair`` the file is truncated back to the end of the line before it.
+
+    Args:
+        path: The shard file.
+        repair: Truncate a cut-short last line away (only while holding the lock).
+    """
+    bad: tuple[int, int] | None = None  # (line number, offset) of the latest bad line
+    offset = 0
+    with path.open("rb") as file:
+        for number, line in enumerate(file, 1):
+            if bad is not None:
+                logger.warning("corrupt shard line skipped", shard=str(path), line=bad[0])
+                bad = None
+            record = _parse(line) if line.endswith(b"\n") else None
+            if record is None:
+                bad = (number, offset)
+            else:
+                yield offset, len(line), record
+            offset += len(line)
+    if bad is not None:
+        if repair:
+            os.truncate(path, bad[1])
+            _fsync(path)
+        logger.warning(
+            "truncated last line repaired" if repair else "truncated last line ignored",
+            shard=str(path),
+            line=bad[0],
+            dropped_bytes=offset - bad[1],
+        )
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(record, dict) and is_valid_id(record.get("id")):
+        return record
+    return None
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``<directory>/.lock``, which holds the owner's pid."""
+
+    __slots__ = ("_file",)
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file: IO[bytes] | None = file
+
+    @classmethod
+    def acquire(cls, directory: Path, action: str) -> DirectoryLock:
+        """Take the lock without waiting.
+
+        Raises:
+            JobError: If another process (or another store in this one) holds it.
+        """
+        path = directory / LOCK_FILE
+        file = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b", buffering=0)
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = file.read().decode(errors="replace").strip() or "unknown"
+            file.close()
+            hint = (
+                "a ResultStore of this process is still open; close it first"
+                if owner == str(os.getpid())
+                else "wait for it to finish or stop it, or choose another output directory"
+            )
+            raise JobError(
+                f"cannot {action} {directory}: another run (pid {owner}) is using it; {hint}"
+            ) from None
+        except OSError as error:
+            file.close()
+            raise JobError(
+                f"cannot lock {path}: {error}; the output directory must be on a file "
+                "system that supports flock"
+            ) from error
+        file.truncate(0)
+        file.write(f"{os.getpid()}\n".encode())
+        return cls(file)
+
+    def release(self) -> None:
+        """Let go of the lock; idempotent."""
+        if self._file is not None:
+            file, self._file = self._file, None
+            fcntl.flock(file, fcntl.LOCK_UN)
+            file.close()
+
+
+class ResultStore:
+    """Where an annotation job's results go, each row id exactly once, across restarts.
+
+    Open it with :meth:`open`; it holds the directory's lock until :meth:`close` (also
+    a context manager). :meth:`is_done` and :meth:`append` belong to one thread (the
+    job's event loop); :meth:`flush` and :meth:`sync` may run in another one at the same
+    time (``await asyncio.to_thread(store.sync)``).
+    """
+
+    def __init__(
+        self, directory: Path, lock: DirectoryLock, fingerprint: dict[str, Any], retry: bool
+    ) -> None:
+        """Use :meth:`open`."""
+        self._directory = directory
+        self._lock = lock
+        self._fingerprint = fingerprint
+        self._retry_errors = retry
+        self._succeeded = IdSet()
+        self._errors = IdSet()
+        self._retried = IdSet()  # error ids written since open, with retry_errors
+        self._recovered = 0  # ids in _errors that later got a success
+        self._written = 0
+        self._buffer = bytearray()
+        self._buffer_lock = threading.Lock()  # append and flush may be on two threads
+        self._file: IO[bytes] | None = None
+        self._shard_path = directory / SHARDS_DIR / "unopened"
+
+    @classmethod
+    def open(
+        cls,
+        output_dir: str | os.PathLike[str],
+        fingerprint: Mapping[str, Any],
+        *,
+        force: bool = False,
+        retry_errors: bool = False,
+    ) -> ResultStore:
+        """Open (or create) a run directory, read what is done, and start a new shard.
+
+        Args:
+            output_dir: The run directory; created if missing.
+            fingerprint: What defines the results (see
+                :func:`~llm_annotator.jobs.fingerprint.make_fingerprint`).
+            force: Resume even if the directory was made with another fingerprint;
+                the new one is recorded and the old one kept in the history.
+            retry_errors: Count ids whose best record is an error as not done, so
+                the job sends them again.
+
+        Raises:
+            FingerprintMismatchError: If the directory holds results made with other
+                settings and ``force`` is False.
+            JobError: If another run is using the directory, or it cannot be written.
+        """
+        directory = Path(output_dir)
+        try:
+            (directory / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise JobError(f"cannot create the output directory {directory}: {error}") from error
+        lock = DirectoryLock.acquire(directory, "open")
+        try:
+            job_path = directory / JOB_FILE
+            job = job_record(
+                read_job_record(job_path, force=force),
+                fingerprint,
+                where=str(directory),
+                now=datetime.now(UTC).isoformat(timespec="seconds"),
+                force=force,
+            )
+            with atomic_write(job_path) as file:
+                file.write(orjson.dumps(job, option=orjson.OPT_INDENT_2) + b"\n")
+            store = cls(directory, lock, job["fingerprint"], retry_errors)
+            shards = store._scan()
+            store._start_shard(shards)
+        except BaseException:
+            lock.release()
+            raise
+        logger.info(
+            "run resumed" if shards else "run started",
+            output_dir=str(directory),
+            shards=len(shards),
+            done=store.num_done,
+            errors=store.num_errors,
+            retry_errors=retry_errors,
+        )
+        return store
+
+    def __enter__(self) -> ResultStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._file is None else "open"
+        return (
+            f"<ResultStore {state} dir={str(self._directory)!r} done={self.num_done} "
+            f"errors={self.num_errors} written={self._written}>"
+        )
+
+    @property
+    def output_dir(self) -> Path:
+        """The run directory."""
+        return self._directory
+
+    @property
+    def shard_path(self) -> Path:
+        """The shard this store writes to (removed on close if nothing was written)."""
+        return self._shard_path
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """The canonical fingerprint recorded for this run."""
+        return dict(self._fingerprint)
+
+    @property
+    def num_done(self) -> int:
+        """Ids with a result that counts as done (errors not, with ``retry_errors``)."""
+        if self._retry_errors:
+            return len(self._succeeded) + len(self._retried)
+        return len(self._succeeded) + self.num_errors
+
+    @property
+    def num_errors(self) -> int:
+        """Ids whose best record is an error row."""
+        return len(self._errors) - self._recovered
+
+    @property
+    def num_written(self) -> int:
+        """Records appended since this store was opened."""
+        return self._written
+
+    def is_done(self, row_id: RowId) -> bool:
+        """Whether ``row_id`` has a result and must not be sent again."""
+        if row_id in self._succeeded:
+            return True
+        if not self._errors or row_id not in self._errors:
+            return False
+        return not self._retry_errors or row_id in self._retried
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Write one result record (buffered until :meth:`flush`) and mark its id done.
+
+        Args:
+            record: A JSON-able mapping with an ``"id"``; an error row has a truthy
+                ``"error"``.
+
+        Raises:
+            JobError: If the store is closed, the id is missing or invalid, the id
+                already has a result, or the record is not JSON-able.
+        """
+        if self._file is None:
+            raise JobError(f"the result store of {self._directory} is closed")
+        row_id = record.get("id")
+        if not is_valid_id(row_id):
+            raise JobError(f"a result record needs an int (64-bit) or str 'id', not {row_id!r}")
+        if self.is_done(row_id):
+            raise JobError(
+                f"row id {row_id!r} already has a result in {self._directory}; "
+                "each id is written once"
+            )
+        try:
+            line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
+        except TypeError as error:
+            raise JobError(f"the result of row {row_id!r} is not JSON-able: {error}") from error
+        with self._buffer_lock:
+            self._buffer += line
+            self._buffer += b"\n"
+        failed = is_error_record(record)
+        self._note(row_id, error=failed)
+        if failed and self._retry_errors:
+            self._retried.add(row_id)
+        self._written += 1
+        if len(self._buffer) >= _WRITE_BUFFER:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the buffered records to the operating system (whole lines only)."""
+        with self._buffer_lock:
+            if self._file is None or not self._buffer:
+                return
+            view = memoryview(self._buffer)
+            done = 0
+            try:
+                while done < len(view):
+                    done += self._file.write(view[done:]) or 0
+            finally:
+                view.release()
+                del self._buffer[:done]
+
+    def sync(self) -> None:
+        """Flush, then make the records durable on disk (``fsync``)."""
+        self.flush()
+        if self._file is not None:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        """Flush, fsync and release the lock; idempotent."""
+        if self._file is None:
+            return
+        try:
+            self.sync()
+        finally:
+            self._file.close()
+            self._file = None
+            if self._written == 0:
+                with contextlib.suppress(OSError):
+                    self._shard_path.unlink()
+            self._lock.release()
+            logger.info(
+                "results store closed",
+                output_dir=str(self._directory),
+                written=self._written,
+                done=self.num_done,
+                errors=self.num_errors,
+            )
+
+    def _note(self, row_id: RowId, *, error: bool) -> None:
+        """Count one record; a success outranks any error for the same id."""
+        if error:
+            if row_id not in self._succeeded:
+                self._errors.add(row_id)
+        elif self._succeeded.add(row_id) and self._errors and row_id in self._errors:
+            self._recovered += 1
+
+    def _scan(self) -> list[Path]:
+        shards = shard_paths(self._directory)
+        for path in shards:
+            for _, _, record in read_shard(path, repair=True):
+                self._note(record["id"], error=is_error_record(record))
+        return shards
+
+    def _start_shard(self, existing: list[Path]) -> None:
+        match = _SHARD_NAME.match(existing[-1].name) if existing else None
+        number = int(match.group(1)) + 1 if match else 1
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        self._shard_path = (
+            self._directory / SHARDS_DIR / f"part-{stamp}-{os.getpid()}-{number:06d}.jsonl"
+        )
+        self._file = self._shard_path.open("xb", buffering=0)
+        _fsync(self._shard_path.parent)
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path) -> Iterator[IO[bytes]]:
+    """A file that replaces ``path`` only once written whole and fsynced.
+
+    The bytes go to a temporary name in the same directory, renamed over ``path`` at
+    the end; if the block raises, the temporary file is removed and ``path`` is
+    untouched. Only one writer at a time (the directory lock's holder).
+    """
+    temp = path.with_name(f".{path.name}.tmp")
+    try:
+        with temp.open("wb") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (so a new or renamed entry survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
