@@ -67,8 +67,9 @@ def run_demo(
         0 when every row was annotated, 1 otherwise.
     """
     rows = [{"text": text} for text in demo_rows(num_rows)]
-    # Sampled, not greedy: random weights pick the end token at once when greedy.
-    options = VLLMOnlineRuntimeOptions(max_completion_tokens=8, temperature=1.0, seed=0)
+    # Sampled, not greedy: random weights pick the end token at once when greedy. No
+    # seed: vLLM's CPU build kills its engine on seeded requests under load.
+    options = VLLMOnlineRuntimeOptions(max_completion_tokens=8, temperature=1.0)
     if output_dir is None:
         output_dir = Path(tempfile.mkdtemp(prefix="llm-annotator-demo-"))
     servers = None

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.integration
 
 COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
 TEMPLATE = "Classify the sentiment of this review: {text}"
-OPTIONS = ["--max-completion-tokens", "4", "--temperature", "1.0", "--seed", "0"]
+# No --seed: vLLM 0.32's CPU build kills its engine ("CPU Generator does not use
+# offset") when a seeded request's prefill is split over steps, as it is under load.
+OPTIONS = ["--max-completion-tokens", "4", "--temperature", "1.0"]
 
 
 def write_rows(path: Path, n: int, *, long_every: int = 0) -> Path:
@@ -139,7 +141,7 @@ def test_sigkilled_run_resumes_without_sending_done_rows_again(
 ) -> None:
     """SIGKILL the annotating process half way; the second run sends exactly the rows
     not yet written (the servers' counters say so) and the output has every id once."""
-    n = 2400
+    n = 6000
     data = write_rows(tmp_path / "data.jsonl", n)
     out = tmp_path / "run"
     log = tmp_path / "run.log"
@@ -229,13 +231,15 @@ def test_changed_template_is_refused_and_retry_errors_resends_only_errors(
 
 def test_cli_runs_the_same_job_as_the_python_api(idle: LocalServers, tmp_path: Path) -> None:
     """The installed command and pool.annotate give the same rows for the same job
-    (seeded sampling, so the answers match too)."""
+    (greedy decoding, so the answers match too)."""
     n = 200
     data = write_rows(tmp_path / "data.jsonl", n)
-    cli = finish(run_args(idle, data, tmp_path / "cli", "--jsonl"), tmp_path / "cli.log")
+    args = run_args(idle, data, tmp_path / "cli", "--jsonl")
+    args[args.index("--temperature") + 1] = "0"
+    cli = finish(args, tmp_path / "cli.log")
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "annotations:" in cli.stdout
-    options = VLLMOnlineRuntimeOptions(max_completion_tokens=4, temperature=1.0, seed=0)
+    options = VLLMOnlineRuntimeOptions(max_completion_tokens=4, temperature=0.0)
     with VLLMQueueAnnotator(idle.base_urls) as pool:
         api = pool.annotate(data, TEMPLATE, tmp_path / "api", options=options, progress=False)
     columns = ["id", "text", "response", "finish_reason", "num_prompt_tokens", "error"]
