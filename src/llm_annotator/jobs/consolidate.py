@@ -154,7 +154,7 @@ def _consolidate(directory: Path, *, jsonl: bool, column_order: Sequence[str]) -
             _write_jsonl(file, shards, keys, names)
     result = summary.result(parquet_path, jsonl_path)
     logger.info(
-        "results consolidated",
+        "results_consolidated",
         output_dir=str(directory),
         rows=result.num_rows,
         succeeded=result.num_succeeded,
@@ -266,7 +266,7 @@ class _Loader:
             if name != "id" and not self._agree(name):
                 self.stringified.add(name)
         for name in sorted(self.stringified):
-            logger.warning("conflicting value types: column stored as strings", column=name)
+            logger.warning("column_stored_as_strings", column=name)
             self._data = [_stringify(table, name) for table in self._data]
         data = pa.concat_tables(self._data, promote_options="permissive")
         return data, pa.concat_tables(self._keys)
@@ -358,7 +358,7 @@ def _id_column(keys: pa.Table) -> pa.ChunkedArray:
         return keys["int_id"]
     if strs == keys.num_rows:
         return keys["str_id"]
-    logger.warning("ids mix ints and strs: column stored as strings", column="id")
+    logger.warning("id_column_stored_as_strings", column="id")
     return pc.if_else(is_str, keys["str_id"], pc.cast(keys["int_id"], pa.string()))
 
 

@@ -220,7 +220,7 @@ def job_record(
                 "directory.",
                 changes=changes,
             )
-        logger.warning("fingerprint changed, resuming anyway", output_dir=where, changes=changes)
+        logger.warning("fingerprint_changed_forced", output_dir=where, changes=changes)
         history.append({"fingerprint": old, "digest": old_digest, "replaced": now})
     record.update(
         format_version=JOB_FORMAT_VERSION,
@@ -254,5 +254,5 @@ def read_job_record(path: Path, *, force: bool = False) -> dict[str, Any] | None
             f"{path} is not a readable job record ({problem}); restore it, or pass "
             "force=True (CLI --force) to record the current settings"
         )
-    logger.warning("broken job record replaced", path=str(path))
+    logger.warning("job_record_replaced", path=str(path))
     return None

@@ -80,7 +80,7 @@ def read_shard(path: Path, *, repair: bool = False) -> Iterator[tuple[int, int, 
     with path.open("rb") as file:
         for number, line in enumerate(file, 1):
             if bad is not None:
-                logger.warning("corrupt shard line skipped", shard=str(path), line=bad[0])
+                logger.warning("shard_line_skipped", shard=str(path), line=bad[0])
                 bad = None
             record = _parse(line) if line.endswith(b"\n") else None
             if record is None:
@@ -93,7 +93,7 @@ def read_shard(path: Path, *, repair: bool = False) -> Iterator[tuple[int, int, 
             os.truncate(path, bad[1])
             _fsync(path)
         logger.warning(
-            "truncated last line repaired" if repair else "truncated last line ignored",
+            "truncated_line_repaired" if repair else "truncated_line_ignored",
             shard=str(path),
             line=bad[0],
             dropped_bytes=offset - bad[1],
@@ -234,7 +234,7 @@ class ResultStore:
             lock.release()
             raise
         logger.info(
-            "run resumed" if shards else "run started",
+            "store_resumed" if shards else "store_opened",
             output_dir=str(directory),
             shards=len(shards),
             done=store.num_done,
@@ -371,7 +371,7 @@ class ResultStore:
                     self._shard_path.unlink()
             self._lock.release()
             logger.info(
-                "results store closed",
+                "store_closed",
                 output_dir=str(self._directory),
                 written=self._written,
                 done=self.num_done,
