@@ -83,6 +83,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("retry_errors", _bool, "send again the rows that ended in error", False),
     _Setting("force", _bool, "resume even if the directory was made with other settings", False),
     _Setting("jsonl", _bool, "also write annotations.jsonl", False),
+    _Setting("hedge_tail", _bool, "near the end, also send slow servers' work to idle ones", True),
     _Setting(
         "stop_grace", float, "seconds in-flight requests get after a signal (default 30)", 30.0
     ),
@@ -111,7 +112,7 @@ def add_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         flag = "--" + setting.flag.replace("_", "-")
         if setting.kind is _bool:
             parser.add_argument(
-                flag, action="store_const", const=True, default=None, help=setting.help
+                flag, action=argparse.BooleanOptionalAction, default=None, help=setting.help
             )
         elif setting.nargs:
             parser.add_argument(flag, nargs=setting.nargs, default=None, help=setting.help)
@@ -188,6 +189,7 @@ def run_command(args: argparse.Namespace) -> int:
         batch_size=settings["batch_size"],
         max_concurrent_batches_per_client=settings["max_concurrent_batches_per_client"],
         all_down_timeout=settings["all_down_timeout"],
+        hedge_tail=settings["hedge_tail"],
     )
     annotator = Annotator(pool, stop_grace=settings["stop_grace"])
     try:

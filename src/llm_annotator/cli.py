@@ -261,7 +261,8 @@ def configure_logging(log_format: str | None = None) -> None:
             renderer,
         ],
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+        # Not cached: a logger made before this call (or in a test) must follow it.
+        cache_logger_on_first_use=False,
     )
 
 

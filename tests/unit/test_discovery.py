@@ -420,7 +420,10 @@ async def calling(pool: VLLMQueueAnnotator, n: int) -> AsyncIterator[asyncio.Tas
 
 
 def pool_for(urls: list[str]) -> VLLMQueueAnnotator:
-    return VLLMQueueAnnotator(urls, batch_size=5, max_concurrent_batches_per_client=1, **FAST)
+    """A pool without tail hedging, so "each sample sent once" holds exactly."""
+    return VLLMQueueAnnotator(
+        urls, batch_size=5, max_concurrent_batches_per_client=1, hedge_tail=False, **FAST
+    )
 
 
 def assert_each_sample_sent_once_and_answered(

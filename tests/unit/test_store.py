@@ -157,7 +157,7 @@ def test_truncated_last_line_is_cut_and_its_id_runs_again(tmp_path: Path) -> Non
         assert not store.is_done(2)
         assert store.num_done == 2
         store.append({"id": 2, "r": "c"})
-    assert any(log["event"] == "truncated last line repaired" for log in logs)
+    assert any(log["event"] == "truncated_line_repaired" for log in logs)
 
 
 def test_unparsable_last_line_is_cut_too(tmp_path: Path) -> None:
@@ -178,7 +178,7 @@ def test_corrupt_middle_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
         assert not store.is_done(1)
         assert store.is_done(2)
     assert shard.read_bytes() == content
-    warnings = [log for log in logs if log["event"] == "corrupt shard line skipped"]
+    warnings = [log for log in logs if log["event"] == "shard_line_skipped"]
     assert [(w["shard"], w["line"]) for w in warnings] == [(str(shard), 2)]
 
 

@@ -275,6 +275,7 @@ class Annotator:
             ResultStore.open, output_dir, fingerprint, force=force, retry_errors=retry_errors
         )
         resumed = store.num_done
+        hedged_before = _hedged(self.client)
         log.info(
             "job_started",
             input=source.description,
@@ -324,6 +325,7 @@ class Annotator:
         )
         seconds = time.monotonic() - started
         report = _report(job, result, total, resumed, seconds, self.client)
+        report["this_run"]["hedged_requests"] = _hedged(self.client) - hedged_before
         report_path = output_dir / REPORT_NAME
         await asyncio.to_thread(_write_json, report_path, report)
         log.info(
@@ -511,6 +513,13 @@ async def _model_of(client: Client[Any]) -> str | None:
     return model if isinstance(model, str) else None
 
 
+def _hedged(client: Client[Any]) -> int:
+    """Duplicate requests the pool sent to shorten the tail (first answer kept)."""
+    if isinstance(client, VLLMQueueAnnotator):
+        return client.statistics().hedged
+    return 0
+
+
 def _healthy(client: Client[Any]) -> int:
     if isinstance(client, VLLMQueueAnnotator):
         return client.statistics().healthy
@@ -530,6 +539,7 @@ def _report(
                 "evictions": member.evictions,
                 "readmissions": member.readmissions,
                 "requeued": member.requeued,
+                "hedged": member.hedged,
             }
     elapsed = max(seconds, 1e-9)
     return {

@@ -84,6 +84,10 @@ class PoolStatistics:
     def requeued(self) -> int:
         return sum(m.requeued for m in self.members)
 
+    @property
+    def hedged(self) -> int:
+        return sum(m.hedged for m in self.members)
+
     def member(self, server: str) -> MemberStatistics:
         """The statistics of the member with this base URL."""
         url = normalize_base_url(server)
@@ -139,6 +143,10 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             of ``*.url`` files, a DNS name): servers that appear join once healthy,
             servers that disappear are drained and removed. With a discovery the pool
             may start empty and wait (``all_down_timeout``) for its first server.
+        hedge_tail: Near the end of a call, when the queue is empty, let idle members
+            also send samples still in flight on slower members; the first answer is
+            kept, the other discarded. Shortens the tail on servers of unequal speed
+            at the cost of some duplicate requests (counted in ``statistics()``).
 
     Raises:
         ValueError: If no server is given, one is given twice, or a setting is out of
@@ -171,6 +179,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         all_down_timeout: float = 300.0,
         on_error: OnError = "warn",
         discovery: ServerDiscovery | None = None,
+        hedge_tail: bool = True,
     ) -> None:
         if isinstance(base_urls, str):
             raise ValueError("base_urls must be a list of URLs, not one string")
@@ -206,6 +215,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         self.max_sample_retries = max_sample_retries
         self.all_down_timeout = float(all_down_timeout)
         self.on_error: OnError = on_error
+        self.hedge_tail = hedge_tail
         self._members: dict[str, Member] = {}
         for url in base_urls or ():
             self._add_member(Member(self._new_client(url)))
@@ -786,11 +796,45 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
                 wait = member.backoff_until - time.monotonic()
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
-            batch = run.take()
+            batch = run.take(self._working_slots())
+            tail = run.source_done and not run.queue and not run.stopping
+            if batch is None and self.hedge_tail and tail:
+                batch = self._hedge(run, member)
             if batch is None:
                 await run.wait_for_change(1.0)
                 continue
             await self._run_batch(run, member, batch)
+
+    def _working_slots(self) -> int:
+        healthy = sum(m.state is MemberState.HEALTHY for m in self._members.values())
+        return max(1, healthy) * self.max_concurrent_batches_per_client
+
+    def _hedge(self, run: Run, member: Member) -> list[int] | None:
+        """Samples in flight on the members expected to finish last, not yet hedged."""
+        elapsed = max(time.monotonic() - run.started, 1e-3)
+
+        def expected_end(other: Member) -> float:
+            rate = max(other.completed / elapsed, 1e-3)
+            return len(other.in_flight) / rate
+
+        others = [m for m in self._members.values() if m is not member and m.in_flight]
+        suspects = run.evicted_with
+        batch: list[int] = []
+        for other in sorted(others, key=expected_end, reverse=True):
+            for index in list(other.in_flight.values()):
+                # A sample that was on an evicted member may be what kills servers.
+                if index in run.open and index not in run.hedged and index not in suspects:
+                    batch.append(index)
+                    if len(batch) == self.batch_size:
+                        break
+            if len(batch) == self.batch_size:
+                break
+        if not batch:
+            return None
+        run.hedged.update(batch)
+        member.hedged += len(batch)
+        log.debug("samples_hedged", server=member.url, samples=len(batch))
+        return batch
 
     async def _run_batch(self, run: Run, member: Member, batch: list[int]) -> None:
         """Send a batch at once; settle each answer as it arrives; requeue what is left."""

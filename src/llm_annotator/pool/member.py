@@ -38,6 +38,8 @@ class MemberStatistics:
         evictions: Times it was evicted.
         readmissions: Times it rejoined after an eviction or a start while down.
         requeued: Samples taken from it and put back on the queue.
+        hedged: Samples it was sent near the end of a call while they were still in
+            flight on a slower member (the first answer wins).
         in_flight: Requests it held when the snapshot was taken.
         last_error: The last failure it caused, or None.
     """
@@ -49,6 +51,7 @@ class MemberStatistics:
     evictions: int
     readmissions: int
     requeued: int
+    hedged: int
     in_flight: int
     last_error: str | None
 
@@ -73,6 +76,7 @@ class Member:
         self.evictions = 0
         self.readmissions = 0
         self.requeued = 0
+        self.hedged = 0
         self.last_error: str | None = None
 
     @property
@@ -89,6 +93,7 @@ class Member:
             evictions=self.evictions,
             readmissions=self.readmissions,
             requeued=self.requeued,
+            hedged=self.hedged,
             in_flight=len(self.in_flight),
             last_error=self.last_error,
         )

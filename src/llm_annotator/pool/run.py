@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -39,6 +40,9 @@ class Run:
         self.source_done = False
         self.stop: asyncio.Event | None = None
         """Set by the caller: no new work is taken; the run ends once nothing is in flight."""
+        self.hedged: set[int] = set()
+        """Open samples also sent to a second member near the end (first answer wins)."""
+        self.started = time.monotonic()
         self.evicted_with: dict[int, list[str]] = {}
         self.retries: Counter[int] = Counter()
         self.overloads: Counter[int] = Counter()
@@ -81,6 +85,7 @@ class Run:
         if self.open.pop(index, None) is None:
             return False
         self.evicted_with.pop(index, None)
+        self.hedged.discard(index)
         self.retries.pop(index, None)
         self.overloads.pop(index, None)
         self.delivered += 1
@@ -97,13 +102,22 @@ class Run:
             self.notify()
         return len(open_)
 
-    def take(self) -> list[int] | None:
-        """Up to ``batch_size`` open samples from the front; None if there are none."""
+    def take(self, slots: int = 1) -> list[int] | None:
+        """Open samples from the front; None if there are none.
+
+        A batch holds ``batch_size`` samples, except once the source is done: then at
+        most an even share of the queue over ``slots`` (the batch slots taking work),
+        so the last samples spread over every member instead of ending up in a few
+        full batches on the slowest.
+        """
         if self.stopping:
             return None
+        size = self.batch_size
+        if self.source_done:
+            size = max(1, min(size, -(-len(self.queue) // max(slots, 1))))
         batch: list[int] = []
         queue, open_ = self.queue, self.open
-        while queue and len(batch) < self.batch_size:
+        while queue and len(batch) < size:
             index = queue.popleft()
             if index in open_:
                 batch.append(index)
