@@ -1,6 +1,6 @@
 """The pool: one work queue over many servers, members, health, eviction, discovery."""
 
-from llm_annotator.pool.annotator import PoolStatistics, VLLMQueueAnnotator
+from llm_annotator.pool.annotator import VLLMQueueAnnotator
 from llm_annotator.pool.discovery import (
     DirectorySource,
     DnsSource,
@@ -9,6 +9,7 @@ from llm_annotator.pool.discovery import (
     ServerSource,
 )
 from llm_annotator.pool.member import MemberState, MemberStatistics
+from llm_annotator.pool.statistics import PoolStatistics
 
 __all__ = [
     "DirectorySource",

@@ -1,0 +1,286 @@
+"""Calls: one batch or one stream through the pool, from the first probe to the last answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter, deque
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Sequence,
+)
+from typing import Any, TypeVar, cast
+
+import structlog
+
+from llm_annotator.clients.base import Messages
+from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
+from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
+from llm_annotator.pool._work import PoolWork
+from llm_annotator.pool.discovery import PoolLike
+from llm_annotator.pool.member import MemberState
+from llm_annotator.pool.run import Deliver, Run
+from llm_annotator.response import OnError, Response
+
+log = structlog.get_logger("llm_annotator.pool")
+
+K = TypeVar("K")
+
+
+class PoolCalls(PoolWork):
+    """``abatch_generate`` and ``astream``: a call's life on the pool."""
+
+    on_error: OnError
+
+    # -- the call ----------------------------------------------------------------------
+
+    async def agenerate(
+        self,
+        *,
+        messages: Messages,
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+    ) -> Response:
+        """Async twin of :meth:`generate`: a batch of one."""
+        responses = await self.abatch_generate(
+            messages=[messages], options=options, gen_kwargs=gen_kwargs
+        )
+        return responses[0]
+
+    async def abatch_generate(
+        self,
+        *,
+        messages: list[Messages],
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+    ) -> list[Response]:
+        """Async twin of :meth:`batch_generate`."""
+        if not messages:
+            return []
+        results: list[Response | None] = [None] * len(messages)
+
+        def deliver(index: int, response: Response) -> None:
+            results[index] = response
+
+        run = self._begin(deliver, options, gen_kwargs)
+        for index, conversation in enumerate(messages):
+            run.admit(index, conversation)
+        run.close_source()
+        started = time.monotonic()
+        try:
+            await self._drive(run)
+        except PoolExhaustedError as exc:
+            exc.responses = list(results)
+            raise
+        done: list[Response] = [r for r in results if r is not None]
+        self._report(done, time.monotonic() - started)
+        return done
+
+    async def astream(
+        self,
+        samples: Iterable[tuple[K, Messages]] | AsyncIterable[tuple[K, Messages]],
+        *,
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> AsyncGenerator[tuple[K, Response], None]:
+        """Generate for a stream of ``(key, conversation)`` pairs, yielding
+        ``(key, Response)`` as each completes, in completion order.
+
+        Samples are read from ``samples`` only as fast as the pool works through them
+        (a bounded window of open samples), so a stream of any length runs in bounded
+        memory. Every key comes back exactly once, unless the stream is stopped.
+        A consumer that may stop reading early should close the stream
+        (``async with contextlib.aclosing(pool.astream(...)) as stream``), which
+        cancels the work in flight and frees the pool for its next call at once.
+
+        Args:
+            samples: The work, as a sync or async iterable of pairs. Keys are the
+                caller's; they are handed back untouched.
+            options: Generation options for every sample.
+            gen_kwargs: Raw request parameters that override ``options``.
+            stop: When set, no new work is taken: the requests in flight finish and
+                are yielded, then the stream ends. Samples not yet sent are dropped.
+
+        Raises:
+            PoolExhaustedError: Every server stayed down for ``all_down_timeout``
+                (after everything completed before was yielded).
+        """
+        outbox: deque[tuple[K, Response]] = deque()
+        keys: dict[int, K] = {}
+        arrived = asyncio.Event()
+        room = asyncio.Event()
+
+        def deliver(index: int, response: Response) -> None:
+            outbox.append((keys.pop(index), response))
+            arrived.set()
+
+        def has_room(run: Run) -> bool:
+            slots = self.max_concurrent_batches_per_client * max(1, len(self._members))
+            return len(run.open) + len(outbox) < 2 * self.batch_size * slots
+
+        run = self._begin(deliver, options, gen_kwargs)
+        run.stop = stop
+        extra = [self._feed(run, samples, keys, has_room, room)]
+        if stop is not None:
+            extra.append(self._watch_stop(run, stop))
+        driver = asyncio.ensure_future(self._drive(run, extra))
+        try:
+            while True:
+                while outbox:
+                    yield outbox.popleft()
+                room.set()
+                if driver.done():
+                    break
+                arrived.clear()
+                waiter = asyncio.ensure_future(arrived.wait())
+                await asyncio.wait({driver, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            driver.result()  # PoolExhaustedError, or a failure of the source
+        finally:
+            if not driver.done():
+                run.finish()  # every loop of the call ends on its own, then cancel
+                driver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await driver
+
+    def _begin(
+        self,
+        deliver: Deliver,
+        options: VLLMOnlineRuntimeOptions | None,
+        gen_kwargs: dict[str, Any] | None,
+    ) -> Run:
+        """Check the options and claim the pool for one call."""
+        if self._run is not None:
+            raise RuntimeError("VLLMQueueAnnotator runs one call at a time")
+        self._prototype().encode_params(options, gen_kwargs)  # ValueError before anything
+        run = Run(self.batch_size, deliver)
+        self._run, self._loop = run, asyncio.get_running_loop()
+        self._params, self._options = {}, (options, gen_kwargs)
+        return run
+
+    async def _drive(self, run: Run, extra: Sequence[Coroutine[Any, Any, None]] = ()) -> None:
+        """Run the members on ``run`` until it finishes; then release the pool."""
+        log.info(
+            "run_started",
+            samples=run.admitted if run.source_done else None,
+            servers=len(self._members),
+            batch_size=self.batch_size,
+            batches_per_server=self.max_concurrent_batches_per_client,
+        )
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                for member in list(self._members.values()):
+                    self._attach(run, member)
+                self._spawn(self._watch_all_down(run))
+                if self._discovery is not None:
+                    self._spawn(self._discovery.run(cast("PoolLike", self), run.done))
+                for coro in extra:
+                    self._spawn(coro)
+                await run.done.wait()
+                for task in list(self._tasks):
+                    task.cancel()
+        finally:
+            for coro in extra:
+                coro.close()  # never started if the group failed early
+            for task in list(self._tasks):
+                task.cancel()
+            self._tasks.clear()
+            for check in self._verifying.values():
+                check.cancel()
+            self._verifying.clear()
+            for member in list(self._members.values()):
+                member.in_flight.clear()
+                member.suspects.clear()
+                if member.state is MemberState.DRAINING:
+                    self._forget(member)
+            self._run = None
+        if run.failure is not None:
+            raise run.failure
+        if run.exhausted is not None:
+            log.error("pool_exhausted", servers=run.exhausted.servers, done=run.delivered)
+            raise run.exhausted
+
+    async def _feed(
+        self,
+        run: Run,
+        samples: Iterable[tuple[K, Messages]] | AsyncIterable[tuple[K, Messages]],
+        keys: dict[int, K],
+        has_room: Callable[[Run], bool],
+        room: asyncio.Event,
+    ) -> None:
+        """Admit samples from the caller's stream while the window has room."""
+        index = 0
+        try:
+            async for key, conversation in _aiterate(samples):
+                while not has_room(run):
+                    run.notify()
+                    room.clear()
+                    await room.wait()
+                if run.finished or run.stopping:
+                    return
+                idle = not run.queue
+                keys[index] = key
+                run.admit(index, conversation)
+                index += 1
+                if idle:
+                    run.notify()
+        except Exception as exc:  # the source failed: end the call with its error
+            run.finish(failure=exc)
+            return
+        run.close_source()
+
+    async def _watch_stop(self, run: Run, stop: asyncio.Event) -> None:
+        """Once ``stop`` is set, take no new work and end when nothing is in flight."""
+        await stop.wait()
+        in_flight = sum(len(m.in_flight) for m in self._members.values())
+        log.info("run_stopping", in_flight=in_flight, open=len(run.open))
+        run.notify()
+        while not run.finished:
+            if not any(m.in_flight or m.suspects for m in self._members.values()):
+                run.finish()
+                return
+            await run.wait_for_change(0.1)
+
+    def _report(self, results: list[Response], elapsed: float) -> None:
+        failed = [r for r in results if not r.ok]
+        log.info(
+            "run_finished",
+            samples=len(results),
+            failed=len(failed),
+            seconds=round(elapsed, 3),
+            per_server=dict(Counter(r.server for r in results if r.ok)),
+        )
+        if not failed:
+            return
+        if self.on_error == "raise":
+            first = failed[0]
+            raise ProviderError(
+                first.error or "request failed",
+                kind=ErrorKind(first.error_type or ErrorKind.HTTP_ERROR.value),
+            )
+        if self.on_error == "warn":
+            log.warning(
+                "requests_failed",
+                failed=len(failed),
+                total=len(results),
+                kinds=dict(Counter(r.error_type for r in failed)),
+                first_error=failed[0].error,
+            )
+
+
+async def _aiterate(samples: Iterable[K] | AsyncIterable[K]) -> AsyncIterator[K]:
+    """Iterate a sync or an async iterable the same way."""
+    if isinstance(samples, AsyncIterable):
+        async for item in samples:
+            yield item
+    else:
+        for item in samples:
+            yield item

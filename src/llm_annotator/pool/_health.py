@@ -1,0 +1,204 @@
+"""Health: probes, eviction, re-admission, and the end of a pool with no server left."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
+from llm_annotator.pool._core import PoolCore
+from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.run import Run
+from llm_annotator.response import Response
+
+log = structlog.get_logger("llm_annotator.pool")
+
+
+class PoolHealth(PoolCore):
+    """Which members may take work, and what happens to a member that fails."""
+
+    # -- health ------------------------------------------------------------------------
+
+    async def _probe_loop(self, run: Run, member: Member) -> None:
+        while not run.finished and member.state not in (MemberState.DISABLED,):
+            if self._members.get(member.url) is not member:
+                return
+            started = time.monotonic()
+            evictions = member.evictions
+            healthy = await member.client.ais_healthy(self.health_check_timeout)
+            if member.evictions == evictions:  # else the answer predates the eviction
+                await self._after_probe(run, member, healthy)
+            pause = self.health_check_interval - (time.monotonic() - started)
+            if pause > 0:
+                await asyncio.sleep(pause)
+
+    async def _after_probe(self, run: Run, member: Member, healthy: bool) -> None:
+        state = member.state
+        if state is MemberState.HEALTHY:
+            if healthy:
+                member.failed_probes = 0
+                return
+            member.failed_probes += 1
+            if member.failed_probes >= self.max_failed_health_checks:
+                self._evict(
+                    run,
+                    member,
+                    f"no answer to {member.failed_probes} health checks in a row "
+                    f"({self.health_check_timeout:g} s each)",
+                )
+        elif state in (MemberState.JOINING, MemberState.EVICTED):
+            if healthy:
+                await self._admit(run, member)
+            elif state is MemberState.JOINING:
+                member.state = MemberState.EVICTED
+                member.was_down = True
+                member.last_error = member.last_error or "no answer to GET /health"
+                log.warning("member_down", server=member.url)
+                run.notify()
+
+    async def _admit(self, run: Run, member: Member) -> None:
+        """Check the model of a member that answers /health, then let it take work."""
+        try:
+            models = await member.client.alist_models()
+        except ProviderError as exc:
+            member.last_error = str(exc)
+            if exc.kind in (ErrorKind.AUTH, ErrorKind.NOT_FOUND):
+                self._disable(run, member, str(exc))
+            return
+        wanted = member.client.model
+        if wanted is None:
+            if not models:
+                self._disable(run, member, "lists no model on /v1/models")
+                return
+            member.client.model = models[0]
+        elif wanted not in models:
+            self._disable(
+                run, member, f"does not serve model {wanted!r} (it serves {', '.join(models)})"
+            )
+            return
+        rejoined = member.was_down or member.evictions > 0
+        member.state = MemberState.HEALTHY
+        member.failed_probes = 0
+        member.backoff_until = 0.0
+        member.overload_streak = 0
+        member.malformed_streak = 0
+        if rejoined:
+            member.readmissions += 1
+            log.info("member_readmitted", server=member.url, model=member.client.model)
+        else:
+            log.info("member_joined", server=member.url, model=member.client.model)
+        member.was_down = False
+        run.notify()
+
+    async def _verify(self, member: Member) -> bool:
+        """One shared health check for all the requests that doubt this member."""
+        task = self._verifying.get(member.url)
+        if task is None or task.done():
+            task = asyncio.ensure_future(member.client.ais_healthy(self.health_check_timeout))
+            self._verifying[member.url] = task
+        return await asyncio.shield(task)
+
+    async def _watch_all_down(self, run: Run) -> None:
+        down_since: float | None = None
+        while not run.finished:
+            members = list(self._members.values())
+            if any(m.state is MemberState.HEALTHY for m in members):
+                down_since = None
+            else:
+                now = time.monotonic()
+                if down_since is None:
+                    down_since = now
+                usable = [m for m in members if m.state is not MemberState.DISABLED]
+                hopeless = not usable and self._discovery is None
+                if hopeless or now - down_since >= self.all_down_timeout:
+                    run.finish(self._exhausted(run, members, now - down_since))
+                    return
+            await run.wait_for_change(0.5)
+
+    def _exhausted(self, run: Run, members: list[Member], waited: float) -> PoolExhaustedError:
+        servers = {m.url: m.last_error or m.state.value for m in members}
+        listing = "; ".join(f"{url}: {said}" for url, said in servers.items())
+        return PoolExhaustedError(
+            f"no server of the pool could take work for {waited:.0f} s "
+            f"(all_down_timeout={self.all_down_timeout:g}); {run.delivered} of "
+            f"{run.admitted} samples were done and are in .responses. Servers: {listing}",
+            servers=servers,
+        )
+
+    # -- state changes -----------------------------------------------------------------
+
+    def _evict(self, run: Run, member: Member, reason: str, cause: int | None = None) -> None:
+        """Take a member out of rotation and cancel what it holds (requeued by its slots).
+
+        ``cause`` is the sample whose request revealed the failure: it counts as in
+        flight, and goes back on the queue unless that makes it poison.
+        """
+        evicting = member.state in (MemberState.HEALTHY, MemberState.DRAINING)
+        if cause is not None and not (evicting and self._note_eviction(run, member, cause)):
+            self._requeue_one(run, member, cause)
+        if not evicting:
+            return
+        if member.state is MemberState.HEALTHY:
+            member.state = MemberState.EVICTED  # a draining member just leaves
+        member.evictions += 1
+        member.failed_probes = 0
+        member.last_error = reason
+        poisoned = self._cancel_in_flight(run, member)
+        log.warning(
+            "member_evicted",
+            server=member.url,
+            reason=reason,
+            in_flight=len(member.in_flight),
+            poisoned=poisoned,
+        )
+        run.notify()
+
+    def _disable(self, run: Run, member: Member, reason: str) -> None:
+        member.state = MemberState.DISABLED
+        member.last_error = reason
+        self._cancel_in_flight(run, member)
+        log.error("member_disabled", server=member.url, reason=reason)
+        run.notify()
+
+    def _cancel_in_flight(self, run: Run, member: Member) -> int:
+        """Cancel the member's requests; count the eviction for every sample it held,
+        including those whose request already failed and wait for a health check."""
+        poisoned = 0
+        for task, index in list(member.in_flight.items()):
+            if task.done():
+                continue  # its answer is being settled
+            poisoned += self._note_eviction(run, member, index)
+            task.cancel()
+        for index in member.suspects:
+            poisoned += self._note_eviction(run, member, index)
+        member.suspects.clear()
+        return poisoned
+
+    def _note_eviction(self, run: Run, member: Member, index: int) -> bool:
+        """Count that sample ``index`` was on ``member`` when it was evicted; True if that
+        made it a poison sample (it then has its error Response)."""
+        if not run.is_open(index):
+            return False
+        history = run.evicted_with.setdefault(index, [])
+        history.append(member.url)
+        if len(history) >= self.max_sample_evictions:
+            return run.store(index, self._poison(member, history))
+        return False
+
+    def _poison(self, member: Member, history: list[str]) -> Response:
+        return Response(
+            error=(
+                f"poison sample: it was in flight on {len(history)} servers that were each "
+                f"evicted ({', '.join(history)}); it may be what brings servers down, so it "
+                "was not sent again"
+            ),
+            error_type=ErrorKind.POISON.value,
+            server=member.url,
+            model=member.client.model,
+            provider=member.client.provider,
+        )
+
+    def _requeue_one(self, run: Run, member: Member, index: int) -> None:
+        member.requeued += run.requeue([index])

@@ -1,0 +1,231 @@
+"""Work: batch slots, settling each answer by whose fault a failure is, the tail."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from llm_annotator.clients._retry import retry_delay
+from llm_annotator.errors import ErrorKind, ProviderError
+from llm_annotator.pool._health import PoolHealth
+from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.policy import Action, action_for
+from llm_annotator.pool.run import Run
+from llm_annotator.response import Response
+
+log = structlog.get_logger("llm_annotator.pool")
+
+_MALFORMED_STREAK_TO_EVICT = 20
+"""Malformed answers in a row, without a good one between, that evict a member."""
+_MAX_OVERLOAD_REQUEUES = 50
+"""Overload answers (429, 503) one sample may get before it becomes an error row."""
+
+
+class PoolWork(PoolHealth):
+    """Members' batch slots: take a batch, send it, settle every answer."""
+
+    def _attach(self, run: Run, member: Member) -> None:
+        """Start a member's probe loop and batch slots for this call."""
+        if member.state is MemberState.DISABLED:
+            return
+        self._spawn(self._probe_loop(run, member))
+        for _ in range(self.max_concurrent_batches_per_client):
+            self._spawn(self._slot(run, member))
+
+    def _params_for(self, member: Member) -> bytes:
+        params = self._params.get(member.url)
+        if params is None:
+            params = member.client.encode_params(*self._options)
+            self._params[member.url] = params
+        return params
+
+    # -- work --------------------------------------------------------------------------
+
+    async def _slot(self, run: Run, member: Member) -> None:
+        """One of a member's batch slots: take a batch whenever the member can work."""
+        while not run.finished:
+            if member.state is MemberState.DISABLED or self._members.get(member.url) is not member:
+                return
+            if member.state is MemberState.DRAINING:
+                if not member.in_flight:
+                    self._forget(member)
+                    run.notify()
+                    return
+                await run.wait_for_change(1.0)
+                continue
+            if not member.takes_work:
+                wait = member.backoff_until - time.monotonic()
+                await run.wait_for_change(min(max(wait, 0.05), 1.0))
+                continue
+            batch = run.take(self._working_slots())
+            tail = run.source_done and not run.queue and not run.stopping
+            if batch is None and self.hedge_tail and tail:
+                batch = self._hedge(run, member)
+            if batch is None:
+                await run.wait_for_change(1.0)
+                continue
+            await self._run_batch(run, member, batch)
+
+    def _working_slots(self) -> int:
+        healthy = sum(m.state is MemberState.HEALTHY for m in self._members.values())
+        return max(1, healthy) * self.max_concurrent_batches_per_client
+
+    def _hedge(self, run: Run, member: Member) -> list[int] | None:
+        """Samples in flight on the members expected to finish last, not yet hedged."""
+        elapsed = max(time.monotonic() - run.started, 1e-3)
+
+        def expected_end(other: Member) -> float:
+            rate = max(other.completed / elapsed, 1e-3)
+            return len(other.in_flight) / rate
+
+        others = [m for m in self._members.values() if m is not member and m.in_flight]
+        suspects = run.evicted_with
+        batch: list[int] = []
+        for other in sorted(others, key=expected_end, reverse=True):
+            for index in list(other.in_flight.values()):
+                # A sample that was on an evicted member may be what kills servers.
+                if index in run.open and index not in run.hedged and index not in suspects:
+                    batch.append(index)
+                    if len(batch) == self.batch_size:
+                        break
+            if len(batch) == self.batch_size:
+                break
+        if not batch:
+            return None
+        run.hedged.update(batch)
+        member.hedged += len(batch)
+        log.debug("samples_hedged", server=member.url, samples=len(batch))
+        return batch
+
+    async def _run_batch(self, run: Run, member: Member, batch: list[int]) -> None:
+        """Send a batch at once; settle each answer as it arrives; requeue what is left."""
+        params = self._params_for(member)
+        client = member.client
+        arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
+        tasks: dict[asyncio.Task[Response | ProviderError], int] = {}
+        for index in batch:
+            task = asyncio.ensure_future(client.asend(run.open[index], params))
+            task.add_done_callback(arrived.put_nowait)  # one callback a task: O(batch)
+            tasks[task] = index
+            member.in_flight[task] = index
+        try:
+            for _ in range(len(tasks)):
+                task = await arrived.get()
+                member.in_flight.pop(task, None)
+                if not task.cancelled():
+                    self._settle(run, member, tasks[task], self._outcome(task, member))
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+                member.in_flight.pop(task, None)
+            leftovers = [i for t, i in tasks.items() if t.cancelled() or not t.done()]
+            if leftovers and not run.finished:
+                moved = run.requeue(leftovers)
+                member.requeued += moved
+                if moved:
+                    log.info("samples_requeued", server=member.url, samples=moved)
+
+    @staticmethod
+    def _outcome(
+        task: asyncio.Task[Response | ProviderError], member: Member
+    ) -> Response | ProviderError:
+        """The task's result; an unexpected exception becomes an error for the sample."""
+        error = task.exception()
+        if error is None:
+            return task.result()
+        return ProviderError(
+            f"unexpected {type(error).__name__} in the client: {error}",
+            kind=ErrorKind.HTTP_ERROR,
+            server=member.url,
+        )
+
+    def _settle(
+        self, run: Run, member: Member, index: int, result: Response | ProviderError
+    ) -> None:
+        """Decide what one answer means for its sample and its member."""
+        if isinstance(result, Response):
+            if run.store(index, result):
+                member.completed += 1
+            member.overload_streak = 0
+            member.malformed_streak = 0
+            return
+        action = action_for(result.kind)
+        reason = str(result)
+        if action is Action.EVICT:
+            self._evict(run, member, reason, cause=index)
+        elif action is Action.VERIFY or action is Action.CHECK_HEALTH:
+            if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
+                self._requeue_one(run, member, index)  # already out; nothing to verify
+            else:
+                member.suspects.add(index)
+                self._spawn(self._verify_then_settle(run, member, index, result, action))
+        elif action is Action.BACKOFF:
+            member.overload_streak += 1
+            member.backoff_until = time.monotonic() + retry_delay(member.overload_streak - 1)
+            member.last_error = reason
+            run.overloads[index] += 1
+            if run.overloads[index] > _MAX_OVERLOAD_REQUEUES:
+                self._error_row(run, member, index, result)
+            else:
+                self._requeue_one(run, member, index)
+        elif action is Action.RETRY:
+            run.retries[index] += 1
+            member.last_error = reason
+            if run.retries[index] > self.max_sample_retries:
+                self._error_row(run, member, index, result)
+            else:
+                self._spawn(self._requeue_later(run, index, retry_delay(run.retries[index] - 1)))
+        elif action is Action.DISABLE:
+            self._requeue_one(run, member, index)
+            self._disable(run, member, reason)
+        else:
+            self._error_row(run, member, index, result)
+            if result.kind is ErrorKind.MALFORMED:
+                member.malformed_streak += 1
+                if member.malformed_streak >= _MALFORMED_STREAK_TO_EVICT:
+                    self._evict(
+                        run, member, f"{member.malformed_streak} malformed answers in a row"
+                    )
+
+    async def _verify_then_settle(
+        self, run: Run, member: Member, index: int, error: ProviderError, action: Action
+    ) -> None:
+        healthy = await self._verify(member)
+        if not healthy:
+            # Counts the eviction for every suspect of this member, this one included.
+            self._evict(run, member, f"{error} and then failed a health check")
+            member.suspects.discard(index)
+            self._requeue_one(run, member, index)
+            return
+        member.suspects.discard(index)
+        if not run.is_open(index):
+            return
+        if action is Action.CHECK_HEALTH:
+            self._error_row(run, member, index, error)  # slow, on a healthy server
+            return
+        # A dropped connection or connect timeout on a healthy server: try again, a
+        # bounded number of times, so a sample that always breaks its connection ends.
+        run.retries[index] += 1
+        if run.retries[index] > self.max_sample_retries:
+            self._error_row(run, member, index, error)
+        else:
+            self._requeue_one(run, member, index)
+
+    async def _requeue_later(self, run: Run, index: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        run.requeue([index])
+
+    def _error_row(self, run: Run, member: Member, index: int, error: ProviderError) -> None:
+        response = Response(
+            error=str(error),
+            error_type=error.kind.value,
+            server=member.url,
+            model=member.client.model,
+            provider=member.client.provider,
+        )
+        if run.store(index, response):
+            member.errors += 1
+            member.last_error = str(error)
