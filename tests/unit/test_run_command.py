@@ -1,0 +1,201 @@
+"""``llm-annotator run``: settings from flags and TOML, and signals, against fake servers.
+
+The command runs as a real subprocess (the installed console script) talking to the
+in-process fake servers over loopback, so its signals are real signals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+from aiohttp import web
+
+from llm_annotator.cli import build_parser, main
+from llm_annotator.errors import ConfigurationError
+from tests.unit.conftest import FakeServer, echo, sleep_forever
+from tests.unit.test_pool import delayed_echo
+
+COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["run", *argv])
+
+
+def settings(*argv: str) -> dict[str, Any]:
+    from llm_annotator._run_command import settings_from
+
+    return settings_from(parse(*argv))
+
+
+def test_flags_override_the_job_file(tmp_path: Path) -> None:
+    """Every setting can come from the TOML file; a flag given wins over it."""
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'servers = ["http://127.0.0.1:1/v1"]\ninput = "a.jsonl"\n'
+        'prompt_template = "Label: {text}"\noutput_dir = "out"\n'
+        "max_completion_tokens = 8\ntemperature = 0.5\nretry_errors = true\n",
+        encoding="utf-8",
+    )
+    merged = settings("--config", str(job), "--temperature", "0.0", "--output-dir", "other")
+    assert merged["servers"] == ["http://127.0.0.1:1/v1"]
+    assert merged["max_completion_tokens"] == 8
+    assert merged["temperature"] == 0.0
+    assert merged["output_dir"] == "other"
+    assert merged["retry_errors"] is True
+    assert merged["hedge_tail"] is True
+    assert settings("--config", str(job), "--no-retry-errors")["retry_errors"] is False
+
+
+@pytest.mark.parametrize(
+    ("content", "argv", "message"),
+    [
+        ('inptu = "x"\n', (), "unknown setting 'inptu'"),
+        ("batch_size = 'big'\n", (), "batch_size"),
+        ("servers = [\n", (), "cannot read the job file"),
+        ("", ("--input", "a.jsonl", "--output-dir", "o"), "--prompt-template"),
+        (
+            "",
+            ("--input", "a", "--output-dir", "o", "--prompt-template", "{t}"),
+            "give the servers",
+        ),
+    ],
+)
+def test_bad_settings_name_the_setting(
+    tmp_path: Path, content: str, argv: tuple[str, ...], message: str
+) -> None:
+    """A bad job file or missing setting is refused, naming what to fix."""
+    job = tmp_path / "job.toml"
+    job.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigurationError, match=message):
+        settings("--config", str(job), *argv)
+
+
+def test_a_missing_setting_exits_1_with_the_message(capsys: pytest.CaptureFixture[str]) -> None:
+    """The command prints the error and exits 1 instead of a traceback."""
+    assert main(["run", "--input", "a.jsonl"]) == 1
+    assert "--prompt-template" in capsys.readouterr().err
+
+
+def write_rows(path: Path, n: int) -> Path:
+    path.write_bytes(b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(n)))
+    return path
+
+
+def command(server: FakeServer, data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        COMMAND,
+        "run",
+        "--servers",
+        server.base_url,
+        "--input",
+        str(data),
+        "--prompt-template",
+        "Label: {text}",
+        "--output-dir",
+        str(out),
+        "--log-format",
+        "json",
+        "--batch-size",
+        "8",
+        *extra,
+    ]
+
+
+def complete_lines(out: Path) -> list[dict[str, Any]]:
+    """Every record in the shards; fails if any line is not whole JSON."""
+    records = []
+    for shard in (out / "shards").glob("*.jsonl"):
+        data = shard.read_bytes()
+        assert not data or data.endswith(b"\n"), shard
+        records += [orjson.loads(line) for line in data.splitlines()]
+    return records
+
+
+def wait_for_requests(server: FakeServer, count: int, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while len(server.requests) < count:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "the command sent too few requests"
+        time.sleep(0.02)
+
+
+def test_a_second_signal_stops_at_once(fake_server: FakeServer, tmp_path: Path) -> None:
+    """SIGINT while requests hang: the first starts the grace (60 s here), the second
+    stops the command at once with 128+SIGINT; what was written is whole."""
+    answered = 0
+
+    async def first_ten_then_hang(request: dict[str, Any]) -> web.StreamResponse:
+        nonlocal answered
+        answered += 1
+        if answered <= 10:
+            return await echo(request)
+        return await sleep_forever(request)
+
+    fake_server.handler = first_ten_then_hang
+    data = write_rows(tmp_path / "data.jsonl", 200)
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        command(fake_server, data, out, "--stop-grace", "60"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    wait_for_requests(fake_server, 20, process)
+    time.sleep(1.0)  # the first answers are written (flushed every 0.5 s)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert process.poll() is None  # in the grace, waiting for requests that hang
+    process.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    _, err = process.communicate(timeout=30)
+    assert time.monotonic() - started < 10
+    assert process.returncode == 128 + signal.SIGINT, err.decode()[-2000:]
+    records = complete_lines(out)
+    assert len({r["id"] for r in records}) == len(records) == 10
+    assert b"Run the same job again to resume" in err
+
+
+def test_sigterm_past_the_grace_stops_and_resume_finishes(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """SIGTERM with requests that outlast the grace: the command exits 128+SIGTERM
+    after about the grace; a second run sends only what is missing and completes."""
+    fake_server.handler = delayed_echo(3.0)
+    data = write_rows(tmp_path / "data.jsonl", 40)
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        command(fake_server, data, out, "--stop-grace", "1"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    wait_for_requests(fake_server, 8, process)
+    process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    _, err = process.communicate(timeout=30)
+    assert time.monotonic() - started < 8
+    assert process.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+    written = {r["id"] for r in complete_lines(out)}
+    fake_server.requests.clear()
+    fake_server.handler = echo
+    done = subprocess.run(
+        command(fake_server, data, out),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert len(fake_server.requests) == 40 - len(written)
+    table = pq.read_table(out / "annotations.parquet")
+    assert table.column("id").to_pylist() == list(range(40))
