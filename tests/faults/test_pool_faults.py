@@ -117,7 +117,9 @@ def test_sigstop_is_detected_and_sigcont_readmits(
     n = 4 * N  # long enough that the stopped server still holds work when it stops
     with VLLMQueueAnnotator(urls, batch_size=128) as pool:
         _, without_fault = timed_run(pool, n)
-    with VLLMQueueAnnotator(urls, batch_size=128) as pool:
+    # No tail hedge: it would answer the stopped server's samples elsewhere before the
+    # health checks evict it, and the eviction is what this test measures.
+    with VLLMQueueAnnotator(urls, batch_size=128, hedge_tail=False) as pool:
         watch = Watch(pool, n // 3, victim[0].pause, url)
         responses, seconds = timed_run(pool, n)
         assert_exactly_one_success_each(responses, n)
