@@ -140,8 +140,8 @@ class PoolHealth(PoolCore):
             self._requeue_one(run, member, cause)
         if not evicting:
             return
-        if member.state is MemberState.HEALTHY:
-            member.state = MemberState.EVICTED  # a draining member just leaves
+        draining = member.state is MemberState.DRAINING
+        member.state = MemberState.EVICTED
         member.evictions += 1
         member.failed_probes = 0
         member.last_error = reason
@@ -153,6 +153,8 @@ class PoolHealth(PoolCore):
             in_flight=len(member.in_flight),
             poisoned=poisoned,
         )
+        if draining:
+            self._forget(member)  # it was leaving; dead, it has nothing left to finish
         run.notify()
 
     def _disable(self, run: Run, member: Member, reason: str) -> None:

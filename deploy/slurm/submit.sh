@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Submit an annotation run: the vLLM server array, then the annotate job.
+#
+#   MODEL=Qwen/Qwen3-8B deploy/slurm/submit.sh -n 8 -i /shared/data.jsonl -o /shared/runs/x \
+#       -- --prompt-template 'Classify the sentiment of: {text}' --max-completion-tokens 16
+#
+# Options:
+#   -n N      number of servers, one array task each (default 4)
+#   -i FILE   input file (required)
+#   -o DIR    run folder, where annotations.parquet ends up (required)
+#   -s DIR    folder the servers announce their URLs in (default: DIR.servers beside -o)
+#   --        what follows goes to `llm-annotator run` (prompt template, --config, ...)
+#
+# Every path must be on a filesystem that the GPU nodes and the CPU node share.
+#
+# Settings (environment variables):
+#   MODEL, SERVED_MODEL_NAME, VLLM_CMD, VLLM_ARGS, STARTUP_TIMEOUT
+#                         for the servers, see server.sbatch (MODEL is required)
+#   LLM_ANNOTATOR, SERVERS_WAIT
+#                         for the annotate job, see annotate.sbatch
+#   SERVER_SBATCH_ARGS    sbatch options of the server array, split on whitespace
+#                         (default "--gres=gpu:1 --cpus-per-task=8"); the place for the
+#                         partition, account, QOS, GPU type and time limit
+#   ANNOTATE_SBATCH_ARGS  sbatch options of the annotate job (default: none)
+#
+# The annotate job starts once the first server task has started (--dependency=after),
+# waits for the first URL, and cancels the server array when the run ends. Prints the
+# two job ids on stdout as `server_job=ID` and `annotate_job=ID`.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+num_servers=4
+input=""
+output_dir=""
+servers_dir=""
+
+usage() {
+    sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+while (($# > 0)); do
+    case "$1" in
+        -n) num_servers="${2:?}" && shift 2 ;;
+        -i) input="${2:?}" && shift 2 ;;
+        -o) output_dir="${2:?}" && shift 2 ;;
+        -s) servers_dir="${2:?}" && shift 2 ;;
+        --) shift && break ;;
+        -h | --help) usage ;;
+        *) echo "submit.sh: unknown option $1" >&2 && usage ;;
+    esac
+done
+[[ -n "$input" && -n "$output_dir" ]] || usage
+[[ "$num_servers" =~ ^[1-9][0-9]*$ ]] || {
+    echo "submit.sh: -n wants a positive number, not '$num_servers'" >&2
+    exit 2
+}
+: "${MODEL:?set MODEL to the model the servers serve}"
+[[ -e "$input" ]] || {
+    echo "submit.sh: no input file $input" >&2
+    exit 2
+}
+
+input="$(realpath "$input")"
+output_dir="$(realpath -m "$output_dir")"
+servers_dir="$(realpath -m "${servers_dir:-$output_dir.servers}")"
+mkdir -p "$servers_dir" "$(dirname "$output_dir")"
+
+default_server_opts="--gres=gpu:1 --cpus-per-task=8"
+# Set but empty means no options at all (a cluster without GPUs, the tests).
+read -r -a server_opts <<<"${SERVER_SBATCH_ARGS-$default_server_opts}"
+read -r -a annotate_opts <<<"${ANNOTATE_SBATCH_ARGS:-}"
+
+# The jobs take their settings from the environment (sbatch's default --export=ALL).
+export SERVERS_DIR="$servers_dir" INPUT="$input" OUTPUT_DIR="$output_dir" MODEL
+
+server_job="$(sbatch --parsable --array="0-$((num_servers - 1))" "${server_opts[@]}" \
+    "$here/server.sbatch")"
+server_job="${server_job%%;*}" # "ID;cluster" on federated clusters
+
+annotate_job="$(SERVER_JOB_ID="$server_job" sbatch --parsable \
+    --dependency="after:${server_job}_0" "${annotate_opts[@]}" \
+    "$here/annotate.sbatch" "$@")"
+annotate_job="${annotate_job%%;*}"
+
+echo "server_job=$server_job"
+echo "annotate_job=$annotate_job"
+cat >&2 <<EOF
+submitted $num_servers servers (job $server_job) and the annotator (job $annotate_job)
+  servers announce themselves in  $servers_dir
+  results go to                   $output_dir/annotations.parquet
+  follow with: squeue -j $server_job,$annotate_job   stop with: scancel $server_job $annotate_job
+EOF
