@@ -199,3 +199,33 @@ def test_sigterm_past_the_grace_stops_and_resume_finishes(
     assert len(fake_server.requests) == 40 - len(written)
     table = pq.read_table(out / "annotations.parquet")
     assert table.column("id").to_pylist() == list(range(40))
+
+
+def test_no_server_at_all_exits_3_with_how_to_resume(refused_url: str, tmp_path: Path) -> None:
+    """With every server down past --all-down-timeout, the command says so, names the
+    server, and exits 3 (nothing is lost: the same command resumes)."""
+    data = write_rows(tmp_path / "data.jsonl", 5)
+    done = subprocess.run(
+        [
+            COMMAND,
+            "run",
+            "--servers",
+            refused_url,
+            "--input",
+            str(data),
+            "--prompt-template",
+            "Label: {text}",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--all-down-timeout",
+            "1",
+        ],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert refused_url in done.stderr
+    assert "run the same command again to resume" in done.stderr

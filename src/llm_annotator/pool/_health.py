@@ -123,7 +123,8 @@ class PoolHealth(PoolCore):
         return PoolExhaustedError(
             f"no server of the pool could take work for {waited:.0f} s "
             f"(all_down_timeout={self.all_down_timeout:g}); {run.delivered} of "
-            f"{run.admitted} samples were done and are in .responses. Servers: {listing}",
+            f"{run.admitted} samples taken were done (in .responses for batch_generate, "
+            f"already handed out for a stream or a job). Servers: {listing}",
             servers=servers,
         )
 
