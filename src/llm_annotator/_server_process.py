@@ -1,7 +1,8 @@
 """One vLLM server process on this machine: its handle, signals and health.
 
 The process leads its own process group, because vLLM runs its engine in child
-processes: killing, pausing or stopping the server signals the whole group.
+processes: killing, pausing or stopping the server signals the whole group. A server
+may announce itself in a ``*.url`` file while it is healthy (see :meth:`LocalServer.announce`).
 :mod:`llm_annotator.local` starts servers and re-exports everything public here.
 """
 
@@ -13,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -157,6 +159,39 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
     return True
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole: a hidden temporary file renamed into place."""
+    fd, scratch = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(scratch, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(scratch)
+        raise
+
+
+def _remove(path: Path | None) -> bool:
+    """Remove ``path`` if it exists; return whether it did."""
+    if path is None:
+        return False
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _withdraw_and_terminate(
+    process: subprocess.Popen[bytes], grace: float, url_file: Path | None
+) -> None:
+    """What a handle does when garbage collected or at exit: withdraw, then stop."""
+    with contextlib.suppress(OSError):
+        _remove(url_file)
+    _terminate(process, grace)
+
+
 def _terminate(process: subprocess.Popen[bytes], grace: float) -> int:
     """Stop a server's whole process group: SIGTERM, then SIGKILL after ``grace``."""
     pgid = process.pid
@@ -187,6 +222,9 @@ class LocalServer:
         port: The port it listens on.
         model: The served model name, as requests must give it.
         log_path: The file its output goes to.
+        url_file: Where :meth:`announce` writes the base URL once the server is
+            healthy; it is removed when the server is stopped or killed through this
+            handle. ``None``: the server is not announced.
     """
 
     def __init__(
@@ -197,14 +235,16 @@ class LocalServer:
         port: int,
         model: str,
         log_path: Path,
+        url_file: Path | None = None,
     ) -> None:
         self._process = process
         self.host = host
         self.port = port
         self.model = model
         self.log_path = log_path
+        self.url_file = url_file
         self._paused = False
-        self._finalizer = weakref.finalize(self, _terminate, process, 5.0)
+        self._finalizer = weakref.finalize(self, _withdraw_and_terminate, process, 5.0, url_file)
 
     @classmethod
     def launch(
@@ -216,6 +256,7 @@ class LocalServer:
         model: str,
         log_path: Path,
         env: Mapping[str, str] | None = None,
+        url_file: Path | None = None,
     ) -> LocalServer:
         """Start ``command`` in a new process group, its output going to ``log_path``.
 
@@ -228,6 +269,7 @@ class LocalServer:
             model: The served model name.
             log_path: File for the server's stdout and stderr (overwritten).
             env: The server's whole environment; defaults to this process's.
+            url_file: Where to announce the server once healthy (see the class).
 
         Returns:
             The handle of the started server.
@@ -242,7 +284,9 @@ class LocalServer:
                 env=dict(env) if env is not None else None,
                 start_new_session=True,
             )
-        server = cls(process, host=host, port=port, model=model, log_path=log_path)
+        server = cls(
+            process, host=host, port=port, model=model, log_path=log_path, url_file=url_file
+        )
         logger.info("local server launched", server=server.base_url, pid=process.pid)
         return server
 
@@ -284,7 +328,7 @@ class LocalServer:
             connection.close()
 
     def wait_healthy(self, timeout: float = 300.0) -> float:
-        """Wait until ``/health`` answers 200.
+        """Wait until ``/health`` answers 200, then :meth:`announce` the server.
 
         Args:
             timeout: Seconds to wait at most.
@@ -307,8 +351,25 @@ class LocalServer:
             if self.is_healthy(min(HEALTH_PROBE_TIMEOUT, remaining)):
                 waited = time.monotonic() - start
                 logger.info("local server healthy", server=self.base_url, waited_s=waited)
+                self.announce()
                 return waited
             time.sleep(min(HEALTH_POLL_INTERVAL, max(deadline - time.monotonic(), 0.0)))
+
+    def announce(self) -> None:
+        """Write the base URL into :attr:`url_file`, whole (a temporary file renamed).
+
+        Does nothing without a ``url_file``. ``llm-annotator run --servers-dir`` on the
+        file's folder then sends work to this server.
+        """
+        if self.url_file is None:
+            return
+        _write_atomically(self.url_file, self.base_url + "\n")
+        logger.info("local server announced", server=self.base_url, url_file=str(self.url_file))
+
+    def withdraw(self) -> None:
+        """Remove :attr:`url_file`, if it is there, so that annotators stop using the server."""
+        if _remove(self.url_file):
+            logger.info("local server withdrawn", server=self.base_url, url_file=str(self.url_file))
 
     def pause(self) -> None:
         """Freeze the server and its engine (SIGSTOP): connections hang, none is refused."""
@@ -326,9 +387,10 @@ class LocalServer:
         """Kill the server and its engine at once (SIGKILL), as a crash would.
 
         Python's resource tracker is spared so that it removes the server's shared
-        memory and exits. Returns once the server process has exited; its port then
-        refuses connections.
+        memory and exits. The URL file is removed first. Returns once the server process
+        has exited; its port then refuses connections.
         """
+        self.withdraw()
         _kill_sparing_tracker(self.pid)
         returncode = self._process.wait()
         self._paused = False
@@ -337,7 +399,7 @@ class LocalServer:
     def stop(self, grace: float = 10.0) -> int:
         """Shut the server down: SIGTERM, then SIGKILL if it is still there after ``grace``.
 
-        Safe to call on a server that already exited.
+        The URL file is removed first. Safe to call on a server that already exited.
 
         Args:
             grace: Seconds to let it shut down cleanly.
@@ -346,6 +408,7 @@ class LocalServer:
             The process's exit status.
         """
         first_stop = self._finalizer.detach() is not None
+        self.withdraw()
         returncode = _terminate(self._process, grace)
         self._paused = False
         if first_stop:

@@ -5,8 +5,8 @@ Subcommands:
 ``run``
     Annotate a dataset over vLLM servers into an output directory, resumably.
 ``serve-local``
-    Start local vLLM servers, print one base URL per line once all are healthy, and
-    serve until SIGINT or SIGTERM.
+    Start local vLLM servers (on CPUs, or pinned to the GPUs of one node), print one
+    base URL per line once all are healthy, and serve until SIGINT or SIGTERM.
 ``tiny-model``
     Write the tiny test model (no download) into a folder.
 ``demo``
@@ -97,6 +97,10 @@ def _serve_local(args: argparse.Namespace) -> int:
                 extra_args=args.vllm_arg,
                 python=args.python,
                 log_dir=args.log_dir,
+                gpus_per_server=args.gpus_per_server,
+                dtype=args.dtype,
+                enforce_eager=args.enforce_eager,
+                servers_dir=args.servers_dir,
             )
             for url in servers.base_urls:
                 print(url, flush=True)
@@ -113,7 +117,11 @@ def _serve_local(args: argparse.Namespace) -> int:
 
 
 def _watch(servers: Sequence[LocalServer]) -> None:
-    """Block until a signal arrives or every server has exited; log each exit."""
+    """Block until a signal arrives or every server has exited.
+
+    A server that exits is withdrawn at once (its URL file removed, so that an annotator
+    following the folder stops sending it work), and its exit is logged.
+    """
     alive = list(servers)
     tick = threading.Event()
     while alive:
@@ -121,6 +129,7 @@ def _watch(servers: Sequence[LocalServer]) -> None:
         for server in list(alive):
             if not server.is_running():
                 alive.remove(server)
+                server.withdraw()
                 logger.warning(
                     "local server exited",
                     server=server.base_url,
@@ -135,13 +144,28 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_len(text: str) -> int | None:
+    """``--max-model-len``: a positive number of tokens, or ``auto`` (vLLM's default)."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return value
+
+
 def _add_serve_local(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "serve-local",
         help="start local vLLM servers and print their base URLs",
         description=(
             "Start vLLM servers on this machine, print one base URL per line once all "
-            "are healthy, and serve until SIGINT or SIGTERM, then stop them."
+            "are healthy, and serve until SIGINT or SIGTERM, then stop them. The defaults "
+            "suit CPUs and the tiny test model; on a GPU node give --gpus-per-server, "
+            "--dtype auto, --no-enforce-eager and --max-model-len auto."
         ),
     )
     parser.add_argument("--num-servers", type=int, default=1, help="how many (default 1)")
@@ -153,8 +177,44 @@ def _add_serve_local(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     parser.add_argument(
         "--port-base", type=int, default=None, help="ports P, P+1, ... (default: free ports)"
     )
-    parser.add_argument("--max-model-len", type=int, default=512, help="default: 512")
-    parser.add_argument("--kv-cache-gib", type=int, default=1, help="per server (default 1)")
+    parser.add_argument(
+        "--max-model-len",
+        type=_model_len,
+        default=512,
+        metavar="N|auto",
+        help="context length in tokens (default 512); auto: the model's (GPU nodes)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=int, default=1, help="per CPU server (default 1); CPU only"
+    )
+    parser.add_argument(
+        "--gpus-per-server",
+        type=int,
+        default=None,
+        metavar="K",
+        help=(
+            "GPU nodes: server i gets GPUs i*K .. i*K+K-1 (CUDA_VISIBLE_DEVICES), and "
+            "tensor parallelism when K > 1 (default: CPU servers)"
+        ),
+    )
+    parser.add_argument(
+        "--dtype", default="float32", help="vLLM --dtype (default float32; GPU nodes: auto)"
+    )
+    parser.add_argument(
+        "--no-enforce-eager",
+        dest="enforce_eager",
+        action="store_false",
+        help="GPU nodes: let vLLM compile and use CUDA graphs (slower start, faster serving)",
+    )
+    parser.add_argument(
+        "--servers-dir",
+        default=None,
+        metavar="DIR",
+        help=(
+            "for GPU nodes: announce each healthy server in DIR/local-<i>-port<port>.url, "
+            "removed when it stops, for `llm-annotator run --servers-dir DIR`"
+        ),
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("--log-dir", default=None, help="default: a new temporary folder")
     parser.add_argument(

@@ -12,6 +12,14 @@ vLLM runs under its own Python (see :func:`find_vllm_python`), usually the cache
 environment that ``scripts/vllm-env.sh`` builds, because its pinned CPU build of torch
 need not fit beside this package.
 
+The defaults suit CPUs and the tiny model. On a machine with GPUs, ``gpus_per_server=K``
+pins server *i* to GPUs *iK* .. *iK+K-1* (``CUDA_VISIBLE_DEVICES``) with tensor
+parallelism over them, and ``servers_dir`` announces each healthy server in a ``*.url``
+file for ``llm-annotator run --servers-dir``::
+
+    start_local_servers(4, "Qwen/Qwen3-8B", gpus_per_server=2, dtype="auto",
+                        enforce_eager=False, servers_dir="servers", max_model_len=None)
+
 Each :class:`LocalServer` can be killed, paused and resumed, which is how the
 integration tests make servers fail. A server is stopped when its handle is garbage
 collected or this interpreter exits, so none outlives the process that started it
@@ -213,15 +221,32 @@ def ensure_tiny_model(directory: str | Path | None = None, *, python: str | None
     return target
 
 
+def _gpu_devices(index: int, gpus_per_server: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of server ``index`` (0-based).
+
+    Examples:
+        >>> [_gpu_devices(i, 2) for i in range(3)]
+        ['0,1', '2,3', '4,5']
+        >>> _gpu_devices(3, 1)
+        '3'
+    """
+    first = index * gpus_per_server
+    return ",".join(str(gpu) for gpu in range(first, first + gpus_per_server))
+
+
 @dataclass(frozen=True, slots=True)
 class _LaunchSpec:
-    """Everything needed to start one more server like the others."""
+    """Everything needed to start one more server like the others.
+
+    ``gpus_per_server`` is ``None`` for CPU servers (the default), else the GPUs each
+    server gets; ``max_model_len`` ``None`` leaves vLLM's default (the model's).
+    """
 
     python: str
     model: str
     served_model_name: str
     host: str
-    max_model_len: int
+    max_model_len: int | None
     kv_cache_gib: int
     extra_args: tuple[str, ...]
     env: Mapping[str, str]
@@ -229,6 +254,10 @@ class _LaunchSpec:
     dummy_weights: bool
     startup_timeout: float
     omp_threads: int | None
+    gpus_per_server: int | None = None
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    servers_dir: Path | None = None
 
     def command(self, port: int) -> list[str]:
         command = [
@@ -244,27 +273,38 @@ class _LaunchSpec:
             "--port",
             str(port),
             "--dtype",
-            "float32",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--enforce-eager",
+            self.dtype,
             # One log line per request costs CPU and fills the log under load.
             "--disable-uvicorn-access-log",
         ]
+        if self.max_model_len is not None:
+            command += ["--max-model-len", str(self.max_model_len)]
+        if self.enforce_eager:
+            command.append("--enforce-eager")
+        if self.gpus_per_server is not None and self.gpus_per_server > 1:
+            command += ["--tensor-parallel-size", str(self.gpus_per_server)]
         if self.dummy_weights and not any(a.startswith("--load-format") for a in self.extra_args):
             command += ["--load-format", "dummy"]
         return command + list(self.extra_args)
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, index: int = 0) -> dict[str, str]:
         env = dict(self.env)
+        env.update(
+            {
+                "VLLM_NO_USAGE_STATS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.gpus_per_server is not None:
+            # A GPU server may download its model: the offline switches are left to env.
+            env["CUDA_VISIBLE_DEVICES"] = _gpu_devices(index, self.gpus_per_server)
+            return env
         env.update(
             {
                 "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1",
-                "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1",
             }
         )
         if self.omp_threads is not None:
@@ -274,6 +314,12 @@ class _LaunchSpec:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             env.setdefault("OMP_NUM_THREADS", str(self.omp_threads))
         return env
+
+    def url_file(self, index: int, port: int) -> Path | None:
+        """Where server ``index`` announces itself, or ``None`` without a servers_dir."""
+        if self.servers_dir is None:
+            return None
+        return self.servers_dir / f"local-{index}-port{port}.url"
 
 
 def _looks_like_path(model: str) -> bool:
@@ -326,6 +372,11 @@ class LocalServers:
         """The folder holding the servers' logs."""
         return self._spec.log_dir
 
+    @property
+    def servers_dir(self) -> Path | None:
+        """The folder where healthy servers announce their URLs, if any."""
+        return self._spec.servers_dir
+
     def __getitem__(self, index: int) -> LocalServer:
         return self._servers[index]
 
@@ -358,9 +409,13 @@ class LocalServers:
     def stop(self, grace: float = 10.0) -> None:
         """Stop every server (see :meth:`LocalServer.stop`); safe to call twice.
 
+        Every URL file is removed first, before any server is signalled.
+
         Args:
             grace: Seconds each server gets to shut down cleanly, all at once.
         """
+        for server in self._servers:
+            server.withdraw()
         for server in self._servers:
             if server.is_running():
                 signal_group(server.pid, signal.SIGTERM)
@@ -396,6 +451,9 @@ def _launch_all(
     try:
         for offset, port in enumerate(chosen):
             index = first_index + offset
+            url_file = spec.url_file(index, port)
+            if url_file is not None:
+                url_file.unlink(missing_ok=True)  # left by an earlier run killed outright
             servers.append(
                 LocalServer.launch(
                     spec.command(port),
@@ -403,7 +461,8 @@ def _launch_all(
                     port=port,
                     model=spec.served_model_name,
                     log_path=spec.log_dir / f"vllm-{index}-port{port}.log",
-                    env=spec.environment(),
+                    env=spec.environment(index),
+                    url_file=url_file,
                 )
             )
     except BaseException:
@@ -431,6 +490,7 @@ def _wait_all(servers: Sequence[LocalServer], timeout: float) -> None:
                         server=server.base_url,
                         waited_s=round(time.monotonic() - start, 2),
                     )
+                    server.announce()
             if not pending:
                 break
             if time.monotonic() >= deadline:
@@ -455,7 +515,7 @@ def start_local_servers(
     served_model_name: str = "tiny",
     host: str = "127.0.0.1",
     ports: Sequence[int] | None = None,
-    max_model_len: int = 512,
+    max_model_len: int | None = 512,
     kv_cache_gib: int = 1,
     startup_timeout: float = 300.0,
     extra_args: Sequence[str] = (),
@@ -464,13 +524,19 @@ def start_local_servers(
     env: Mapping[str, str] | None = None,
     wait: bool = True,
     omp_threads: int | None = _DEFAULT_OMP_THREADS,
+    gpus_per_server: int | None = None,
+    dtype: str = "float32",
+    enforce_eager: bool = True,
+    servers_dir: str | Path | None = None,
 ) -> LocalServers:
     """Start ``num_servers`` vLLM servers side by side and wait until all are healthy.
 
-    Each server runs ``python -m vllm.entrypoints.openai.api_server`` in float32 with
-    ``--enforce-eager`` (no compilation: faster start-up on CPUs), in its own process
-    group, its output in ``<log_dir>/vllm-<i>-port<port>.log``. A model folder without
-    weight files (like the tiny model) is served with ``--load-format dummy``.
+    Each server runs ``python -m vllm.entrypoints.openai.api_server``, by default in
+    float32 with ``--enforce-eager`` (no compilation: faster start-up on CPUs), in its
+    own process group, its output in ``<log_dir>/vllm-<i>-port<port>.log``. A model
+    folder without weight files (like the tiny model) is served with
+    ``--load-format dummy``. On GPUs pass ``gpus_per_server``, ``dtype="auto"`` and
+    ``enforce_eager=False``.
 
     Args:
         num_servers: How many servers.
@@ -479,8 +545,9 @@ def start_local_servers(
         served_model_name: The model name requests must give.
         host: Address to listen on.
         ports: One port per server; free ports by default.
-        max_model_len: Context length (prompt plus output) in tokens.
-        kv_cache_gib: KV cache per server, in GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        max_model_len: Context length (prompt plus output) in tokens; ``None`` leaves
+            vLLM's default, the model's own.
+        kv_cache_gib: KV cache per CPU server, in GiB (``VLLM_CPU_KVCACHE_SPACE``).
         startup_timeout: Seconds to wait for all servers to be healthy.
         extra_args: More vLLM command-line arguments, appended to each command.
         python: Interpreter with vLLM; defaults to :func:`find_vllm_python`.
@@ -492,6 +559,18 @@ def start_local_servers(
         omp_threads: Compute threads per server (``OMP_NUM_THREADS``), unpinned
             (``VLLM_CPU_OMP_THREADS_BIND=nobind``), unless ``env`` sets those variables.
             ``None`` leaves vLLM's default, which pins every server to the first core.
+        gpus_per_server: For GPU servers: server *i* (counting from 0, servers added by
+            :meth:`LocalServers.start_one_more` included) gets ``CUDA_VISIBLE_DEVICES``
+            *iK* .. *iK+K-1*, and ``--tensor-parallel-size K`` when K > 1. The CPU
+            settings (``kv_cache_gib``, ``omp_threads``, the Hugging Face offline
+            switches) then do not apply. ``None``: CPU servers.
+        dtype: vLLM's ``--dtype``; ``"auto"`` (the model's) on GPUs.
+        enforce_eager: Pass ``--enforce-eager``; False on GPUs, where compiling and
+            CUDA graphs make serving faster at the cost of a slower start.
+        servers_dir: Folder (created if missing) where each server, once healthy,
+            announces its base URL in ``local-<i>-port<port>.url``, written whole; the
+            file is removed when the server is stopped or killed through its handle.
+            ``llm-annotator run --servers-dir`` follows such a folder.
 
     Returns:
         The started servers.
@@ -505,6 +584,12 @@ def start_local_servers(
         raise ConfigurationError(f"num_servers must be at least 1, got {num_servers}")
     if omp_threads is not None and omp_threads < 1:
         raise ConfigurationError(f"omp_threads must be at least 1 or None, got {omp_threads}")
+    if gpus_per_server is not None and gpus_per_server < 1:
+        raise ConfigurationError(f"gpus_per_server must be at least 1, got {gpus_per_server}")
+    if max_model_len is not None and max_model_len < 1:
+        raise ConfigurationError(f"max_model_len must be at least 1, got {max_model_len}")
+    if not dtype:
+        raise ConfigurationError("dtype must not be empty")
     if ports is not None and len(ports) != num_servers:
         raise ConfigurationError(f"got {len(ports)} ports for {num_servers} servers")
     if model is not None and _looks_like_path(str(model)) and not Path(model).expanduser().exists():
@@ -521,6 +606,14 @@ def start_local_servers(
         if log_dir is not None
         else Path(tempfile.mkdtemp(prefix="llm-annotator-vllm-"))
     )
+    announce_in = Path(servers_dir).expanduser().absolute() if servers_dir is not None else None
+    if announce_in is not None:
+        try:
+            announce_in.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigurationError(
+                f"cannot use {announce_in} as the servers folder: {error}"
+            ) from error
     spec = _LaunchSpec(
         python=interpreter,
         model=model_name,
@@ -534,13 +627,19 @@ def start_local_servers(
         dummy_weights=_needs_dummy_weights(model_name),
         startup_timeout=startup_timeout,
         omp_threads=omp_threads,
+        gpus_per_server=gpus_per_server,
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        servers_dir=announce_in,
     )
     logger.info(
         "starting local servers",
         count=num_servers,
         model=model_name,
         served_model_name=served_model_name,
+        gpus_per_server=gpus_per_server,
         log_dir=str(logs),
+        servers_dir=str(announce_in) if announce_in is not None else None,
     )
     servers = _launch_all(spec, ports, num_servers, 0)
     if wait:

@@ -2,12 +2,15 @@
 
 Process handling runs against a fake server: a small Python HTTP server that answers
 ``/health`` on loopback and starts a child in its process group, as vLLM starts its
-engine.
+engine. ``start_local_servers`` runs against a fake vLLM Python: a script that takes the
+vLLM command line, reports it and its GPUs, and answers ``/health`` on ``--port``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import socket
 import stat
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_annotator import local
+from llm_annotator import cli, local
 from llm_annotator.cli import build_parser
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.local import (
@@ -66,14 +69,60 @@ else:
 """
 
 
+FAKE_VLLM = """
+import http.server, json, os, sys
+args = sys.argv[1:]
+print("launched " + json.dumps({"args": args, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+      "omp": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+port = int(args[args.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_vllm_python(tmp_path: Path) -> str:
+    """An executable that runs like ``python -m <vLLM server> ARGS``, as a fake vLLM."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    python = tmp_path / "bin" / "fake-vllm-python"
+    python.parent.mkdir()
+    python.write_text(
+        f'#!/bin/sh\nshift 2\nexec {shlex.quote(sys.executable)} {shlex.quote(str(script))} "$@"\n'
+    )
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return str(python)
+
+
+def _launched(server: LocalServer) -> dict[str, object]:
+    """What the fake vLLM reported: its arguments and CUDA_VISIBLE_DEVICES."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        for line in server.tail_log().splitlines():
+            if line.startswith("launched "):
+                report: dict[str, object] = json.loads(line.removeprefix("launched "))
+                return report
+        time.sleep(0.05)
+    pytest.fail("the fake vLLM did not report its command line")
+
+
 @pytest.fixture
 def fake_server(tmp_path: Path) -> Iterator[FakeServer]:
-    """A factory ``fake_server(mode)`` for fake servers, all stopped at the end."""
+    """A factory ``fake_server(mode, url_file=None)`` for fake servers, stopped at the end."""
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     started: list[LocalServer] = []
 
-    def start(mode: str = "ok") -> LocalServer:
+    def start(mode: str = "ok", url_file: Path | None = None) -> LocalServer:
         (port,) = pick_free_ports(1)
         server = LocalServer.launch(
             [sys.executable, str(script), str(port), mode],
@@ -81,6 +130,7 @@ def fake_server(tmp_path: Path) -> Iterator[FakeServer]:
             port=port,
             model="fake",
             log_path=tmp_path / f"fake-{port}.log",
+            url_file=url_file,
         )
         started.append(server)
         return server
@@ -254,8 +304,63 @@ def test_server_command_serves_weightless_folders_with_dummy_weights(tmp_path: P
     assert env["HF_HUB_OFFLINE"] == env["VLLM_NO_USAGE_STATS"] == "1"
     assert env["OMP_NUM_THREADS"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    assert command[command.index("--dtype") + 1] == "float32"
+    assert "--enforce-eager" in command
+    assert "--tensor-parallel-size" not in command
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert not local._needs_dummy_weights(str(tmp_path))
+
+
+def _gpu_spec(tmp_path: Path, gpus_per_server: int) -> local._LaunchSpec:
+    return local._LaunchSpec(
+        python="py",
+        model="org/model",
+        served_model_name="m",
+        host="127.0.0.1",
+        max_model_len=None,
+        kv_cache_gib=4,
+        extra_args=(),
+        env={"KEEP": "1", "CUDA_VISIBLE_DEVICES": "7"},
+        log_dir=tmp_path,
+        dummy_weights=False,
+        startup_timeout=10.0,
+        omp_threads=1,
+        gpus_per_server=gpus_per_server,
+        dtype="auto",
+        enforce_eager=False,
+        servers_dir=tmp_path / "servers",
+    )
+
+
+def test_gpu_servers_get_their_own_gpus_and_tensor_parallelism(tmp_path: Path) -> None:
+    """With K GPUs per server, server i sees GPUs iK..iK+K-1, runs tensor parallel over
+    them, and gets none of the CPU settings."""
+    spec = _gpu_spec(tmp_path, 2)
+    devices = [spec.environment(index)["CUDA_VISIBLE_DEVICES"] for index in range(3)]
+    assert devices == ["0,1", "2,3", "4,5"]
+    env = spec.environment(1)
+    assert env["KEEP"] == "1"
+    for cpu_only in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        assert cpu_only not in env
+    assert "HF_HUB_OFFLINE" not in env  # a GPU server may download its model
+    command = spec.command(8000)
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"
+    assert command[command.index("--dtype") + 1] == "auto"
+    assert "--enforce-eager" not in command
+    assert "--max-model-len" not in command
+    assert spec.url_file(2, 8002) == tmp_path / "servers" / "local-2-port8002.url"
+
+
+def test_one_gpu_per_server_needs_no_tensor_parallelism(tmp_path: Path) -> None:
+    """With one GPU each, server i sees GPU i alone and no --tensor-parallel-size is given."""
+    spec = _gpu_spec(tmp_path, 1)
+    assert [spec.environment(index)["CUDA_VISIBLE_DEVICES"] for index in range(3)] == [
+        "0",
+        "1",
+        "2",
+    ]
+    assert "--tensor-parallel-size" not in spec.command(8000)
 
 
 def test_wait_healthy_returns_once_health_answers(fake_server: FakeServer) -> None:
@@ -368,6 +473,113 @@ def test_start_local_servers_validates_its_arguments() -> None:
         local.start_local_servers(1, ports=[1, 2], python=sys.executable)
     with pytest.raises(ConfigurationError, match="model folder /nonexistent/model does not"):
         local.start_local_servers(1, "/nonexistent/model", python=sys.executable)
+    with pytest.raises(ConfigurationError, match="gpus_per_server must be at least 1, got 0"):
+        local.start_local_servers(1, "org/model", python=sys.executable, gpus_per_server=0)
+    with pytest.raises(ConfigurationError, match="max_model_len"):
+        local.start_local_servers(1, "org/model", python=sys.executable, max_model_len=0)
+
+
+def test_start_local_servers_pins_gpus_and_announces_healthy_servers(
+    fake_vllm_python: str, tmp_path: Path
+) -> None:
+    """Three GPU servers get GPUs 0-1, 2-3, 4-5 and one more gets 6-7; each healthy one
+    has a URL file holding its base URL, and stop() removes them all."""
+    servers_dir = tmp_path / "servers"
+    with local.start_local_servers(
+        3,
+        "org/model",
+        python=fake_vllm_python,
+        log_dir=tmp_path / "logs",
+        startup_timeout=30.0,
+        gpus_per_server=2,
+        dtype="auto",
+        enforce_eager=False,
+        servers_dir=servers_dir,
+    ) as servers:
+        extra = servers.start_one_more()
+        reports = [_launched(server) for server in servers]
+        assert [report["gpus"] for report in reports] == ["0,1", "2,3", "4,5", "6,7"]
+        assert {report["omp"] for report in reports} == {None}
+        args = reports[0]["args"]
+        assert isinstance(args, list)
+        assert args[args.index("--tensor-parallel-size") + 1] == "2"
+        assert args[args.index("--dtype") + 1] == "auto"
+        assert "--enforce-eager" not in args
+        announced = {path.name: path.read_text() for path in servers_dir.iterdir()}
+        assert announced == {
+            f"local-{index}-port{server.port}.url": server.base_url + "\n"
+            for index, server in enumerate(servers)
+        }
+        assert servers.servers_dir == servers_dir
+        extra.stop(grace=5.0)
+        assert extra.url_file is not None and not extra.url_file.exists()
+        assert len(list(servers_dir.iterdir())) == 3
+    assert list(servers_dir.iterdir()) == []
+
+
+def test_cpu_servers_keep_float32_eager_and_no_url_files(
+    fake_vllm_python: str, tmp_path: Path
+) -> None:
+    """Without the GPU settings a server runs in float32 with --enforce-eager, one OMP
+    thread, no CUDA_VISIBLE_DEVICES set by us, and announces nothing."""
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    with local.start_local_servers(
+        1,
+        "org/model",
+        python=fake_vllm_python,
+        log_dir=tmp_path / "logs",
+        startup_timeout=30.0,
+        env=env,
+    ) as servers:
+        report = _launched(servers[0])
+        assert servers[0].url_file is None
+    args = report["args"]
+    assert isinstance(args, list)
+    assert args[args.index("--dtype") + 1] == "float32"
+    assert "--enforce-eager" in args
+    assert "--tensor-parallel-size" not in args
+    assert (report["gpus"], report["omp"]) == (None, "1")
+
+
+def test_url_file_is_written_when_healthy_and_removed_on_stop(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """wait_healthy announces the server in its URL file, written whole (no temporary
+    file is left); stop() removes it."""
+    url_file = tmp_path / "servers" / "a.url"
+    url_file.parent.mkdir()
+    server = fake_server(url_file=url_file)
+    assert not url_file.exists()
+    server.wait_healthy(timeout=30.0)
+    assert url_file.read_text() == server.base_url + "\n"
+    assert [path.name for path in url_file.parent.iterdir()] == ["a.url"]
+    server.stop(grace=5.0)
+    assert not url_file.exists()
+    server.withdraw()  # again: harmless
+
+
+def test_url_file_is_removed_when_the_server_is_killed(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """kill() through the handle removes the URL file as well."""
+    url_file = tmp_path / "b.url"
+    server = fake_server(url_file=url_file)
+    server.wait_healthy(timeout=30.0)
+    assert url_file.exists()
+    server.kill()
+    assert not url_file.exists()
+
+
+def test_watch_withdraws_a_server_that_exits(fake_server: FakeServer, tmp_path: Path) -> None:
+    """While serving, a server that dies on its own has its URL file removed, and the
+    watch ends once no server is left."""
+    url_file = tmp_path / "c.url"
+    server = fake_server(url_file=url_file)
+    server.wait_healthy(timeout=30.0)
+    os.killpg(server.pid, signal.SIGKILL)  # not through the handle: a crash
+    assert url_file.exists()
+    cli._watch([server])
+    assert not url_file.exists()
 
 
 def test_cli_parses_serve_local() -> None:
@@ -380,6 +592,40 @@ def test_cli_parses_serve_local() -> None:
     assert args.served_model_name == "tiny"
     assert args.max_model_len == 512
     assert args.vllm_arg == ["--seed=1"]
+    assert (args.gpus_per_server, args.dtype, args.enforce_eager, args.servers_dir) == (
+        None,
+        "float32",
+        True,
+        None,
+    )
+
+
+def test_cli_parses_the_gpu_flags_of_serve_local() -> None:
+    """serve-local takes GPUs per server, dtype, --no-enforce-eager, a servers folder and
+    --max-model-len auto; a bad context length is refused."""
+    args = build_parser().parse_args(
+        [
+            "serve-local",
+            "--num-servers",
+            "4",
+            "--gpus-per-server",
+            "2",
+            "--dtype",
+            "auto",
+            "--no-enforce-eager",
+            "--servers-dir",
+            "servers",
+            "--max-model-len",
+            "auto",
+        ]
+    )
+    assert (args.gpus_per_server, args.dtype, args.enforce_eager) == (2, "auto", False)
+    assert (args.servers_dir, args.max_model_len) == ("servers", None)
+    assert build_parser().parse_args(["serve-local", "--max-model-len", "8192"]).max_model_len == (
+        8192
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve-local", "--max-model-len", "0"])
 
 
 def test_cli_parses_tiny_model() -> None:
