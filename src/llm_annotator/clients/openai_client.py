@@ -12,6 +12,7 @@ import orjson
 import structlog
 
 from llm_annotator._constants import CONNECT_TIMEOUT, MAX_CONNECTIONS
+from llm_annotator._gc import fewer_full_collections
 from llm_annotator.clients._protocol import error_message, parse_completion, status_error
 from llm_annotator.clients._retry import retry_delay, should_retry
 from llm_annotator.clients._transport import HttpTransport
@@ -276,16 +277,17 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         except ProviderError as exc:
             errors: list[Response | ProviderError] = [exc] * len(messages)
             return self._finish(errors)
-        if self.max_workers is None or self.max_workers >= len(messages):
-            results = await asyncio.gather(*(self.asend(m, params) for m in messages))
-        else:
-            gate = asyncio.Semaphore(self.max_workers)
+        with fewer_full_collections():
+            if self.max_workers is None or self.max_workers >= len(messages):
+                results = await asyncio.gather(*(self.asend(m, params) for m in messages))
+            else:
+                gate = asyncio.Semaphore(self.max_workers)
 
-            async def gated(conversation: Messages) -> Response | ProviderError:
-                async with gate:
-                    return await self.asend(conversation, params)
+                async def gated(conversation: Messages) -> Response | ProviderError:
+                    async with gate:
+                        return await self.asend(conversation, params)
 
-            results = await asyncio.gather(*(gated(m) for m in messages))
+                results = await asyncio.gather(*(gated(m) for m in messages))
         return self._finish(results)
 
     def _finish(self, results: list[Response | ProviderError]) -> list[Response]:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 
 import structlog
 
+from llm_annotator._gc import fewer_full_collections
 from llm_annotator.clients.base import Messages
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
@@ -175,18 +176,19 @@ class PoolCalls(PoolWork):
             batches_per_server=self.max_concurrent_batches_per_client,
         )
         try:
-            async with asyncio.TaskGroup() as group:
-                self._group = group
-                for member in list(self._members.values()):
-                    self._attach(run, member)
-                self._spawn(self._watch_all_down(run))
-                if self._discovery is not None:
-                    self._spawn(self._discovery.run(cast("PoolLike", self), run.done))
-                for coro in extra:
-                    self._spawn(coro)
-                await run.done.wait()
-                for task in list(self._tasks):
-                    task.cancel()
+            with fewer_full_collections():
+                async with asyncio.TaskGroup() as group:
+                    self._group = group
+                    for member in list(self._members.values()):
+                        self._attach(run, member)
+                    self._spawn(self._watch_all_down(run))
+                    if self._discovery is not None:
+                        self._spawn(self._discovery.run(cast("PoolLike", self), run.done))
+                    for coro in extra:
+                        self._spawn(coro)
+                    await run.done.wait()
+                    for task in list(self._tasks):
+                        task.cancel()
         finally:
             for coro in extra:
                 coro.close()  # never started if the group failed early
