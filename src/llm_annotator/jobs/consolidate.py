@@ -1,9 +1,12 @@
 """The end of a job: every shard's records merged into one table, one row per id.
 
-``consolidate`` reads the shards into Arrow a chunk of records at a time (never the
-whole run as Python dicts), picks one record per id, sorts by id and writes
-``annotations.parquet`` (and, if asked, ``annotations.jsonl``) at the top of the run
-directory, each by an atomic rename, so a reader never sees half a file.
+``consolidate`` works in two passes so that its memory does not grow with the run's
+data: the first reads every shard a chunk of records at a time and keeps only each
+record's id, success and place (about 40 bytes) and each column's type; the second
+reads the winning records back by their place, one row group in id order at a time,
+and writes them. ``annotations.parquet`` (and, if asked, ``annotations.jsonl``) lands
+at the top of the run directory by an atomic rename, so a reader never sees half a
+file.
 """
 
 from __future__ import annotations
@@ -37,9 +40,6 @@ PARQUET_FILE = "annotations.parquet"
 JSONL_FILE = "annotations.jsonl"
 _CHUNK = 1 << 14
 """Records parsed into Python dicts at a time before they become Arrow arrays."""
-_ROWS = "\x00rows"
-"""A placeholder column in each chunk, so a chunk whose records hold only ids keeps its
-row count (never written out; a record key of that name would just take its place)."""
 _ROW_GROUP = 1 << 17
 """Rows gathered (copied) and written to Parquet at a time."""
 _SORT_KEYS = [
@@ -126,27 +126,39 @@ def _consolidate(directory: Path, *, jsonl: bool, column_order: Sequence[str]) -
     loaded = _Loader()
     for index, path in enumerate(shards):
         loaded.read(index, path)
-    data, keys = loaded.tables()
+    keys = loaded.keys()
     names = [name for name in column_order if name in loaded.names]
     names += [name for name in loaded.names if name not in names]
     if "id" not in names:  # no records at all
         names.insert(0, "id")
-    del loaded
 
     winners = _winners(keys)
     keys = keys.take(winners)
     ids = _id_column(keys)
-    schema = data.schema.append(pa.field("id", ids.type))
-    schema = pa.schema([schema.field(name) for name in names])
+    fields = loaded.fields()
+    fields["id"] = pa.field("id", ids.type)
+    schema = pa.schema([fields[name] for name in names])
     summary = _Summary()
     parquet_path = directory / PARQUET_FILE
-    with atomic_write(parquet_path) as file, pq.ParquetWriter(file, schema) as writer:
-        for start in range(0, len(winners), _ROW_GROUP):  # one slice taken at a time
-            part = data.take(winners.slice(start, _ROW_GROUP))
-            part = part.append_column("id", ids.slice(start, _ROW_GROUP)).select(names)
-            writer.write_table(part)
+    with (
+        atomic_write(parquet_path) as file,
+        pq.ParquetWriter(file, schema) as writer,
+        _Reader(shards) as reader,
+    ):
+        for start in range(0, len(winners), _ROW_GROUP):  # one row group at a time
+            chunks = []
+            for at in range(start, min(start + _ROW_GROUP, len(winners)), _CHUNK):
+                records = reader.records(keys.slice(at, _CHUNK))  # few dicts at a time
+                columns = {
+                    name: ids.slice(at, _CHUNK)
+                    if name == "id"
+                    else _column(records, name, schema.field(name).type, name in loaded.stringified)
+                    for name in names
+                }
+                chunks.append(pa.table(columns, schema=schema))
+            part = pa.concat_tables(chunks)
+            writer.write_table(part, row_group_size=_ROW_GROUP)
             summary.add(part, keys["ok"].slice(start, _ROW_GROUP))
-    del data
     jsonl_path = None
     if jsonl:
         jsonl_path = directory / JSONL_FILE
@@ -162,6 +174,50 @@ def _consolidate(directory: Path, *, jsonl: bool, column_order: Sequence[str]) -
         shards=len(shards),
     )
     return result
+
+
+def _column(
+    records: list[dict[str, Any]], name: str, data_type: pa.DataType, as_text: bool
+) -> pa.Array:
+    values = [record.get(name) for record in records]
+    if as_text:
+        return _texts(values)
+    return pa.array(values, data_type)
+
+
+class _Reader:
+    """Records read back from the shards by their place (shard, offset, length)."""
+
+    def __init__(self, shards: list[Path]) -> None:
+        self.shards = shards
+        self.handles: dict[int, Any] = {}
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles.values():
+            handle.close()
+        self.handles.clear()
+
+    def records(self, places: pa.Table) -> list[dict[str, Any]]:
+        out = []
+        for shard, offset, length in zip(
+            places["shard"].to_pylist(),
+            places["offset"].to_pylist(),
+            places["length"].to_pylist(),
+            strict=True,
+        ):
+            out.append(orjson.loads(os.pread(self._fd(shard), length, offset)))
+        return out
+
+    def _fd(self, shard: int) -> int:
+        handle = self.handles.get(shard)
+        if handle is None:
+            if len(self.handles) >= 64:
+                self.__exit__()
+            handle = self.handles[shard] = self.shards[shard].open("rb")
+        return int(handle.fileno())
 
 
 class _Summary:
@@ -198,16 +254,16 @@ class _Summary:
 
 
 class _Loader:
-    """Shard records turned into Arrow tables, a chunk at a time.
+    """The first pass: each record's id, success and place, and each column's type.
 
-    Each chunk gives two tables of equal length: the data columns (every key but
-    ``id``) and the bookkeeping ones (id, success, where the record sits).
+    Records are turned into Arrow a chunk at a time only to learn their columns'
+    types; the data itself is not kept.
     """
 
     def __init__(self) -> None:
         self.names: dict[str, None] = {}  # every key seen, in first-seen order
         self.stringified: set[str] = set()
-        self._data: list[pa.Table] = []
+        self._types: dict[str, list[pa.DataType]] = {}
         self._keys: list[pa.Table] = []
 
     def read(self, index: int, path: Path) -> None:
@@ -227,13 +283,11 @@ class _Loader:
     ) -> None:
         names = dict.fromkeys(name for record in records for name in record)
         self.names.update(names)
-        columns = {_ROWS: pa.nulls(len(records))}  # keeps the row count, whatever the keys
-        columns.update(
-            (name, self._array(name, [record.get(name) for record in records]))
-            for name in names
-            if name != "id"
-        )
-        self._data.append(pa.table(columns))
+        for name in names:
+            if name != "id" and name not in self.stringified:
+                array = self._array(name, [record.get(name) for record in records])
+                if array is not None:
+                    self._types.setdefault(name, []).append(array.type)
         ids = [record["id"] for record in records]
         offsets, lengths = zip(*places, strict=True)
         self._keys.append(
@@ -248,32 +302,39 @@ class _Loader:
             )
         )
 
-    def _array(self, name: str, values: list[Any]) -> pa.Array:
+    def _array(self, name: str, values: list[Any]) -> pa.Array | None:
         try:
-            array = pa.array(values)
+            return pa.array(values)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
             self.stringified.add(name)
-            return _texts(values)
-        return array
+            return None
 
-    def tables(self) -> tuple[pa.Table, pa.Table]:
-        """All chunks as one data table and one key table, types made to agree."""
+    def keys(self) -> pa.Table:
+        """Every record's bookkeeping columns, in reading order (once: handed over)."""
         if not self._keys:
             empty: list[Any] = []
-            keys = _key_table(empty, empty, empty, empty, empty, empty, empty)
-            return pa.table({_ROWS: pa.nulls(0)}), keys
-        for name in self.names:
-            if name != "id" and not self._agree(name):
-                self.stringified.add(name)
-        for name in sorted(self.stringified):
-            logger.warning("column_stored_as_strings", column=name)
-            self._data = [_stringify(table, name) for table in self._data]
-        data = pa.concat_tables(self._data, promote_options="permissive")
-        return data, pa.concat_tables(self._keys)
+            return _key_table(empty, empty, empty, empty, empty, empty, empty)
+        chunks, self._keys = self._keys, []  # the caller holds the only reference
+        return pa.concat_tables(chunks)
 
-    def _agree(self, name: str) -> bool:
-        """Whether the chunks' types for a column unify into one Parquet can store."""
-        types = [t.schema.field(name).type for t in self._data if name in t.column_names]
+    def fields(self) -> dict[str, pa.Field]:
+        """One Parquet field per data column: the chunks' types unified, or string."""
+        fields: dict[str, pa.Field] = {}
+        for name in self.names:
+            if name == "id":
+                continue
+            data_type = None if name in self.stringified else self._unified(name)
+            if data_type is None:
+                self.stringified.add(name)
+                logger.warning("column_stored_as_strings", column=name)
+                data_type = pa.string()
+            fields[name] = pa.field(name, data_type)
+        return fields
+
+    def _unified(self, name: str) -> pa.DataType | None:
+        """The one type the chunks' types for a column unify into, if Parquet can
+        store it."""
+        types = self._types.get(name, [])
         distinct = list(dict.fromkeys(t for t in types if not pa.types.is_null(t)))
         try:
             schema = pa.unify_schemas(
@@ -281,8 +342,9 @@ class _Loader:
                 promote_options="permissive",
             )
         except (pa.ArrowInvalid, pa.ArrowTypeError, NotImplementedError):
-            return False
-        return _storable(schema.field(name).type)
+            return None
+        data_type = schema.field(name).type
+        return data_type if _storable(data_type) else None
 
 
 def _key_table(
@@ -329,13 +391,6 @@ def _texts(values: Iterable[Any]) -> pa.Array:
     )
 
 
-def _stringify(table: pa.Table, name: str) -> pa.Table:
-    if name not in table.column_names or pa.types.is_string(table.schema.field(name).type):
-        return table
-    index = table.column_names.index(name)
-    return table.set_column(index, name, _texts(table[name].to_pylist()))
-
-
 def _winners(keys: pa.Table) -> pa.Array:
     """The row of each id's winning record, in id order."""
     order = pc.sort_indices(keys, sort_keys=_SORT_KEYS)
@@ -364,27 +419,11 @@ def _id_column(keys: pa.Table) -> pa.ChunkedArray:
 
 def _write_jsonl(file: Any, shards: list[Path], keys: pa.Table, names: list[str]) -> None:
     """Each winning record read back from its shard, its keys in ``names`` order."""
-    handles: dict[int, Any] = {}
-    try:
-        for shard, offset, length in zip(
-            keys["shard"].to_pylist(),
-            keys["offset"].to_pylist(),
-            keys["length"].to_pylist(),
-            strict=True,
-        ):
-            handle = handles.get(shard)
-            if handle is None:
-                if len(handles) >= 64:
-                    for open_handle in handles.values():
-                        open_handle.close()
-                    handles.clear()
-                handle = handles[shard] = shards[shard].open("rb")
-            record = orjson.loads(os.pread(handle.fileno(), length, offset))
-            file.write(orjson.dumps({name: record.get(name) for name in names}))
-            file.write(b"\n")
-    finally:
-        for handle in handles.values():
-            handle.close()
+    with _Reader(shards) as reader:
+        for start in range(0, keys.num_rows, _ROW_GROUP):
+            for record in reader.records(keys.slice(start, _ROW_GROUP)):
+                file.write(orjson.dumps({name: record.get(name) for name in names}))
+                file.write(b"\n")
 
 
 def _labels(data: pa.Table, name: str, missing: str | None = None) -> list[str]:
