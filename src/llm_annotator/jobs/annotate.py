@@ -68,6 +68,24 @@ class AnnotationResult:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """What defines one job: the arguments of :meth:`Annotator.annotate`."""
+
+    data: Any
+    prompt_template: str
+    output_dir: Path
+    system_message: str | None
+    id_column: str | None
+    options: Any
+    gen_kwargs: dict[str, Any] | None
+    columns: Sequence[str] | None
+    retry_errors: bool
+    force: bool
+    write_jsonl: bool
+    max_regenerations: int
+
+
 class _Item:
     """One row on its way through the model (the key of the stream)."""
 
@@ -180,24 +198,22 @@ class Annotator:
             PoolExhaustedError: Every server stayed down; everything done is written.
         """
         interrupt = Interrupt(self.stop_grace)
+        spec = _Spec(
+            data,
+            prompt_template,
+            Path(output_dir),
+            system_message,
+            id_column,
+            options,
+            gen_kwargs,
+            columns,
+            retry_errors,
+            force,
+            write_jsonl,
+            max_regenerations,
+        )
         with handling_signals(interrupt, enabled=handle_signals):
-            return run_sync(
-                self._annotate(
-                    data,
-                    prompt_template,
-                    Path(output_dir),
-                    system_message=system_message,
-                    id_column=id_column,
-                    options=options,
-                    gen_kwargs=gen_kwargs,
-                    columns=columns,
-                    retry_errors=retry_errors,
-                    force=force,
-                    write_jsonl=write_jsonl,
-                    max_regenerations=max_regenerations,
-                    interrupt=interrupt,
-                )
-            )
+            return run_sync(self._annotate(spec, interrupt))
 
     async def aannotate(
         self,
@@ -219,60 +235,48 @@ class Annotator:
         """Async twin of :meth:`annotate`. Signals are the caller's to handle: set
         ``stop`` for a clean stop, or cancel the task to stop at once."""
         interrupt = Interrupt(self.stop_grace, stop=stop)
-        return await self._annotate(
+        spec = _Spec(
             data,
             prompt_template,
             Path(output_dir),
-            system_message=system_message,
-            id_column=id_column,
-            options=options,
-            gen_kwargs=gen_kwargs,
-            columns=columns,
-            retry_errors=retry_errors,
-            force=force,
-            write_jsonl=write_jsonl,
-            max_regenerations=max_regenerations,
-            interrupt=interrupt,
+            system_message,
+            id_column,
+            options,
+            gen_kwargs,
+            columns,
+            retry_errors,
+            force,
+            write_jsonl,
+            max_regenerations,
         )
+        return await self._annotate(spec, interrupt)
 
-    async def _annotate(
-        self,
-        data: Any,
-        prompt_template: str,
-        output_dir: Path,
-        *,
-        system_message: str | None,
-        id_column: str | None,
-        options: Any,
-        gen_kwargs: dict[str, Any] | None,
-        columns: Sequence[str] | None,
-        retry_errors: bool,
-        force: bool,
-        write_jsonl: bool,
-        max_regenerations: int,
-        interrupt: Interrupt,
-    ) -> AnnotationResult:
+    async def _annotate(self, spec: _Spec, interrupt: Interrupt) -> AnnotationResult:
         started = time.monotonic()
         interrupt.bind()
-        template = PromptTemplate(prompt_template)
-        raw_schema = getattr(options, "output_schema", None)
+        template = PromptTemplate(spec.prompt_template)
+        raw_schema = getattr(spec.options, "output_schema", None)
         schema = OutputSchema(raw_schema) if raw_schema is not None else None
-        source = open_input(data, id_column=id_column)
+        source = open_input(spec.data, id_column=spec.id_column)
         total = await asyncio.to_thread(source.scan)
-        _check_columns(source, template, columns)
+        _check_columns(source, template, spec.columns)
         model = await _model_of(self.client)
         fingerprint = make_fingerprint(
-            prompt_template=prompt_template,
-            system_message=system_message,
+            prompt_template=spec.prompt_template,
+            system_message=spec.system_message,
             model=model,
-            options=options.to_payload() if options is not None else {},
-            gen_kwargs=gen_kwargs or {},
+            options=spec.options.to_payload() if spec.options is not None else {},
+            gen_kwargs=spec.gen_kwargs or {},
             output_schema=raw_schema,
-            id_column=id_column,
-            columns=list(columns) if columns is not None else None,
+            id_column=spec.id_column,
+            columns=list(spec.columns) if spec.columns is not None else None,
         )
         store = await asyncio.to_thread(
-            ResultStore.open, output_dir, fingerprint, force=force, retry_errors=retry_errors
+            ResultStore.open,
+            spec.output_dir,
+            fingerprint,
+            force=spec.force,
+            retry_errors=spec.retry_errors,
         )
         resumed = store.num_done
         hedged_before = _hedged(self.client)
@@ -281,24 +285,24 @@ class Annotator:
             input=source.description,
             rows=total,
             done_before=resumed,
-            output_dir=str(output_dir),
+            output_dir=str(spec.output_dir),
             model=model,
         )
         job = _Job(
             annotator=self,
             source=source,
             template=template,
-            system_message=system_message,
-            builder=RecordBuilder(schema, columns),
+            system_message=spec.system_message,
+            builder=RecordBuilder(schema, spec.columns),
             schema=schema,
             store=store,
-            regenerate=max_regenerations if _varies(options, gen_kwargs) else 0,
+            regenerate=spec.max_regenerations if _varies(spec.options, spec.gen_kwargs) else 0,
             progress=Progress(
                 total, resumed, healthy=lambda: _healthy(self.client), bar=self.progress
             ),
         )
         try:
-            await job.run(options, gen_kwargs, interrupt)
+            await job.run(spec.options, spec.gen_kwargs, interrupt)
         except asyncio.CancelledError:
             if not interrupt.hard:
                 raise
@@ -310,23 +314,26 @@ class Annotator:
         if interrupt.triggered:
             message = (
                 f"stopped by {interrupt.reason}: {done} of {total} rows are written in "
-                f"{output_dir}. Run the same job again to resume; rows already written "
+                f"{spec.output_dir}. Run the same job again to resume; rows already written "
                 "are not sent again."
             )
-            log.warning("job_interrupted", done=done, total=total, output_dir=str(output_dir))
+            log.warning("job_interrupted", done=done, total=total, output_dir=str(spec.output_dir))
             raise RunInterruptedError(
                 message,
-                output_dir=str(output_dir),
+                output_dir=str(spec.output_dir),
                 num_done=done,
                 signum=interrupt.signals[0] if interrupt.signals else None,
             )
         result = await asyncio.to_thread(
-            consolidate, output_dir, jsonl=write_jsonl, column_order=job.builder.output_columns()
+            consolidate,
+            spec.output_dir,
+            jsonl=spec.write_jsonl,
+            column_order=job.builder.output_columns(),
         )
         seconds = time.monotonic() - started
         report = _report(job, result, total, resumed, seconds, self.client)
         report["this_run"]["hedged_requests"] = _hedged(self.client) - hedged_before
-        report_path = output_dir / REPORT_NAME
+        report_path = spec.output_dir / REPORT_NAME
         await asyncio.to_thread(_write_json, report_path, report)
         log.info(
             "job_finished",
@@ -340,7 +347,7 @@ class Annotator:
         if result.num_rows < total:
             log.error("rows_missing", expected=total, written=result.num_rows)
         return AnnotationResult(
-            output_dir=output_dir,
+            output_dir=spec.output_dir,
             output_path=result.parquet_path,
             jsonl_path=result.jsonl_path,
             report_path=report_path,
