@@ -21,3 +21,10 @@ RETRY_MAX_DELAY = 8.0
 
 HEALTH_TIMEOUT = 5.0
 """Default seconds a health probe may take."""
+
+MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+"""The largest answer a client reads, per request: 16 MiB. A chat completion stays far
+under it (even 32k tokens of output with top-20 logprobs is a few MiB of JSON), while a
+proxy's error page streamed without end, a wrong endpoint sending a file, or a broken
+server that never stops is cut off before one request costs the process real memory.
+Answers are read in pieces and never buffered past the cap."""

@@ -8,19 +8,24 @@ them::
     ├── ProviderError               one request failed; carries server, kind, status
     │   ├── TransportError          no HTTP answer at all
     │   │   ├── ServerConnectError  refused, connect timeout, DNS failure: server gone
-    │   │   ├── ReadTimeoutError    connected, but no answer within the read timeout
+    │   │   ├── TLSError            the TLS handshake failed (certificate, protocol)
+    │   │   ├── ReadTimeoutError    connected, but no whole answer within the timeout
     │   │   └── DisconnectedError   the connection dropped before the answer was whole
-    │   ├── StatusError             an HTTP error status (the kind tells which)
-    │   └── MalformedResponseError  a 200 whose body is not a chat completion
+    │   ├── StatusError             an HTTP error status or a redirect (the kind tells which)
+    │   ├── MalformedResponseError  a 2xx whose body is not a chat completion
+    │   └── OversizedResponseError  an answer larger than max_response_bytes
     ├── PoolExhaustedError          (pool) every server is gone past the deadline
+    │   └── ServersUnusableError    every server refused for a reason waiting won't fix
     └── JobError                    (jobs) an annotation job cannot start or go on
         ├── InputError              unreadable input, a bad id, an unknown column
         ├── PromptError             a template that cannot be rendered safely
         ├── FingerprintMismatchError  resuming a directory made with other settings
+        ├── OutputWriteError        the run directory cannot be written (disk full, ...)
         └── RunInterruptedError     stopped by a signal; everything done is written
 
-``InputError``, ``PromptError`` and ``FingerprintMismatchError`` are also
-``ConfigurationError`` (and so ``ValueError``): the fix is in what the user passed.
+``InputError``, ``PromptError``, ``FingerprintMismatchError`` and
+``ServersUnusableError`` are also ``ConfigurationError`` (and so ``ValueError``): the
+fix is in what the user passed.
 
 A failure's ``kind`` (an :class:`ErrorKind`) says whose fault it is, which is what a
 pool needs to decide between evicting a server, retrying a sample and keeping an
@@ -53,8 +58,12 @@ class ErrorKind(StrEnum):
     CONNECT_TIMEOUT = "connect_timeout"
     """No connection within the connect timeout: the host is down or drops packets (or,
     rarely, this process was too busy to see the answer in time)."""
+    TLS = "tls"
+    """The TLS handshake failed: an untrusted or wrong certificate, or a server that
+    does not speak TLS on that port. A configuration error (``verify=``)."""
     READ_TIMEOUT = "read_timeout"
-    """Connected, but the answer did not arrive in time: slow or hung."""
+    """Connected, but the whole answer did not arrive within the request's deadline:
+    slow, hung, or trickling its body."""
     DISCONNECTED = "disconnected"
     """The connection dropped mid-request (the server died or restarted)."""
     ENGINE_DEAD = "engine_dead"
@@ -71,8 +80,12 @@ class ErrorKind(StrEnum):
     """404: wrong base URL or unknown model, a configuration error."""
     HTTP_ERROR = "http_error"
     """Any other non-2xx status."""
+    REDIRECT = "redirect"
+    """A 3xx: redirects are not followed (the prompt would go to another host)."""
     MALFORMED = "malformed_response"
     """A 2xx whose body is not a chat completion (server or proxy bug)."""
+    OVERSIZED = "oversized"
+    """An answer larger than ``max_response_bytes``, cut off while reading."""
     POISON = "poison_sample"
     """(pool) The sample was in flight on several servers that were each evicted."""
     INPUT = "input_error"
@@ -169,8 +182,13 @@ class ServerConnectError(TransportError):
     """The connection could not be made: refused, timed out or the name did not resolve."""
 
 
+class TLSError(TransportError):
+    """The TLS handshake failed: the certificate is not trusted or not the host's, or the
+    server does not speak TLS there."""
+
+
 class ReadTimeoutError(TransportError):
-    """Connected, but the answer did not arrive within the read timeout."""
+    """Connected, but the whole answer did not arrive within the request's deadline."""
 
 
 class DisconnectedError(TransportError):
@@ -183,6 +201,10 @@ class StatusError(ProviderError):
 
 class MalformedResponseError(ProviderError):
     """The server answered 2xx with a body that is not a chat completion."""
+
+
+class OversizedResponseError(ProviderError):
+    """The answer was larger than ``max_response_bytes``; it was cut off, not buffered."""
 
 
 class PoolExhaustedError(LLMAnnotatorError):
@@ -204,6 +226,13 @@ class PoolExhaustedError(LLMAnnotatorError):
         super().__init__(message)
         self.responses: list[Response | None] = responses if responses is not None else []
         self.servers: dict[str, str] = servers if servers is not None else {}
+
+
+class ServersUnusableError(PoolExhaustedError, ConfigurationError):
+    """Every server of a pool refused for a reason that waiting does not fix: a wrong
+    or missing API key, a TLS certificate that is not trusted, a redirect, a model it
+    does not serve. Raised at once, before any sample is sent; the message names each
+    server and what it said."""
 
 
 class JobError(LLMAnnotatorError):
@@ -228,6 +257,20 @@ class FingerprintMismatchError(JobError, ConfigurationError):
     def __init__(self, message: str, *, changes: list[str] | None = None) -> None:
         super().__init__(message)
         self.changes: list[str] = changes if changes is not None else []
+
+
+class OutputWriteError(JobError):
+    """The run directory cannot be written: a full disk, a quota, a read-only or missing
+    directory. Everything written before stays readable, and running the same job again
+    resumes it.
+
+    Attributes:
+        path: The file or directory that could not be written.
+    """
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class RunInterruptedError(JobError):

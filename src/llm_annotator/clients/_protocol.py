@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from llm_annotator.errors import ErrorKind, MalformedResponseError, StatusError
+from llm_annotator.errors import ErrorKind, MalformedResponseError, ProviderError, StatusError
 from llm_annotator.response import Response
 
 _ENGINE_DEAD_MARKERS = (
@@ -29,6 +29,8 @@ def classify_status(status: int, message: str = "") -> ErrorKind:
         >>> classify_status(503, "The engine is currently busy")
         <ErrorKind.OVERLOADED: 'overloaded'>
     """
+    if 300 <= status < 400:
+        return ErrorKind.REDIRECT
     if status in (400, 413, 422):
         return ErrorKind.BAD_REQUEST
     if status in (401, 403):
@@ -64,16 +66,30 @@ def error_message(body: bytes) -> str:
         if isinstance(inner, dict) and "message" in inner:
             kind = inner.get("type")
             prefix = f"{kind}: " if isinstance(kind, str) and kind else ""
-            return f"{prefix}{inner['message']}"
+            return _clip(f"{prefix}{inner['message']}")
         if isinstance(inner, str):
-            return inner
+            return _clip(inner)
         if "detail" in data:
-            return str(data["detail"])
+            return _clip(str(data["detail"]))
     return _snippet(body)
 
 
-def status_error(status: int, body: bytes, server: str) -> StatusError:
-    """The exception for an HTTP error answer."""
+def status_error(status: int, body: bytes, server: str, location: str | None = None) -> StatusError:
+    """The exception for an HTTP error answer (or a redirect, which is never followed).
+
+    Examples:
+        >>> str(status_error(307, b"", "http://a:1/v1", location="http://b:2/v1/chat"))
+        "http://a:1/v1: HTTP 307 redirect to 'http://b:2/v1/chat', not followed: ..."
+    """
+    if 300 <= status < 400:
+        return StatusError(
+            f"HTTP {status} redirect to {location or '<no Location>'!r}, not followed: the "
+            "prompt would go to another address; if that is the server, give its URL as "
+            "the base URL",
+            kind=ErrorKind.REDIRECT,
+            server=server,
+            status_code=status,
+        )
     message = error_message(body)
     kind = classify_status(status, message)
     hint = _HINTS.get(kind, "")
@@ -87,42 +103,149 @@ _HINTS = {
         " (check the base URL and the model name; leave model=None to use the model "
         "the server serves)"
     ),
-    ErrorKind.AUTH: " (check the api_key)",
+    ErrorKind.AUTH: (
+        " (check the API key: api_key=, the VLLM_API_KEY environment variable, or "
+        "--api-key-file/--api-key-env on the command line)"
+    ),
 }
 
 
 def parse_completion(body: bytes, *, server: str, provider: str) -> Response:
-    """Decode a 2xx chat-completion body into a Response.
+    """Decode a 2xx chat-completion body into a Response, checking it first.
+
+    The body must be a JSON object with a non-empty list of ``choices``; the first
+    choice needs a ``message`` object whose ``content`` is a string, or null together
+    with a reasoning text or tool calls, and a string ``finish_reason``. ``usage`` may
+    be missing, but token counts that are there must be integers >= 0. A 2xx that
+    carries an ``error`` object instead is malformed too.
 
     Raises:
-        MalformedResponseError: If the body is not a chat completion.
+        MalformedResponseError: If the body is not such a chat completion; the message
+            names the defect.
+
+    Examples:
+        >>> parse_completion(b'{"choices": []}', server="s", provider="p")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.MalformedResponseError: s: answered 2xx with a body that is not a chat completion: 'choices' is empty: {"choices": []}
+    """  # noqa: E501
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _malformed(f"not JSON ({exc})", body, server) from exc
+    return _completion(data, body, server, provider)
+
+
+def _completion(data: Any, body: bytes, server: str, provider: str) -> Response:
+    if not isinstance(data, dict):
+        raise _malformed(f"the body is {_type(data)}, not an object", body, server)
+    if "choices" not in data and "error" in data:
+        raise _malformed(f"it is an error: {error_message(body)}", body, server)
+    choices = data.get("choices")
+    if not isinstance(choices, list):
+        raise _malformed(f"'choices' is {_type(choices)}, not a list", body, server)
+    if not choices:
+        raise _malformed("'choices' is empty", body, server)
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise _malformed(f"choices[0] is {_type(choice)}, not an object", body, server)
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise _malformed(f"choices[0].message is {_type(message)}, not an object", body, server)
+    text = message.get("content")
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if text is not None and not isinstance(text, str):
+        raise _malformed(f"message.content is {_type(text)}, not a string", body, server)
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise _malformed(f"message reasoning is {_type(reasoning)}, not a string", body, server)
+    if text is None and not reasoning and not message.get("tool_calls"):
+        raise _malformed("message.content is null, with no reasoning or tool call", body, server)
+    finish_reason = choice.get("finish_reason")
+    if not isinstance(finish_reason, str):
+        raise _malformed(f"finish_reason is {_type(finish_reason)}, not a string", body, server)
+    usage = data.get("usage")
+    if usage is None:
+        usage = {}
+    elif not isinstance(usage, dict):
+        raise _malformed(f"'usage' is {_type(usage)}, not an object", body, server)
+    prompt_tokens = _count(usage, "prompt_tokens", body, server)
+    output_tokens = _count(usage, "completion_tokens", body, server)
+    stop_reason = choice.get("stop_reason")
+    model = data.get("model")
+    return Response(
+        text=text,
+        finish_reason=finish_reason,
+        stop_reason=stop_reason if isinstance(stop_reason, str | int) else None,
+        model=model if isinstance(model, str) else None,
+        provider=provider,
+        server=server,
+        num_prompt_tokens=prompt_tokens,
+        num_output_tokens=output_tokens,
+        reasoning=reasoning,
+        raw=data,
+    )
+
+
+def _count(usage: dict[str, Any], name: str, body: bytes, server: str) -> int | None:
+    value = usage.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _malformed(f"usage.{name} is {value!r}, not an integer >= 0", body, server)
+    count: int = value
+    return count
+
+
+def parse_model_list(body: bytes, *, server: str) -> list[str]:
+    """The model names of a ``/models`` answer.
+
+    Raises:
+        MalformedResponseError: If the body is not a model list.
+
+    Examples:
+        >>> parse_model_list(b'{"data": [{"id": "tiny"}]}', server="s")
+        ['tiny']
     """
     try:
-        data: dict[str, Any] = orjson.loads(body)
-        choice = data["choices"][0]
-        message = choice["message"]
-        text = message.get("content")
-        if text is not None and not isinstance(text, str):
-            raise TypeError("content is not a string")
-        usage = data.get("usage") or {}
-        return Response(
-            text=text,
-            finish_reason=choice.get("finish_reason"),
-            stop_reason=choice.get("stop_reason"),
-            model=data.get("model"),
-            provider=provider,
-            server=server,
-            num_prompt_tokens=usage.get("prompt_tokens"),
-            num_output_tokens=usage.get("completion_tokens"),
-            reasoning=message.get("reasoning_content") or message.get("reasoning"),
-            raw=data,
-        )
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        raise MalformedResponseError(
-            f"answered 2xx with a body that is not a chat completion ({exc!r}): {_snippet(body)}",
-            kind=ErrorKind.MALFORMED,
-            server=server,
-        ) from exc
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _malformed(f"not JSON ({exc})", body, server, what="a model list") from exc
+    entries = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise _malformed("no 'data' list", body, server, what="a model list")
+    names: list[str] = []
+    for entry in entries:
+        name = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            raise _malformed(
+                f"an entry has no string 'id' ({_clip(repr(entry))})",
+                body,
+                server,
+                what="a model list",
+            )
+        names.append(name)
+    return names
+
+
+def _malformed(
+    defect: str, body: bytes, server: str, *, what: str = "a chat completion"
+) -> ProviderError:
+    return MalformedResponseError(
+        f"answered 2xx with a body that is not {what}: {defect}: {_snippet(body)}",
+        kind=ErrorKind.MALFORMED,
+        server=server,
+    )
+
+
+def _type(value: object) -> str:
+    if value is None:
+        return "null"
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
+def _clip(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _snippet(body: bytes, limit: int = 200) -> str:

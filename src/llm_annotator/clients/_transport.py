@@ -1,28 +1,45 @@
 """The HTTP boundary: aiohttp in, our exceptions out.
 
 Every request to a model server passes through :class:`HttpTransport`. It owns the
-connection pool (one aiohttp session per event loop), applies the two timeouts (a short
-connect timeout, a long read timeout), and is the one place where aiohttp's exceptions
-become :mod:`llm_annotator.errors` exceptions.
+connection pool (one aiohttp session per event loop) and treats the server as untrusted:
+one deadline bounds the whole request (connecting, waiting, reading the body), a short
+connect timeout bounds connecting, a size cap bounds the body (read in pieces, never
+buffered past the cap), redirects are not followed, and TLS is verified as configured.
+It is the one place where aiohttp's exceptions become :mod:`llm_annotator.errors`
+exceptions, and where an API key quoted back by a server is cut out of every message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import ssl
 import weakref
 from urllib.parse import urlsplit
 
 import aiohttp
+import structlog
 
-from llm_annotator._constants import KEEPALIVE_TIMEOUT, MAX_CONNECTIONS
+from llm_annotator._constants import KEEPALIVE_TIMEOUT, MAX_CONNECTIONS, MAX_RESPONSE_BYTES
 from llm_annotator.errors import (
     ConfigurationError,
     DisconnectedError,
     ErrorKind,
+    OversizedResponseError,
     ProviderError,
     ReadTimeoutError,
     ServerConnectError,
+    TLSError,
 )
+
+log = structlog.get_logger(__name__)
+
+Verify = bool | str | os.PathLike[str] | ssl.SSLContext
+"""How to check a server's TLS certificate: ``True`` (the system's trusted CAs), a
+path to a CA bundle (a PEM file, or a directory of them), a ready
+:class:`ssl.SSLContext`, or ``False`` (no check at all)."""
+
+REDACTED = "[redacted]"
 
 
 def normalize_base_url(base_url: str) -> str:
@@ -69,6 +86,50 @@ def server_root(base_url: str) -> str:
     return url.removesuffix("/v1")
 
 
+def ssl_setting(verify: Verify) -> ssl.SSLContext | bool:
+    """What aiohttp's connector takes for ``verify``: True, False or a context.
+
+    Raises:
+        ConfigurationError: If ``verify`` is a path that holds no readable CA bundle, or
+            not one of the accepted types.
+
+    Examples:
+        >>> ssl_setting(True), ssl_setting(False)
+        (True, False)
+        >>> ssl_setting("/no/such/ca.pem")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.ConfigurationError: verify='/no/such/ca.pem': no CA bundle there ...
+    """
+    if isinstance(verify, bool):
+        return verify
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    if isinstance(verify, str | os.PathLike):
+        path = os.fspath(verify)
+        try:
+            if os.path.isdir(path):
+                return ssl.create_default_context(capath=path)
+            return ssl.create_default_context(cafile=path)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigurationError(
+                f"verify={path!r}: no CA bundle there ({exc}); give the path of a PEM file "
+                "with the certificate authority that signed the servers' certificates"
+            ) from None
+    raise ConfigurationError(
+        "verify must be True, False, a CA bundle path or an ssl.SSLContext, "
+        f"got {type(verify).__name__}"
+    )
+
+
+def unverified_context() -> ssl.SSLContext:
+    """A TLS context that checks neither the certificate nor the host name."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 _LIVE: weakref.WeakSet[HttpTransport] = weakref.WeakSet()
 
 
@@ -78,14 +139,20 @@ def live_transports() -> list[HttpTransport]:
 
 
 class HttpTransport:
-    """Connections to one server, with the exception mapping.
+    """Connections to one server, with the bounds and the exception mapping.
 
     Args:
         base_url: The server's base URL (``http://host:port/v1``).
-        connect_timeout: Seconds to establish a TCP connection.
-        read_timeout: Seconds to wait for an answer once the request is sent.
+        connect_timeout: Seconds to establish a TCP connection (and its TLS handshake).
+        read_timeout: Seconds the whole of one POST may take, from sending it to the
+            last byte of its answer. A server that trickles its body or never ends it
+            fails at this deadline, not at the gap between two reads.
         max_connections: Sockets this transport may hold open at once.
-        api_key: Sent as a bearer token when given.
+        api_key: Sent as a bearer token when given, and cut out of every error
+            message (servers sometimes quote the header back).
+        verify: How to check TLS certificates (see :data:`Verify`).
+        max_response_bytes: The largest answer read; a larger one is an
+            ``oversized`` error, cut off as soon as it is known to be too large.
     """
 
     def __init__(
@@ -96,18 +163,49 @@ class HttpTransport:
         read_timeout: float,
         max_connections: int = MAX_CONNECTIONS,
         api_key: str | None = None,
+        verify: Verify = True,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.base_url = normalize_base_url(base_url)
         self.root = self.base_url.removesuffix("/v1")
         self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=None, sock_connect=connect_timeout, sock_read=read_timeout
+            total=read_timeout, connect=None, sock_connect=connect_timeout, sock_read=None
         )
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
-        self._headers = {"Content-Type": "application/json"}
+        self._max_bytes = max_response_bytes
+        self._ssl = ssl_setting(verify)
+        # identity: a compressed body would be undecodable (auto_decompress is off) and
+        # would hide its real size from the cap.
+        self._headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        self._secret = api_key or None
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+
+    def __repr__(self) -> str:
+        return f"<HttpTransport {self.base_url}>"
+
+    def redact(self, text: str) -> str:
+        """``text`` with the API key, if any, replaced by ``[redacted]``.
+
+        Examples:
+            >>> HttpTransport("http://h:1/v1", connect_timeout=1, read_timeout=1,
+            ...               api_key="sk-123").redact("bad key sk-123")
+            'bad key [redacted]'
+        """
+        if self._secret and self._secret in text:
+            return text.replace(self._secret, REDACTED)
+        return text
+
+    def scrub(self, error: ProviderError) -> ProviderError:
+        """``error`` with the API key cut out of its message."""
+        if self._secret:
+            clean = self.redact(error.message)
+            if clean != error.message:
+                error.message = clean
+                error.args = (clean,)
+        return error
 
     def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -118,6 +216,7 @@ class HttpTransport:
                 limit_per_host=0,
                 keepalive_timeout=KEEPALIVE_TIMEOUT,
                 ttl_dns_cache=300,
+                ssl=self._ssl,
             )
             session = aiohttp.ClientSession(
                 connector=connector,
@@ -125,23 +224,28 @@ class HttpTransport:
                 headers=self._headers,
                 skip_auto_headers=("User-Agent",),
                 auto_decompress=False,
+                trust_env=False,
             )
             self._sessions[loop] = session
             _LIVE.add(self)
         return session
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes, str | None]:
         """POST ``body`` to ``base_url + path``.
 
         Returns:
-            The status code and the raw body of the answer.
+            The status code, the raw body of the answer (at most ``max_response_bytes``)
+            and the ``Location`` header of a redirect (None otherwise).
 
         Raises:
-            ProviderError: A :class:`TransportError` subclass when no whole answer came.
+            ProviderError: A :class:`TransportError` subclass when no whole answer came
+                in time, or :class:`OversizedResponseError`.
         """
         try:
-            async with self._session().post(self.base_url + path, data=body) as answer:
-                return answer.status, await answer.read()
+            async with self._session().post(
+                self.base_url + path, data=body, allow_redirects=False
+            ) as answer:
+                return answer.status, await self._read(answer), _location(answer)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._map(exc) from exc
 
@@ -153,15 +257,62 @@ class HttpTransport:
             else None
         )
         try:
-            async with self._session().get(url, timeout=request_timeout) as answer:
-                return answer.status, await answer.read()
+            async with self._session().get(
+                url, timeout=request_timeout, allow_redirects=False
+            ) as answer:
+                return answer.status, await self._read(answer)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._map(exc) from exc
 
+    async def _read(self, answer: aiohttp.ClientResponse) -> bytes:
+        """The whole body, or OversizedResponseError as soon as it passes the cap."""
+        cap = self._max_bytes
+        length = answer.content_length
+        if length is not None and length <= cap:
+            return await answer.read()  # the parser stops at Content-Length
+        if length is not None:
+            answer.close()
+            raise self._oversized(f"announces {length} bytes (Content-Length)")
+        pieces: list[bytes] = []
+        size = 0
+        async for piece in answer.content.iter_any():
+            size += len(piece)
+            if size > cap:
+                answer.close()  # drop the connection: the rest is never read
+                raise self._oversized(f"sent more than that ({size} bytes read so far)")
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    def _oversized(self, detail: str) -> OversizedResponseError:
+        return OversizedResponseError(
+            f"the answer is larger than max_response_bytes={self._max_bytes} and was cut "
+            f"off: it {detail}; raise max_response_bytes if such answers are expected",
+            kind=ErrorKind.OVERSIZED,
+            server=self.base_url,
+        )
+
     def _map(self, exc: BaseException) -> ProviderError:
         """Turn an aiohttp or timeout exception into ours."""
+        return self.scrub(self._mapped(exc))
+
+    def _mapped(self, exc: BaseException) -> ProviderError:
         server = self.base_url
         detail = str(exc) or type(exc).__name__
+        if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+            return TLSError(
+                f"the TLS certificate is not trusted ({exc.certificate_error}); give "
+                "verify='/path/to/ca.pem' with the authority that signed it (or "
+                "verify=False to skip the check, which also accepts an impostor)",
+                kind=ErrorKind.TLS,
+                server=server,
+            )
+        if isinstance(exc, aiohttp.ClientConnectorSSLError | aiohttp.ClientSSLError):
+            return TLSError(
+                f"the TLS handshake failed ({detail}); check that the server speaks "
+                "https on this port and that the URL's scheme is right",
+                kind=ErrorKind.TLS,
+                server=server,
+            )
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
             return ServerConnectError(
                 f"no connection within {self._connect_timeout:g} s (connect timeout); "
@@ -192,13 +343,21 @@ class HttpTransport:
             )
         if isinstance(exc, TimeoutError):
             return ReadTimeoutError(
-                "no answer within the read timeout; the server is slow, overloaded or hung",
+                "no whole answer within the timeout; the server is slow, overloaded or "
+                "hung, or sends its answer too slowly",
                 kind=ErrorKind.READ_TIMEOUT,
                 server=server,
             )
         if isinstance(exc, aiohttp.InvalidURL):
             return ServerConnectError(
                 f"invalid URL {detail}", kind=ErrorKind.CONNECT, server=server
+            )
+        if isinstance(exc, aiohttp.ClientResponseError):
+            # A status line or headers aiohttp cannot parse: a server or proxy bug.
+            return DisconnectedError(
+                f"the answer is not valid HTTP ({exc.message or detail})",
+                kind=ErrorKind.DISCONNECTED,
+                server=server,
             )
         return DisconnectedError(
             f"HTTP client error {type(exc).__name__}: {detail}",
@@ -220,3 +379,9 @@ class HttpTransport:
                 # this very call (a sync close() from inside a running loop).
                 asyncio.run_coroutine_threadsafe(session.close(), loop)
             # A session whose loop has stopped cannot be closed any more; see _session.
+
+
+def _location(answer: aiohttp.ClientResponse) -> str | None:
+    if 300 <= answer.status < 400:
+        return answer.headers.get("Location", "")
+    return None

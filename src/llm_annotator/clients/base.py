@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 from llm_annotator._sync import run_sync
+from llm_annotator.errors import ConfigurationError
 from llm_annotator.response import Response
 
 Messages = list[dict[str, str]]
@@ -29,7 +30,7 @@ class ProviderRuntimeOptions:
         >>> ProviderRuntimeOptions(max_completion_tokens=-1)
         Traceback (most recent call last):
         ...
-        ValueError: max_completion_tokens must be a positive integer or None, got -1
+        llm_annotator.errors.ConfigurationError: max_completion_tokens must be a positive ...
     """
 
     max_completion_tokens: int | None = None
@@ -38,11 +39,11 @@ class ProviderRuntimeOptions:
     def __post_init__(self) -> None:
         mct = self.max_completion_tokens
         if mct is not None and (isinstance(mct, bool) or not isinstance(mct, int) or mct < 1):
-            raise ValueError(
+            raise ConfigurationError(
                 f"max_completion_tokens must be a positive integer or None, got {mct!r}"
             )
         if self.output_schema is not None and not isinstance(self.output_schema, dict):
-            raise ValueError(
+            raise ConfigurationError(
                 "output_schema must be a JSON schema as a dict or None, "
                 f"got {type(self.output_schema).__name__}"
             )

@@ -6,18 +6,18 @@ import asyncio
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic
+from typing import Any, ClassVar, Generic
 
 import orjson
 import structlog
 
-from llm_annotator._constants import CONNECT_TIMEOUT, MAX_CONNECTIONS
+from llm_annotator._constants import CONNECT_TIMEOUT, MAX_CONNECTIONS, MAX_RESPONSE_BYTES
 from llm_annotator._gc import fewer_full_collections
-from llm_annotator.clients._protocol import error_message, parse_completion, status_error
+from llm_annotator.clients._protocol import parse_completion, parse_model_list, status_error
 from llm_annotator.clients._retry import retry_delay, should_retry
-from llm_annotator.clients._transport import HttpTransport
+from llm_annotator.clients._transport import HttpTransport, Verify
 from llm_annotator.clients.base import Client, Messages, OptionsT
-from llm_annotator.errors import ErrorKind, ProviderError
+from llm_annotator.errors import ConfigurationError, ErrorKind, ProviderError
 from llm_annotator.response import ON_ERROR_VALUES, OnError, Response
 
 log = structlog.get_logger(__name__)
@@ -26,30 +26,59 @@ _CHAT_PATH = "/chat/completions"
 
 
 def check_client_settings(
-    *, timeout: float, max_retries: int, on_error: str, max_workers: int | None
+    *,
+    timeout: float,
+    max_retries: int,
+    on_error: str,
+    max_workers: int | None,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
+    connect_timeout: float = CONNECT_TIMEOUT,
 ) -> None:
     """Reject client settings that cannot work, naming the setting.
 
     Raises:
-        ValueError: For the first setting out of range.
+        ConfigurationError: For the first setting out of range (a ``ValueError``).
     """
     if on_error not in ON_ERROR_VALUES:
-        raise ValueError(f"on_error must be one of {ON_ERROR_VALUES}, got {on_error!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise ConfigurationError(f"on_error must be one of {ON_ERROR_VALUES}, got {on_error!r}")
+    for name, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+            raise ConfigurationError(
+                f"{name} must be a positive number of seconds, got {seconds!r}"
+            )
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        raise ConfigurationError(f"max_retries must be an integer >= 0, got {max_retries!r}")
     if max_workers is not None and (
         isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
     ):
-        raise ValueError(f"max_workers must be a positive integer or None, got {max_workers!r}")
+        raise ConfigurationError(
+            f"max_workers must be a positive integer or None, got {max_workers!r}"
+        )
+    if (
+        isinstance(max_response_bytes, bool)
+        or not isinstance(max_response_bytes, int)
+        or max_response_bytes < 1
+    ):
+        raise ConfigurationError(
+            f"max_response_bytes must be a positive integer, got {max_response_bytes!r}"
+        )
+
+
+def check_api_key(api_key: object, where: str = "api_key") -> None:
+    """Reject an API key that is not a string (the message never shows the key).
+
+    Raises:
+        ConfigurationError: If ``api_key`` is not None or a string.
+    """
+    if api_key is not None and not isinstance(api_key, str):
+        raise ConfigurationError(f"{where} must be a string or None, got {type(api_key).__name__}")
 
 
 def check_single_choice(params: dict[str, Any], where: str) -> None:
     """Reject request parameters that ask for more than one response per sample."""
     n = params.get("n", 1)
     if n != 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"{where} sets n={n!r}; only one response per sample is read, so n must be 1"
         )
 
@@ -66,19 +95,30 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         model: Model name. When omitted, the server is asked which model it serves.
         base_url: Base URL of the API, ending in ``/v1``.
         api_key: Bearer token; defaults to the ``OPENAI_API_KEY`` environment variable.
+            It is never logged, and cut out of error messages that quote it.
         max_workers: Most requests ``batch_generate`` keeps in flight; None for all.
-        timeout: Seconds one request may spend waiting for its answer.
+        timeout: Seconds one request may take from sending it to the last byte of its
+            answer: one deadline for the whole request, so a server that trickles its
+            answer cannot hold it past this.
         max_retries: How often a request that failed for a transient reason is resent.
         on_error: What a failed request does: ``"raise"``, ``"warn"`` or ``"ignore"``.
         connect_timeout: Seconds to establish a connection.
         max_connections: Sockets the client may hold open at once.
+        verify: How to check the server's TLS certificate for ``https://`` URLs:
+            ``True`` (the system's trusted authorities), the path of a CA bundle, an
+            ``ssl.SSLContext``, or ``False`` (no check; logs a warning).
+        max_response_bytes: The largest answer read (16 MiB by default, far above any
+            chat completion); a larger one is an ``oversized`` error, cut off while
+            reading, so a broken server cannot fill the memory.
 
     Raises:
-        ValueError: If a setting is out of range.
-        ConfigurationError: If ``base_url`` is not an http(s) URL.
+        ConfigurationError: If a setting is out of range or ``base_url`` is not an
+            http(s) URL (a ``ValueError``).
     """
 
     provider = "openai"
+    api_key_env: ClassVar[str] = "OPENAI_API_KEY"
+    """The environment variable the key is read from when none is given."""
 
     def __init__(
         self,
@@ -92,25 +132,42 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         on_error: OnError = "warn",
         connect_timeout: float = CONNECT_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        verify: Verify = True,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         check_client_settings(
-            timeout=timeout, max_retries=max_retries, on_error=on_error, max_workers=max_workers
+            timeout=timeout,
+            max_retries=max_retries,
+            on_error=on_error,
+            max_workers=max_workers,
+            max_response_bytes=max_response_bytes,
+            connect_timeout=connect_timeout,
         )
+        check_api_key(api_key)
         if model is not None and (not isinstance(model, str) or not model):
-            raise ValueError(f"model must be a non-empty string or None, got {model!r}")
+            raise ConfigurationError(f"model must be a non-empty string or None, got {model!r}")
         self.model = model
         self.max_workers = max_workers
         self.timeout = float(timeout)
         self.max_retries = max_retries
         self.on_error: OnError = on_error
+        self.max_response_bytes = max_response_bytes
         self._transport = HttpTransport(
             base_url,
             connect_timeout=connect_timeout,
             read_timeout=timeout,
             max_connections=max_connections,
-            api_key=api_key if api_key is not None else os.environ.get("OPENAI_API_KEY"),
+            api_key=api_key if api_key is not None else os.environ.get(self.api_key_env),
+            verify=verify,
+            max_response_bytes=max_response_bytes,
         )
         self.base_url = self._transport.base_url
+        if verify is False:
+            log.warning(
+                "tls_verification_disabled",
+                server=self.base_url,
+                detail="verify=False: server certificates are not checked",
+            )
         self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
     def __repr__(self) -> str:
@@ -155,19 +212,16 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         Raises:
             ProviderError: If the server cannot be asked or answers something else.
         """
-        status, body = await self._transport.get(
+        transport = self._transport
+        status, body = await transport.get(
             self.base_url + "/models", timeout=self._transport_timeout()
         )
-        if status != 200:
-            raise status_error(status, body, self.base_url)
         try:
-            return [str(entry["id"]) for entry in orjson.loads(body)["data"]]
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ProviderError(
-                f"/models answered with a body that is not a model list: {error_message(body)}",
-                kind=ErrorKind.MALFORMED,
-                server=self.base_url,
-            ) from exc
+            if status != 200:
+                raise status_error(status, body, self.base_url)
+            return parse_model_list(body, server=self.base_url)
+        except ProviderError as error:
+            raise transport.scrub(error) from None
 
     async def aresolve_model(self) -> str:
         """The model to ask for: the configured one, or the first the server lists.
@@ -196,14 +250,16 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
     async def _send(self, body: bytes) -> Response | ProviderError:
         """Send one request, retrying transient failures; never raises ProviderError."""
         attempt = 0
+        transport = self._transport
         while True:
             try:
-                status, raw = await self._transport.post(_CHAT_PATH, body)
-                if status < 300:
+                status, raw, location = await transport.post(_CHAT_PATH, body)
+                if 200 <= status < 300:
                     return parse_completion(raw, server=self.base_url, provider=self.provider)
-                error: ProviderError = status_error(status, raw, self.base_url)
+                error: ProviderError = status_error(status, raw, self.base_url, location)
             except ProviderError as exc:
                 error = exc
+            transport.scrub(error)
             if not should_retry(error.kind, attempt, self.max_retries):
                 error.attempts = attempt + 1
                 return error
@@ -315,15 +371,30 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
 
     async def ais_healthy(self, timeout: float = 5.0) -> bool:
         """Whether the server answers ``GET /health`` with 200 within ``timeout`` seconds."""
+        return await self.acheck_health(timeout) is None
+
+    async def acheck_health(self, timeout: float = 5.0) -> ProviderError | None:
+        """Ask ``GET /health`` and say what went wrong, if anything.
+
+        Uses the client's own connections, TLS settings and size cap.
+
+        Returns:
+            None when the server answers 200 within ``timeout`` seconds; else the
+            ProviderError that says why not (its kind tells a TLS failure from a
+            refused connection or an error status).
+        """
+        transport = self._transport
         try:
-            status, _ = await self._transport.get(self._transport.root + "/health", timeout=timeout)
-        except ProviderError:
-            return False
-        return status == 200
+            status, body = await transport.get(transport.root + "/health", timeout=timeout)
+        except ProviderError as error:
+            return error
+        if status == 200:
+            return None
+        return transport.scrub(status_error(status, body, self.base_url))
 
     async def aclose(self) -> None:
         """Close the client's connections."""
         await self._transport.aclose()
 
 
-__all__ = ["OpenAIClient", "check_client_settings", "check_single_choice"]
+__all__ = ["OpenAIClient", "check_api_key", "check_client_settings", "check_single_choice"]

@@ -7,16 +7,19 @@ vllm_offline_client. Both share VLLMBaseRuntimeOptions, which lives here.
 from __future__ import annotations
 
 import math
+import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
-from llm_annotator._constants import CONNECT_TIMEOUT
+from llm_annotator._constants import CONNECT_TIMEOUT, MAX_RESPONSE_BYTES
 from llm_annotator._constants import MAX_CONNECTIONS as _MAX_CONNECTIONS
-from llm_annotator.clients._transport import server_root
+from llm_annotator._sync import run_sync
+from llm_annotator.clients._transport import Verify, server_root, ssl_setting, unverified_context
 from llm_annotator.clients.base import Messages, ProviderRuntimeOptions, json_schema_format
 from llm_annotator.clients.openai_client import OpenAIClient, check_single_choice
+from llm_annotator.errors import ConfigurationError
 from llm_annotator.response import OnError, Response
 
 MAX_CONNECTIONS = _MAX_CONNECTIONS
@@ -67,20 +70,26 @@ _OPENAI_CHAT_PARAMS = frozenset(
 )
 
 
-def server_is_healthy(base_url: str, timeout: float) -> bool:
+def server_is_healthy(base_url: str, timeout: float, *, verify: Verify = True) -> bool:
     """Check whether a vLLM server answers its /health endpoint.
 
     Args:
         base_url: Base URL of the server, with or without the ``/v1`` suffix.
         timeout: Maximum number of seconds to wait for an answer.
+        verify: How to check an ``https://`` server's certificate, as for
+            :class:`VLLMOnlineClient`.
 
     Returns:
         Whether the server answers with status 200.
     """
     url = server_root(base_url) + "/health"
     limit = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))
+    setting = ssl_setting(verify)
+    context: ssl.SSLContext | bool = unverified_context() if setting is False else setting
     try:
-        with httpx.Client(timeout=limit, trust_env=False) as client:
+        with httpx.Client(
+            timeout=limit, trust_env=False, verify=context, follow_redirects=False
+        ) as client:
             return client.get(url).status_code == 200
     except httpx.HTTPError:
         return False
@@ -96,12 +105,12 @@ def _check_number(
     if not ok:
         bound = f"> {low:g}" if low_open else f">= {low:g}"
         upper = "" if high == math.inf else f" and <= {high:g}"
-        raise ValueError(f"{name} must be a number {bound}{upper} or None, got {value!r}")
+        raise ConfigurationError(f"{name} must be a number {bound}{upper} or None, got {value!r}")
 
 
 def _check_dict(name: str, value: object) -> None:
     if value is not None and not isinstance(value, dict):
-        raise ValueError(f"{name} must be a dict or None, got {type(value).__name__}")
+        raise ConfigurationError(f"{name} must be a dict or None, got {type(value).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +166,7 @@ class VLLMBaseRuntimeOptions(ProviderRuntimeOptions):
             >>> VLLMBaseRuntimeOptions(extra_body={"n": 2})
             Traceback (most recent call last):
             ...
-            ValueError: extra_body sets n=2; only one response per sample is read, so n must be 1
+            llm_annotator.errors.ConfigurationError: extra_body sets n=2; only one response ...
         """
         ProviderRuntimeOptions.__post_init__(self)
         _check_number("temperature", self.temperature, low=0.0)
@@ -168,15 +177,15 @@ class VLLMBaseRuntimeOptions(ProviderRuntimeOptions):
         if self.top_k is not None and (
             isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1
         ):
-            raise ValueError(f"top_k must be an integer >= -1 or None, got {self.top_k!r}")
+            raise ConfigurationError(f"top_k must be an integer >= -1 or None, got {self.top_k!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise ConfigurationError(f"seed must be an integer or None, got {self.seed!r}")
         if self.stop is not None and (
             not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop)
         ):
-            raise ValueError(f"stop must be a list of strings or None, got {self.stop!r}")
+            raise ConfigurationError(f"stop must be a list of strings or None, got {self.stop!r}")
         _check_dict("chat_template_kwargs", self.chat_template_kwargs)
         _check_dict("extra_body", self.extra_body)
         if self.extra_body is not None:
@@ -232,11 +241,13 @@ class VLLMOnlineRuntimeOptions(VLLMBaseRuntimeOptions):
     def __post_init__(self) -> None:
         VLLMBaseRuntimeOptions.__post_init__(self)
         if not isinstance(self.add_generation_prompt, bool):
-            raise ValueError(
+            raise ConfigurationError(
                 f"add_generation_prompt must be a bool, got {self.add_generation_prompt!r}"
             )
         if self.chat_template is not None and not isinstance(self.chat_template, str):
-            raise ValueError(f"chat_template must be a string or None, got {self.chat_template!r}")
+            raise ConfigurationError(
+                f"chat_template must be a string or None, got {self.chat_template!r}"
+            )
         _check_dict("mm_processor_kwargs", self.mm_processor_kwargs)
 
     def to_payload(self) -> dict[str, Any]:
@@ -328,11 +339,31 @@ class VLLMOnlineClient(OpenAIClient[VLLMOnlineRuntimeOptions]):
             exponential backoff of 0.5 to 8 seconds. Two retries cover a server that
             restarts without letting a broken pool member stall a batch for long.
         on_error: Error behavior when generation fails.
-        api_key: Bearer token, for a server started with ``--api-key``.
+        api_key: Bearer token, for a server started with ``--api-key``. When omitted,
+            the ``VLLM_API_KEY`` environment variable is used if set (the variable vLLM's
+            own server reads), never ``OPENAI_API_KEY``. The key is never logged and is
+            cut out of error messages that quote it.
         connect_timeout: Seconds to establish a connection.
+        verify: How to check the server's TLS certificate for ``https://`` URLs:
+            ``True`` (the system's trusted authorities), the path of a CA bundle (a
+            PEM file, as in httpx and requests), an ``ssl.SSLContext``, or ``False``
+            (no check; logs a warning). Health checks and model discovery use it too.
+        max_response_bytes: The largest answer read. The default, 16 MiB, is far above
+            any chat completion, and low enough that a broken server or proxy sending
+            without end costs one request at most that much memory: a larger answer
+            is cut off while it is read and becomes an ``oversized`` error.
+
+    Examples:
+        >>> client = VLLMOnlineClient(model="tiny", base_url="http://127.0.0.1:8000/v1")
+        >>> client
+        <VLLMOnlineClient base_url='http://127.0.0.1:8000/v1' model='tiny'>
+        >>> client.max_response_bytes
+        16777216
+        >>> client.close()
     """
 
     provider = "vllm_online"
+    api_key_env: ClassVar[str] = "VLLM_API_KEY"
 
     def __init__(
         self,
@@ -345,6 +376,8 @@ class VLLMOnlineClient(OpenAIClient[VLLMOnlineRuntimeOptions]):
         *,
         api_key: str | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        verify: Verify = True,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         super().__init__(
             model=model,
@@ -356,6 +389,8 @@ class VLLMOnlineClient(OpenAIClient[VLLMOnlineRuntimeOptions]):
             on_error=on_error,
             connect_timeout=connect_timeout,
             max_connections=MAX_CONNECTIONS,
+            verify=verify,
+            max_response_bytes=max_response_bytes,
         )
 
     def _default_payload(self) -> dict[str, Any]:
@@ -370,7 +405,7 @@ class VLLMOnlineClient(OpenAIClient[VLLMOnlineRuntimeOptions]):
         Returns:
             Whether the server answers with status 200.
         """
-        return server_is_healthy(self.base_url, timeout)
+        return run_sync(self.ais_healthy(timeout))
 
     def generate(
         self,

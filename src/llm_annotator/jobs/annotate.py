@@ -19,7 +19,7 @@ import structlog
 from llm_annotator._sync import run_sync
 from llm_annotator.clients.base import Client, Messages
 from llm_annotator.clients.openai_client import OpenAIClient
-from llm_annotator.errors import InputError, PromptError, RunInterruptedError
+from llm_annotator.errors import ConfigurationError, InputError, PromptError, RunInterruptedError
 from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.fingerprint import make_fingerprint
 from llm_annotator.jobs.ids import RowId
@@ -138,9 +138,11 @@ class Annotator:
             ("max_concurrent_batches", max_concurrent_batches),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(stop_grace, int | float) or stop_grace < 0:
-            raise ValueError(f"stop_grace must be a number of seconds >= 0, got {stop_grace!r}")
+            raise ConfigurationError(
+                f"stop_grace must be a number of seconds >= 0, got {stop_grace!r}"
+            )
         self.client = client
         self.batch_size = batch_size
         self.max_concurrent_batches = max_concurrent_batches

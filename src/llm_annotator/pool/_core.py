@@ -9,8 +9,10 @@ re-admission) <- ``PoolWork`` (batch slots, settling answers, the tail) <- ``Poo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
+from llm_annotator.clients._transport import Verify, normalize_base_url
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
 from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.member import Member
@@ -32,6 +34,10 @@ class PoolCore:
     max_sample_retries: int
     all_down_timeout: float
     hedge_tail: bool
+    max_response_bytes: int
+    _tls_verify: Verify
+    _api_key: str | None
+    _api_keys: Mapping[str, str]
     _members: dict[str, Member]
     _removed: list[Member]
     _discovery: ServerDiscovery | None
@@ -51,6 +57,9 @@ class PoolCore:
             max_retries=0,
             on_error="ignore",
             connect_timeout=self.connect_timeout,
+            api_key=self._api_keys.get(normalize_base_url(url), self._api_key),
+            verify=self._tls_verify,
+            max_response_bytes=self.max_response_bytes,
         )
 
     def _prototype(self) -> VLLMOnlineClient:

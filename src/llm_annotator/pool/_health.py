@@ -7,9 +7,15 @@ import time
 
 import structlog
 
-from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
+from llm_annotator.errors import (
+    ErrorKind,
+    PoolExhaustedError,
+    ProviderError,
+    ServersUnusableError,
+)
 from llm_annotator.pool._core import PoolCore
 from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.policy import CONFIGURATION_KINDS
 from llm_annotator.pool.run import Run
 from llm_annotator.response import Response
 
@@ -27,9 +33,15 @@ class PoolHealth(PoolCore):
                 return
             started = time.monotonic()
             evictions = member.evictions
-            healthy = await member.client.ais_healthy(self.health_check_timeout)
+            problem = await member.client.acheck_health(self.health_check_timeout)
+            if problem is not None and problem.kind in CONFIGURATION_KINDS:
+                # A TLS failure, a redirect or a refused key will not heal by waiting.
+                self._disable(run, member, f"GET /health: {problem}")
+                return
+            if problem is not None and not member.last_error:
+                member.last_error = f"GET /health: {problem}"
             if member.evictions == evictions:  # else the answer predates the eviction
-                await self._after_probe(run, member, healthy)
+                await self._after_probe(run, member, problem is None)
             pause = self.health_check_interval - (time.monotonic() - started)
             if pause > 0:
                 await asyncio.sleep(pause)
@@ -64,8 +76,8 @@ class PoolHealth(PoolCore):
             models = await member.client.alist_models()
         except ProviderError as exc:
             member.last_error = str(exc)
-            if exc.kind in (ErrorKind.AUTH, ErrorKind.NOT_FOUND):
-                self._disable(run, member, str(exc))
+            if exc.kind in CONFIGURATION_KINDS:
+                self._disable(run, member, f"GET /v1/models: {exc}")
             return
         wanted = member.client.model
         if wanted is None:
@@ -112,10 +124,23 @@ class PoolHealth(PoolCore):
                     down_since = now
                 usable = [m for m in members if m.state is not MemberState.DISABLED]
                 hopeless = not usable and self._discovery is None
+                if hopeless and members:
+                    run.finish(self._unusable(members))
+                    return
                 if hopeless or now - down_since >= self.all_down_timeout:
                     run.finish(self._exhausted(run, members, now - down_since))
                     return
             await run.wait_for_change(0.5)
+
+    @staticmethod
+    def _unusable(members: list[Member]) -> ServersUnusableError:
+        """Every member is disabled: settings to fix, not a server to wait for."""
+        servers = {m.url: m.last_error or m.state.value for m in members}
+        listing = "; ".join(f"{url}: {said}" for url, said in servers.items())
+        return ServersUnusableError(
+            f"no server of the pool can be used, and waiting will not help: {listing}",
+            servers=servers,
+        )
 
     def _exhausted(self, run: Run, members: list[Member], waited: float) -> PoolExhaustedError:
         servers = {m.url: m.last_error or m.state.value for m in members}

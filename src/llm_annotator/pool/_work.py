@@ -183,7 +183,7 @@ class PoolWork(PoolHealth):
             self._disable(run, member, reason)
         else:
             self._error_row(run, member, index, result)
-            if result.kind is ErrorKind.MALFORMED:
+            if result.kind in (ErrorKind.MALFORMED, ErrorKind.OVERSIZED):
                 member.malformed_streak += 1
                 if member.malformed_streak >= _MALFORMED_STREAK_TO_EVICT:
                     self._evict(

@@ -7,20 +7,27 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from llm_annotator._constants import CONNECT_TIMEOUT
-from llm_annotator.clients._transport import normalize_base_url
+from llm_annotator._constants import CONNECT_TIMEOUT, MAX_RESPONSE_BYTES
+from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_setting
+from llm_annotator.clients._transport import unverified_context as _unverified_context
 from llm_annotator.clients.base import Client
-from llm_annotator.clients.openai_client import check_client_settings
+from llm_annotator.clients.openai_client import check_api_key, check_client_settings
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
-from llm_annotator.errors import PoolExhaustedError
+from llm_annotator.errors import (
+    ConfigurationError,
+    PoolExhaustedError,
+    ProviderError,
+    ServersUnusableError,
+)
 from llm_annotator.pool._calls import PoolCalls
 from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.policy import CONFIGURATION_KINDS
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.statistics import PoolStatistics
 from llm_annotator.response import OnError
@@ -81,10 +88,20 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             also send samples still in flight on slower members; the first answer is
             kept, the other discarded. Shortens the tail on servers of unequal speed
             at the cost of some duplicate requests (counted in ``statistics()``).
+        api_key: For servers started with ``--api-key``: one key for every server, or
+            a mapping from base URL to key. A server the mapping does not name (a
+            discovered one, say) gets the default of :class:`VLLMOnlineClient`: the
+            ``VLLM_API_KEY`` environment variable, if set. Keys are never logged.
+        verify: How to check the servers' TLS certificates (``https://`` URLs): True,
+            a CA bundle path, an ``ssl.SSLContext`` or False (one warning is logged).
+            A server whose certificate fails is disabled at once with a ``tls`` error
+            that says so.
+        max_response_bytes: The largest answer read from a server, for clients built
+            here (16 MiB by default; see :class:`VLLMOnlineClient`).
 
     Raises:
-        ValueError: If no server is given, one is given twice, or a setting is out of
-            range.
+        ConfigurationError: If no server is given, one is given twice, or a setting is
+            out of range (a ``ValueError``).
 
     Examples:
         >>> pool = VLLMQueueAnnotator(["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"])
@@ -114,10 +131,30 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         on_error: OnError = "warn",
         discovery: ServerDiscovery | None = None,
         hedge_tail: bool = True,
+        api_key: str | Mapping[str, str] | None = None,
+        verify: Verify = True,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         if isinstance(base_urls, str):
-            raise ValueError("base_urls must be a list of URLs, not one string")
-        check_client_settings(timeout=timeout, max_retries=0, on_error=on_error, max_workers=None)
+            raise ConfigurationError("base_urls must be a list of URLs, not one string")
+        check_client_settings(
+            timeout=timeout,
+            max_retries=0,
+            on_error=on_error,
+            max_workers=None,
+            max_response_bytes=max_response_bytes,
+            connect_timeout=connect_timeout,
+        )
+        self._api_key, self._api_keys = _api_keys(api_key)
+        ssl_setting(verify)  # a bad CA bundle fails here, naming the setting
+        if verify is False:
+            log.warning(
+                "tls_verification_disabled",
+                detail="verify=False: no server's certificate is checked",
+            )
+            verify = _unverified_context()  # the same, without a warning per client
+        self._tls_verify = verify
+        self.max_response_bytes = max_response_bytes
         for name, value in (
             ("batch_size", batch_size),
             ("max_concurrent_batches_per_client", max_concurrent_batches_per_client),
@@ -125,9 +162,9 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             ("max_sample_evictions", max_sample_evictions),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(max_sample_retries, int) or max_sample_retries < 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"max_sample_retries must be an integer >= 0, got {max_sample_retries!r}"
             )
         for name, number in (
@@ -136,7 +173,9 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             ("all_down_timeout", all_down_timeout),
         ):
             if not isinstance(number, int | float) or number <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {number!r}")
+                raise ConfigurationError(
+                    f"{name} must be a positive number of seconds, got {number!r}"
+                )
         self.model = model
         self.batch_size = batch_size
         self.max_concurrent_batches_per_client = max_concurrent_batches_per_client
@@ -161,7 +200,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
                 if normalize_base_url(url) not in self._members:
                     self._add_member(Member(self._new_client(url)))
         elif not self._members:
-            raise ValueError(
+            raise ConfigurationError(
                 "VLLMQueueAnnotator needs at least one server: give base_urls, clients "
                 "or a discovery"
             )
@@ -177,7 +216,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
 
     def _add_member(self, member: Member) -> None:
         if member.url in self._members:
-            raise ValueError(f"server {member.url} is in the pool twice")
+            raise ConfigurationError(f"server {member.url} is in the pool twice")
         self._members[member.url] = member
 
     @property
@@ -344,6 +383,8 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
 
         Raises:
             PoolExhaustedError: No server listed a model in time.
+            ServersUnusableError: Every server refused for a reason waiting cannot fix
+                (a wrong or missing API key, a TLS failure, a redirect, no such route).
         """
         if self.model is not None:
             return self.model
@@ -360,6 +401,15 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
                 if isinstance(answer, list) and answer:
                     return str(answer[0])
                 said[member.url] = str(answer) if isinstance(answer, BaseException) else "no model"
+            broken = [
+                a for a in answers if isinstance(a, ProviderError) and a.kind in CONFIGURATION_KINDS
+            ]
+            if members and len(broken) == len(members):
+                listing = "; ".join(str(error) for error in broken)
+                raise ServersUnusableError(
+                    f"no server of the pool can be used, and waiting will not help: {listing}",
+                    servers=said,
+                )
             left = deadline - time.monotonic()
             if left <= 0:
                 listing = "; ".join(f"{url}: {text}" for url, text in said.items())
@@ -397,3 +447,20 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         )
         stats = self.statistics()
         return f"<VLLMQueueAnnotator {parts} in_flight={stats.in_flight} queued={stats.queued}>"
+
+
+def _api_keys(api_key: str | Mapping[str, str] | None) -> tuple[str | None, dict[str, str]]:
+    """The default key and the per-server keys (by normalised base URL) of ``api_key``."""
+    if api_key is None or isinstance(api_key, str):
+        check_api_key(api_key)
+        return api_key, {}
+    if not isinstance(api_key, Mapping):
+        raise ConfigurationError(
+            "api_key must be a string, a mapping from base URL to key, or None, "
+            f"got {type(api_key).__name__}"
+        )
+    keys: dict[str, str] = {}
+    for url, key in api_key.items():
+        check_api_key(key, where=f"api_key[{url!r}]")
+        keys[normalize_base_url(url)] = key
+    return None, keys

@@ -27,7 +27,8 @@ class Action(Enum):
     CHECK_HEALTH = "check_health"
     """Slow or hung: evict if the server fails a health check, else an error row."""
     DISABLE = "disable"
-    """Configuration error (auth, unknown model): take the server out for good."""
+    """Configuration error (auth, unknown model, TLS, a redirect to elsewhere): take
+    the server out for good, requeue the sample."""
     ERROR_ROW = "error_row"
     """This sample is at fault: keep the error as its result."""
 
@@ -35,6 +36,7 @@ class Action(Enum):
 _ACTIONS = {
     ErrorKind.CONNECT: Action.EVICT,
     ErrorKind.CONNECT_TIMEOUT: Action.VERIFY,
+    ErrorKind.TLS: Action.DISABLE,
     ErrorKind.DISCONNECTED: Action.VERIFY,
     ErrorKind.ENGINE_DEAD: Action.EVICT,
     ErrorKind.OVERLOADED: Action.BACKOFF,
@@ -42,11 +44,19 @@ _ACTIONS = {
     ErrorKind.READ_TIMEOUT: Action.CHECK_HEALTH,
     ErrorKind.AUTH: Action.DISABLE,
     ErrorKind.NOT_FOUND: Action.DISABLE,
+    ErrorKind.REDIRECT: Action.DISABLE,
     ErrorKind.BAD_REQUEST: Action.ERROR_ROW,
     ErrorKind.HTTP_ERROR: Action.ERROR_ROW,
     ErrorKind.MALFORMED: Action.ERROR_ROW,
+    ErrorKind.OVERSIZED: Action.ERROR_ROW,
     ErrorKind.POISON: Action.ERROR_ROW,
 }
+
+
+CONFIGURATION_KINDS = frozenset(
+    {ErrorKind.AUTH, ErrorKind.TLS, ErrorKind.REDIRECT, ErrorKind.NOT_FOUND}
+)
+"""Failures that waiting does not fix: the settings (key, CA bundle, URL) must change."""
 
 
 def action_for(kind: ErrorKind) -> Action:
