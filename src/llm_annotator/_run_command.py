@@ -7,6 +7,7 @@ Every flag has a key of the same name in the file (``--max-completion-tokens`` i
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tomllib
@@ -17,11 +18,14 @@ from typing import Any
 
 import structlog
 
+from llm_annotator._constants import MAX_RESPONSE_BYTES
+from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_setting
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import (
     ConfigurationError,
     PoolExhaustedError,
     RunInterruptedError,
+    ServersUnusableError,
 )
 from llm_annotator.jobs.schema import OutputSchema
 from llm_annotator.pool.discovery import (
@@ -44,10 +48,20 @@ class _Setting:
     nargs: str | None = None
 
 
+class _BadValue(argparse.ArgumentTypeError, ValueError):
+    """A value a setting cannot take; argparse prints it as it is, TOML wraps it."""
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    raise ConfigurationError(f"expected true or false, got {value!r}")
+    raise _BadValue(f"expected true or false, got {value!r}")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str) and value:
+        return value
+    raise _BadValue(f"expected a non-empty string, got {value!r}")
 
 
 def _strings(value: Any) -> list[str]:
@@ -55,42 +69,125 @@ def _strings(value: Any) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
-    raise ConfigurationError(f"expected a list of strings, got {value!r}")
+    raise _BadValue(f"expected a list of strings, got {value!r}")
+
+
+def _number(
+    *, integer: bool, low: float, high: float | None = None, low_open: bool = False
+) -> Callable[[Any], Any]:
+    """A converter for a number in a range, from a flag's text or a TOML value."""
+    what = "an integer" if integer else "a number"
+    bound = f"> {low:g}" if low_open else f">= {low:g}"
+    if high is not None:
+        bound += f" and <= {high:g}"
+
+    def convert(value: Any) -> int | float:
+        number: int | float | None = None
+        if isinstance(value, str):
+            try:
+                number = int(value) if integer else float(value)
+            except ValueError:
+                number = None
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            number = value if (not integer or isinstance(value, int)) else None
+        ok = number is not None and number == number  # not NaN
+        if ok and number is not None:
+            ok = (number > low if low_open else number >= low) and (high is None or number <= high)
+        if not ok or number is None:
+            raise _BadValue(f"expected {what} {bound}, got {value!r}")
+        return number
+
+    return convert
+
+
+_POSITIVE_INT = _number(integer=True, low=1)
+_COUNT = _number(integer=True, low=0)
+_SEED = _number(integer=True, low=-(2**63))
+_SECONDS = _number(integer=False, low=0, low_open=True)
+_GRACE = _number(integer=False, low=0)
+
+
+def _log_format(value: Any) -> str:
+    if value in ("json", "console"):
+        return str(value)
+    raise _BadValue(f"expected json or console, got {value!r}")
 
 
 _SETTINGS: tuple[_Setting, ...] = (
     _Setting("servers", _strings, "vLLM base URLs (http://host:port/v1)", nargs="+"),
-    _Setting("servers_file", str, "a file of base URLs, one a line, re-read during the run"),
-    _Setting("servers_dir", str, "a folder where each server writes <name>.url when healthy"),
-    _Setting("servers_dns", str, "NAME:PORT, a DNS name resolving to every server"),
-    _Setting("input", str, "the dataset: .jsonl, .parquet or .csv"),
-    _Setting("prompt_template", str, "the user message, with {column} fields"),
-    _Setting("output_dir", str, "the run directory; run again to resume"),
-    _Setting("id_column", str, "column with each row's id (default: the row's position)"),
-    _Setting("system_message", str, "a system message for every row"),
+    _Setting("servers_file", _text, "a file of base URLs, one a line, re-read during the run"),
+    _Setting("servers_dir", _text, "a folder where each server writes <name>.url when healthy"),
+    _Setting("servers_dns", _text, "NAME:PORT, a DNS name resolving to every server"),
+    _Setting("input", _text, "the dataset: .jsonl, .parquet or .csv"),
+    _Setting("prompt_template", _text, "the user message, with {column} fields"),
+    _Setting("output_dir", _text, "the run directory; run again to resume"),
+    _Setting("id_column", _text, "column with each row's id (default: the row's position)"),
+    _Setting("system_message", _text, "a system message for every row"),
     _Setting("columns", _strings, "input columns to keep in the output (default: all)", nargs="+"),
-    _Setting("model", str, "model name (default: what the servers serve)"),
-    _Setting("batch_size", int, "rows per batch (default 256)", 256),
+    _Setting("model", _text, "model name (default: what the servers serve)"),
+    _Setting("batch_size", _POSITIVE_INT, "rows per batch (default 256)", 256),
     _Setting(
-        "max_concurrent_batches_per_client", int, "batches in flight per server (default 4)", 4
+        "max_concurrent_batches_per_client",
+        _POSITIVE_INT,
+        "batches in flight per server (default 4)",
+        4,
     ),
-    _Setting("max_completion_tokens", int, "upper bound on generated tokens"),
-    _Setting("temperature", float, "sampling temperature (default: the model's)"),
-    _Setting("top_p", float, "nucleus sampling (default: the model's)"),
-    _Setting("seed", int, "random seed for reproducible sampling"),
-    _Setting("output_schema", str, "JSON schema file the answers must follow"),
-    _Setting("max_regenerations", int, "with a schema: retries of invalid answers (default 2)", 2),
+    _Setting("max_completion_tokens", _POSITIVE_INT, "upper bound on generated tokens"),
+    _Setting(
+        "temperature", _number(integer=False, low=0), "sampling temperature (default: the model's)"
+    ),
+    _Setting(
+        "top_p",
+        _number(integer=False, low=0, high=1, low_open=True),
+        "nucleus sampling (default: the model's)",
+    ),
+    _Setting("seed", _SEED, "random seed for reproducible sampling"),
+    _Setting("output_schema", _text, "JSON schema file the answers must follow"),
+    _Setting(
+        "max_regenerations", _COUNT, "with a schema: retries of invalid answers (default 2)", 2
+    ),
     _Setting("retry_errors", _bool, "send again the rows that ended in error", False),
     _Setting("force", _bool, "resume even if the directory was made with other settings", False),
     _Setting("jsonl", _bool, "also write annotations.jsonl", False),
     _Setting("hedge_tail", _bool, "near the end, also send slow servers' work to idle ones", True),
     _Setting(
-        "stop_grace", float, "seconds in-flight requests get after a signal (default 30)", 30.0
+        "api_key_file",
+        _text,
+        "a file holding the servers' API key (for vLLM started with --api-key); "
+        "default: $VLLM_API_KEY if set",
+    ),
+    _Setting("api_key_env", _text, "the name of an environment variable holding the API key"),
+    _Setting(
+        "ca_bundle", _text, "a PEM file of the authority that signed the servers' TLS certificates"
     ),
     _Setting(
-        "all_down_timeout", float, "seconds to wait when every server is down (default 300)", 300.0
+        "verify_tls",
+        _bool,
+        "check https servers' certificates (default); --no-verify-tls skips the check",
+        True,
     ),
-    _Setting("log_format", str, "json or console (default: console on a terminal)"),
+    _Setting(
+        "timeout",
+        _SECONDS,
+        "seconds one request may take, answer included (default 3600)",
+        3600.0,
+    ),
+    _Setting(
+        "max_response_bytes",
+        _POSITIVE_INT,
+        "largest answer read from a server, in bytes (default 16 MiB)",
+        MAX_RESPONSE_BYTES,
+    ),
+    _Setting(
+        "stop_grace", _GRACE, "seconds in-flight requests get after a signal (default 30)", 30.0
+    ),
+    _Setting(
+        "all_down_timeout",
+        _SECONDS,
+        "seconds to wait when every server is down (default 300)",
+        300.0,
+    ),
+    _Setting("log_format", _log_format, "json or console (default: console on a terminal)"),
 )
 _REQUIRED = ("input", "prompt_template", "output_dir")
 
@@ -144,8 +241,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
                 )
             try:
                 merged[name] = known[name].kind(value)
-            except (TypeError, ValueError) as exc:
-                raise ConfigurationError(f"{path}: setting {key!r}: {exc}") from exc
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+                raise ConfigurationError(f"{path}: setting {key!r}: {exc}") from None
     for name in known:
         value = getattr(args, name, None)
         if value is not None:
@@ -159,11 +256,63 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
             "give the servers: --servers URL [URL ...], --servers-file FILE, "
             "--servers-dir DIR or --servers-dns NAME:PORT"
         )
-    if merged["log_format"] not in (None, "json", "console"):
-        raise ConfigurationError(
-            f"--log-format must be json or console, got {merged['log_format']!r}"
-        )
+    if merged["api_key_file"] and merged["api_key_env"]:
+        raise ConfigurationError("give --api-key-file or --api-key-env, not both")
+    if merged["ca_bundle"] and not merged["verify_tls"]:
+        raise ConfigurationError("give --ca-bundle or --no-verify-tls, not both")
     return merged
+
+
+def api_key_from(settings: dict[str, Any]) -> str | None:
+    """The API key that ``--api-key-file`` or ``--api-key-env`` names, if either.
+
+    The key itself is never taken from the command line, where other users of the
+    machine would see it.
+
+    Raises:
+        ConfigurationError: If the file cannot be read or is empty, or the variable
+            is not set; the message names the flag and never shows the key.
+    """
+    if settings["api_key_file"]:
+        path = Path(settings["api_key_file"])
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigurationError(
+                f"--api-key-file {path}: cannot read it ({exc.__class__.__name__}: "
+                f"{getattr(exc, 'strerror', None) or exc})"
+            ) from None
+        if not key or "\n" in key:
+            raise ConfigurationError(
+                f"--api-key-file {path}: expected the key alone on one line"
+                + (", the file is empty" if not key else "")
+            )
+        return key
+    if settings["api_key_env"]:
+        name = settings["api_key_env"]
+        key = os.environ.get(name, "").strip()
+        if not key:
+            raise ConfigurationError(
+                f"--api-key-env {name}: the environment variable {name} is not set or empty"
+            )
+        return key
+    return None
+
+
+def verify_from(settings: dict[str, Any]) -> Verify:
+    """``verify=`` for the pool: ``--ca-bundle``, ``--no-verify-tls`` or the default.
+
+    Raises:
+        ConfigurationError: If the CA bundle cannot be read.
+    """
+    if settings["ca_bundle"]:
+        bundle = settings["ca_bundle"]
+        try:
+            ssl_setting(bundle)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"--ca-bundle {bundle}: {exc}") from None
+        return str(bundle)
+    return bool(settings["verify_tls"])
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -182,14 +331,23 @@ def run_command(args: argparse.Namespace) -> int:
         seed=settings["seed"],
         output_schema=schema,
     )
+    for url in settings["servers"] or []:
+        try:
+            normalize_base_url(url)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"--servers: {exc}") from None
     pool = VLLMQueueAnnotator(
         settings["servers"] or [],
         discovery=_discovery(settings),
         model=settings["model"],
         batch_size=settings["batch_size"],
         max_concurrent_batches_per_client=settings["max_concurrent_batches_per_client"],
+        timeout=settings["timeout"],
         all_down_timeout=settings["all_down_timeout"],
         hedge_tail=settings["hedge_tail"],
+        api_key=api_key_from(settings),
+        verify=verify_from(settings),
+        max_response_bytes=settings["max_response_bytes"],
     )
     annotator = Annotator(pool, stop_grace=settings["stop_grace"])
     try:
@@ -209,6 +367,14 @@ def run_command(args: argparse.Namespace) -> int:
     except RunInterruptedError as stopped:
         print(f"llm-annotator run: {stopped}", file=sys.stderr, flush=True)
         return 128 + (stopped.signum or int(signal.SIGINT))
+    except ServersUnusableError as unusable:
+        print(
+            f"llm-annotator run: error: {unusable}\nNothing was sent. Fix the settings "
+            "named above and run the same command again.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except PoolExhaustedError as exhausted:
         print(
             f"llm-annotator run: {exhausted}\nEverything completed is written in "

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
+from typing import NoReturn, cast
 
 import structlog
 
@@ -36,6 +37,14 @@ from llm_annotator.local import LocalServer, ensure_tiny_model, start_local_serv
 logger = structlog.get_logger(__name__)
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and exit status 1, like every other
+    bad setting of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class _Interrupted(BaseException):
@@ -290,10 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser; ``parse_args`` yields a namespace with a ``handler``.
     """
-    parser = argparse.ArgumentParser(
-        prog="llm-annotator", description="Annotate datasets with LLMs."
+    parser = _Parser(prog="llm-annotator", description="Annotate datasets with LLMs.")
+    subparsers = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", required=True, metavar="COMMAND"),
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(subparsers)
     return parser
@@ -357,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except LLMAnnotatorError as error:
         print(f"llm-annotator {args.command}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except (ValueError, OSError) as error:
+        # A setting or a file refused below the command's own checks: still one line.
+        print(
+            f"llm-annotator {args.command}: error: {type(error).__name__}: {error}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
 
 

@@ -19,6 +19,7 @@ import orjson
 import pyarrow.parquet as pq
 
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
+from llm_annotator.errors import ConfigurationError
 from llm_annotator.local import start_local_servers
 from llm_annotator.pool import VLLMQueueAnnotator
 
@@ -66,6 +67,8 @@ def run_demo(
     Returns:
         0 when every row was annotated, 1 otherwise.
     """
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
+        raise ConfigurationError(f"--rows must be a positive number of rows, got {num_rows!r}")
     rows = [{"text": text} for text in demo_rows(num_rows)]
     # Sampled, not greedy: random weights pick the end token at once when greedy. No
     # seed: vLLM's CPU build kills its engine on seeded requests under load.

@@ -29,7 +29,7 @@ from llm_annotator.jobs.progress import Progress
 from llm_annotator.jobs.prompts import PromptTemplate, build_messages
 from llm_annotator.jobs.records import RecordBuilder
 from llm_annotator.jobs.schema import OutputSchema
-from llm_annotator.jobs.store import ResultStore
+from llm_annotator.jobs.store import ResultStore, output_write_error
 from llm_annotator.jobs.streaming import stream
 from llm_annotator.pool.annotator import VLLMQueueAnnotator
 from llm_annotator.response import Response
@@ -254,14 +254,32 @@ class Annotator:
         return await self._annotate(spec, interrupt)
 
     async def _annotate(self, spec: _Spec, interrupt: Interrupt) -> AnnotationResult:
-        started = time.monotonic()
         interrupt.bind()
+        try:
+            return await self._annotate_bound(spec, interrupt)
+        except asyncio.CancelledError:
+            if not interrupt.hard or interrupt.sending:
+                raise
+            interrupt.uncancel()
+            raise RunInterruptedError(
+                f"stopped by {interrupt.reason} before any row was sent. Run the same "
+                f"job again to start it in {spec.output_dir}.",
+                output_dir=str(spec.output_dir),
+                signum=interrupt.signals[0] if interrupt.signals else None,
+            ) from None
+
+    async def _annotate_bound(self, spec: _Spec, interrupt: Interrupt) -> AnnotationResult:
+        started = time.monotonic()
         template = PromptTemplate(spec.prompt_template)
         raw_schema = getattr(spec.options, "output_schema", None)
         schema = OutputSchema(raw_schema) if raw_schema is not None else None
         source = open_input(spec.data, id_column=spec.id_column)
         total = await asyncio.to_thread(source.scan)
         _check_columns(source, template, spec.columns)
+        try:
+            await asyncio.to_thread(Path(spec.output_dir).mkdir, parents=True, exist_ok=True)
+        except OSError as error:  # before asking any server: the run could not be kept
+            raise output_write_error(error, spec.output_dir, spec.output_dir) from None
         model = await _model_of(self.client)
         fingerprint = make_fingerprint(
             prompt_template=spec.prompt_template,
@@ -303,6 +321,7 @@ class Annotator:
                 total, resumed, healthy=lambda: _healthy(self.client), bar=self.progress
             ),
         )
+        interrupt.sending = True
         try:
             await job.run(spec.options, spec.gen_kwargs, interrupt)
         except asyncio.CancelledError:
@@ -326,17 +345,25 @@ class Annotator:
                 num_done=done,
                 signum=interrupt.signals[0] if interrupt.signals else None,
             )
-        result = await asyncio.to_thread(
-            consolidate,
-            spec.output_dir,
-            jsonl=spec.write_jsonl,
-            column_order=job.builder.output_columns(),
-        )
+        try:
+            result = await asyncio.to_thread(
+                consolidate,
+                spec.output_dir,
+                jsonl=spec.write_jsonl,
+                column_order=job.builder.output_columns(),
+            )
+        except OSError as error:
+            raise output_write_error(
+                error, error.filename or spec.output_dir, spec.output_dir, done=done
+            ) from None
         seconds = time.monotonic() - started
         report = _report(job, result, total, resumed, seconds, self.client)
         report["this_run"]["hedged_requests"] = _hedged(self.client) - hedged_before
         report_path = spec.output_dir / REPORT_NAME
-        await asyncio.to_thread(_write_json, report_path, report)
+        try:
+            await asyncio.to_thread(_write_json, report_path, report)
+        except OSError as error:
+            raise output_write_error(error, report_path, spec.output_dir, done=done) from None
         log.info(
             "job_finished",
             rows=result.num_rows,

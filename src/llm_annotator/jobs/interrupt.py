@@ -31,6 +31,8 @@ class Interrupt:
         self.stop = stop if stop is not None else asyncio.Event()
         self.signals: list[int] = []
         self.hard = False
+        self.sending = False
+        """Set once rows are being sent; before that a first signal stops at once."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[object] | None = None
         self._early: list[int] = []
@@ -73,7 +75,10 @@ class Interrupt:
     def _on_signal(self, signum: int) -> None:
         self.signals.append(signum)
         name = signal.Signals(signum).name
-        if len(self.signals) == 1:
+        if len(self.signals) == 1 and not self.sending:
+            self.stop.set()
+            self._cancel(f"{name} before any row was sent")
+        elif len(self.signals) == 1:
             log.warning(
                 "job_stopping",
                 signal=name,

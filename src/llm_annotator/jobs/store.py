@@ -18,6 +18,7 @@ compact :class:`~llm_annotator.jobs.ids.IdSet` s.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -31,7 +32,7 @@ from typing import IO, Any
 import orjson
 import structlog
 
-from llm_annotator.errors import JobError
+from llm_annotator.errors import JobError, OutputWriteError
 from llm_annotator.jobs.fingerprint import job_record, read_job_record
 from llm_annotator.jobs.ids import IdSet, RowId, is_valid_id
 
@@ -48,6 +49,32 @@ _SHARD_NAME = re.compile(r"^part-.*-(\d+)\.jsonl$")
 def is_error_record(record: Mapping[str, Any]) -> bool:
     """Whether a result record is an error row: its ``"error"`` field is truthy."""
     return bool(record.get("error"))
+
+
+def output_write_error(
+    error: OSError, path: Path | str, directory: Path | str, *, done: int | None = None
+) -> OutputWriteError:
+    """A write that failed, as one message: which file, why, what to do, that it resumes.
+
+    Examples:
+        >>> import errno, os
+        >>> full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        >>> print(output_write_error(full, "/runs/a/shards/part-1.jsonl", "/runs/a", done=7))
+        cannot write /runs/a/shards/part-1.jsonl: No space left on device. The 7 rows ...
+    """
+    reason = error.strerror or str(error) or type(error).__name__
+    kept = f"The {done} rows written before are kept. " if done is not None else ""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        fix = f"Free space on the file system that holds {directory} (or raise the quota)"
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"Make {directory} writable (or give another output directory)"
+    else:
+        fix = f"Check the file system that holds {directory}"
+    return OutputWriteError(
+        f"cannot write {path}: {reason}. {kept}{fix}, then run the same command again: it "
+        "resumes, and sends only the rows that have no result yet.",
+        path=str(path),
+    )
 
 
 def shard_paths(output_dir: str | os.PathLike[str]) -> list[Path]:
@@ -180,6 +207,8 @@ class ResultStore:
         self._retried = IdSet()  # error ids written since open, with retry_errors
         self._recovered = 0  # ids in _errors that later got a success
         self._written = 0
+        self._broken = False
+        self._done_at_open = 0
         self._buffer = bytearray()
         self._buffer_lock = threading.Lock()  # append and flush may be on two threads
         self._file: IO[bytes] | None = None
@@ -214,7 +243,7 @@ class ResultStore:
         try:
             (directory / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise JobError(f"cannot create the output directory {directory}: {error}") from error
+            raise output_write_error(error, directory / SHARDS_DIR, directory) from None
         lock = DirectoryLock.acquire(directory, "open")
         try:
             job_path = directory / JOB_FILE
@@ -225,11 +254,18 @@ class ResultStore:
                 now=datetime.now(UTC).isoformat(timespec="seconds"),
                 force=force,
             )
-            with atomic_write(job_path) as file:
-                file.write(orjson.dumps(job, option=orjson.OPT_INDENT_2) + b"\n")
+            try:
+                with atomic_write(job_path) as file:
+                    file.write(orjson.dumps(job, option=orjson.OPT_INDENT_2) + b"\n")
+            except OSError as error:
+                raise output_write_error(error, job_path, directory) from None
             store = cls(directory, lock, job["fingerprint"], retry_errors)
             shards = store._scan()
-            store._start_shard(shards)
+            store._done_at_open = store.num_done
+            try:
+                store._start_shard(shards)
+            except OSError as error:
+                raise output_write_error(error, store._shard_path, directory) from None
         except BaseException:
             lock.release()
             raise
@@ -347,6 +383,10 @@ class ResultStore:
             try:
                 while done < len(view):
                     done += self._file.write(view[done:]) or 0
+            except OSError as error:
+                self._broken = True
+                pending = view[done:].tobytes().count(b"\n")
+                raise self._write_error(error, pending) from None
             finally:
                 view.release()
                 del self._buffer[:done]
@@ -355,16 +395,32 @@ class ResultStore:
         """Flush, then make the records durable on disk (``fsync``)."""
         self.flush()
         if self._file is not None:
-            os.fsync(self._file.fileno())
+            try:
+                os.fsync(self._file.fileno())
+            except OSError as error:
+                self._broken = True
+                raise self._write_error(error, 0) from None
+
+    def _write_error(self, error: OSError, pending: int) -> OutputWriteError:
+        # Rows on disk: those appended, less the lines not yet written (a cut-off last
+        # line counts as not written; resuming repairs it).
+        on_disk = self._done_at_open + max(self._written - pending, 0)
+        return output_write_error(error, self._shard_path, self._directory, done=on_disk)
 
     def close(self) -> None:
-        """Flush, fsync and release the lock; idempotent."""
+        """Flush, fsync and release the lock; idempotent.
+
+        After a failed write (a full disk) it only closes and unlocks: the failure was
+        reported once already, and what is on disk stays as it is.
+        """
         if self._file is None:
             return
         try:
-            self.sync()
+            if not self._broken:
+                self.sync()
         finally:
-            self._file.close()
+            with contextlib.suppress(OSError):
+                self._file.close()
             self._file = None
             if self._written == 0:
                 with contextlib.suppress(OSError):

@@ -400,7 +400,12 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             for member, answer in zip(members, answers, strict=True):
                 if isinstance(answer, list) and answer:
                     return str(answer[0])
-                said[member.url] = str(answer) if isinstance(answer, BaseException) else "no model"
+                if isinstance(answer, ProviderError):
+                    said[member.url] = answer.message
+                else:
+                    said[member.url] = (
+                        str(answer) if isinstance(answer, BaseException) else "no model"
+                    )
             broken = [
                 a for a in answers if isinstance(a, ProviderError) and a.kind in CONFIGURATION_KINDS
             ]
