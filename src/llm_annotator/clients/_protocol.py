@@ -240,7 +240,14 @@ def _malformed(
 def _type(value: object) -> str:
     if value is None:
         return "null"
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+    }
     return names.get(type(value), f"a {type(value).__name__}")
 
 

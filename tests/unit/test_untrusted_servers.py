@@ -1,0 +1,336 @@
+"""The client against servers that misbehave: every answer bounded in time and size and
+checked before it is believed.
+
+Each server here is written at the socket level (``tests/misbehaving.py``), so it sends
+exactly what a broken server or proxy sends: a body that trickles or never ends, one far
+too large with or without a Content-Length, one cut off, one that is not a chat
+completion, a redirect to another port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from llm_annotator import ErrorKind, Response, VLLMOnlineClient, VLLMQueueAnnotator
+from tests.misbehaving import Request, completion_body, head, raw_server, whole
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+DEADLINE = 2.0
+
+
+def client(base_url: str, **kwargs: object) -> VLLMOnlineClient:
+    kwargs.setdefault("timeout", 30.0)
+    return VLLMOnlineClient(model="fake-model", base_url=base_url, max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+
+async def ask(base_url: str, **kwargs: object) -> tuple[Response, float]:
+    """One request; the Response and the seconds it took."""
+    async with client(base_url, **kwargs) as c:
+        started = time.monotonic()
+        response = await c.agenerate(messages=MESSAGES)
+        return response, time.monotonic() - started
+
+
+# -- one deadline per request ------------------------------------------------------------
+
+
+async def trickle(writer: asyncio.StreamWriter, request: Request) -> None:
+    """Headers, then one byte every 0.2 s: each read arrives well inside any gap timeout."""
+    writer.write(head(200, length=100_000))
+    for _ in range(600):  # bounded: two minutes at most
+        writer.write(b" ")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+
+async def endless_chunks(writer: asyncio.StreamWriter, request: Request) -> None:
+    """A chunked body that never ends, one small chunk every 20 ms."""
+    writer.write(head(200, Transfer_Encoding="chunked"))
+    for _ in range(6000):  # bounded: two minutes at most
+        writer.write(b"10\r\n" + b" " * 16 + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+
+
+async def silent(writer: asyncio.StreamWriter, request: Request) -> None:
+    """Reads the request and never sends a byte."""
+    await asyncio.sleep(120)
+
+
+@pytest.mark.parametrize("answer", [trickle, endless_chunks, silent], ids=lambda a: a.__name__)
+async def test_the_timeout_bounds_the_whole_request(answer: object) -> None:
+    """A server that trickles its body, never ends it, or never answers fails with
+    read_timeout at the timeout plus at most a second, not at the gap between reads."""
+    with raw_server(answer) as server:  # type: ignore[arg-type]
+        response, seconds = await ask(server.base_url, timeout=DEADLINE)
+    assert response.error_type == ErrorKind.READ_TIMEOUT
+    assert DEADLINE - 0.1 <= seconds <= DEADLINE + 1.0, seconds
+    assert server.base_url in (response.error or "")
+
+
+# -- the size cap ----------------------------------------------------------------------
+
+
+async def announced_huge(writer: asyncio.StreamWriter, request: Request) -> None:
+    """Announces 200 MB and sends them slowly."""
+    writer.write(head(200, length=200 * 2**20))
+    for _ in range(200):
+        writer.write(b" " * 2**20)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+
+
+def huge_without_length(*, chunked: bool, size: int = 200 * 2**20) -> object:
+    async def answer(writer: asyncio.StreamWriter, request: Request) -> None:
+        """Sends ``size`` bytes as fast as the client reads, with no Content-Length."""
+        piece = b" " * 2**20
+        if chunked:
+            writer.write(head(200, Transfer_Encoding="chunked"))
+            piece = b"%x\r\n" % len(piece) + piece + b"\r\n"
+        else:
+            writer.write(head(200, Connection="close"))  # read to the end of the stream
+        for _ in range(size // 2**20):
+            writer.write(piece)
+            await writer.drain()
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    return answer
+
+
+async def test_an_announced_oversized_answer_is_refused_before_reading() -> None:
+    """A Content-Length over max_response_bytes is an oversized error at once, naming
+    the cap and the server; the body is not read."""
+    with raw_server(announced_huge) as server:  # type: ignore[arg-type]
+        response, seconds = await ask(server.base_url)
+    assert response.error_type == ErrorKind.OVERSIZED
+    assert seconds < 1.0
+    assert f"max_response_bytes={16 * 2**20}" in (response.error or "")
+    assert server.base_url in (response.error or "")
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "read-to-close"])
+async def test_an_oversized_answer_without_length_is_cut_off_while_reading(chunked: bool) -> None:
+    """Without a Content-Length the answer is read in pieces and cut off at the cap."""
+    with raw_server(huge_without_length(chunked=chunked)) as server:  # type: ignore[arg-type]
+        response, seconds = await ask(server.base_url, max_response_bytes=2**20)
+    assert response.error_type == ErrorKind.OVERSIZED
+    assert "max_response_bytes=1048576" in (response.error or "")
+    assert seconds < 5.0
+
+
+async def test_an_answer_at_the_cap_is_read() -> None:
+    """The cap is inclusive: an answer of exactly max_response_bytes is accepted."""
+    body = completion_body("x" * 1000)
+    with raw_server(whole(body)) as server:
+        response, _ = await ask(server.base_url, max_response_bytes=len(body))
+    assert response.ok and response.text == "x" * 1000
+
+
+_RSS_CHILD = """
+import asyncio, resource, sys
+from llm_annotator import VLLMOnlineClient
+
+async def main(url, cap):
+    async with VLLMOnlineClient(model="m", base_url=url, max_retries=0,
+                                max_response_bytes=cap) as client:
+        await client.agenerate(messages=[{"role": "user", "content": "warm"}])
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        response = await client.agenerate(messages=[{"role": "user", "content": "x"}])
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(response.error_type, (after - before) // 1024)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+def _peak_rss_growth(base_url: str, cap: int) -> tuple[str, int]:
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, base_url, str(cap)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    kind, megabytes = done.stdout.splitlines()[-1].split()  # after any log lines
+    return kind, int(megabytes)
+
+
+def test_peak_memory_stays_bounded_by_the_cap() -> None:
+    """A 200 MB answer costs the client about the cap in peak RSS, not the body: measured
+    in a fresh process, side by side with the cap raised above the body."""
+    first: list[bool] = []
+
+    async def answer(writer: asyncio.StreamWriter, request: Request) -> None:
+        if not first:  # the warm-up request
+            first.append(True)
+            await whole(completion_body())(writer, request)
+            return
+        first.clear()
+        await huge_without_length(chunked=True)(writer, request)  # type: ignore[operator]
+
+    with raw_server(answer) as server:
+        capped_kind, capped_mb = _peak_rss_growth(server.base_url, 16 * 2**20)
+        open_kind, open_mb = _peak_rss_growth(server.base_url, 2**30)
+    print(
+        f"peak RSS growth for a 200 MB chunked answer: {capped_mb} MB with the 16 MiB cap, "
+        f"{open_mb} MB with a 1 GiB cap"
+    )
+    assert capped_kind == "oversized"
+    assert open_kind == "malformed_response"  # read whole (200 MB of spaces), then refused
+    assert capped_mb < 64
+    assert open_mb > 150
+
+
+# -- answers checked before they are believed ---------------------------------------------------
+
+
+def _choice(**fields: object) -> dict[str, object]:
+    choice: dict[str, object] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "ok"},
+        "finish_reason": "stop",
+    }
+    choice.update(fields)
+    return choice
+
+
+MALFORMED = [
+    (b"not json at all", "not JSON"),
+    (b'{"choices": [{"message": {"content": "\xff\xfe"}, "finish_reason": "stop"}]}', "not JSON"),
+    (b"", "not JSON"),
+    (b"[1, 2]", "the body is a list, not an object"),
+    (orjson.dumps({"id": "x"}), "'choices' is null, not a list"),
+    (completion_body(choices="x"), "'choices' is a string, not a list"),
+    (completion_body(choices=[]), "'choices' is empty"),
+    (completion_body(choices=[1]), "choices[0] is an integer, not an object"),
+    (completion_body(choices=[_choice(message=None)]), "choices[0].message is null"),
+    (completion_body(None), "message.content is null, with no reasoning or tool call"),
+    (completion_body(5), "message.content is an integer, not a string"),
+    (completion_body(["a"]), "message.content is a list, not a string"),
+    (completion_body(choices=[_choice(finish_reason=None)]), "finish_reason is null"),
+    (completion_body(choices=[_choice(finish_reason=7)]), "finish_reason is an integer"),
+    (completion_body(usage="x"), "'usage' is a string, not an object"),
+    (completion_body(usage={"completion_tokens": "5"}), "usage.completion_tokens is '5'"),
+    (completion_body(usage={"completion_tokens": -1}), "usage.completion_tokens is -1"),
+    (completion_body(usage={"prompt_tokens": 1.5}), "usage.prompt_tokens is 1.5"),
+    (completion_body(usage={"prompt_tokens": True}), "usage.prompt_tokens is True"),
+    (
+        orjson.dumps({"error": {"message": "engine hiccup", "type": "InternalServerError"}}),
+        "it is an error: InternalServerError: engine hiccup",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "defect"), MALFORMED, ids=[d for _, d in MALFORMED])
+async def test_a_wrong_answer_is_malformed_with_the_defect_named(body: bytes, defect: str) -> None:
+    """A 200 whose body is not a chat completion is malformed_response naming the defect."""
+    with raw_server(whole(body)) as server:
+        response, _ = await ask(server.base_url)
+    assert response.error_type == ErrorKind.MALFORMED, response
+    assert defect in (response.error or ""), response.error
+
+
+@pytest.mark.parametrize(
+    ("body", "text", "reasoning"),
+    [
+        (completion_body(None, usage=None), None, "thought"),
+        (completion_body("answer", usage=None), "answer", None),
+    ],
+    ids=["null-content-with-reasoning", "no-usage"],
+)
+async def test_lawful_variations_are_accepted(
+    body: bytes, text: str | None, reasoning: str | None
+) -> None:
+    """content null with a reasoning text is an answer; usage may be missing."""
+    if reasoning is not None:
+        data = orjson.loads(body)
+        data["choices"][0]["message"]["reasoning_content"] = reasoning
+        body = orjson.dumps(data)
+    with raw_server(whole(body)) as server:
+        response, _ = await ask(server.base_url)
+    assert response.ok, response.error
+    assert (response.text, response.reasoning) == (text, reasoning)
+    assert response.num_output_tokens is None
+
+
+async def test_a_body_cut_off_midway_is_disconnected() -> None:
+    """A connection closed before the announced length arrived is 'disconnected'."""
+
+    async def cut(writer: asyncio.StreamWriter, request: Request) -> None:
+        writer.write(head(200, length=1000) + completion_body()[:50])
+        await writer.drain()
+        writer.close()
+
+    with raw_server(cut) as server:
+        response, seconds = await ask(server.base_url)
+    assert response.error_type == ErrorKind.DISCONNECTED
+    assert seconds < 2.0
+
+
+async def test_an_answer_that_is_not_http_is_an_error() -> None:
+    """Bytes that are not an HTTP response are a transport error, not an exception."""
+
+    async def garbage(writer: asyncio.StreamWriter, request: Request) -> None:
+        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    with raw_server(garbage) as server:
+        response, _ = await ask(server.base_url)
+    assert response.error_type == ErrorKind.DISCONNECTED
+    assert response.error
+
+
+# -- redirects --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [302, 307])
+async def test_a_redirect_is_not_followed(status: int) -> None:
+    """A 3xx is a redirect error naming the Location; the prompt never goes there."""
+    with raw_server(whole(completion_body("foreign"))) as elsewhere:
+        location = f"http://127.0.0.1:{elsewhere.port}/v1/chat/completions"
+        with raw_server(whole(b"", status, Location=location)) as server:
+            response, _ = await ask(server.base_url)
+    assert response.error_type == ErrorKind.REDIRECT
+    assert location in (response.error or "")
+    assert f"HTTP {status}" in (response.error or "")
+    assert elsewhere.chat_requests == []
+
+
+# -- nothing from a body escapes -------------------------------------------------------------
+
+
+@pytest.fixture
+def wrong_counts() -> Iterator[str]:
+    """A server whose token counts are strings: once a TypeError deep in annotate."""
+    body = completion_body(usage={"prompt_tokens": "5", "completion_tokens": "2"})
+    with raw_server(whole(body)) as server:
+        yield server.base_url
+
+
+def test_annotate_survives_a_server_of_wrong_answers(wrong_counts: str, tmp_path: Path) -> None:
+    """A job over a server whose every answer is malformed ends with error rows that say
+    why, not with an exception."""
+    rows = [{"text": f"row {i}"} for i in range(20)]
+    with VLLMQueueAnnotator([wrong_counts], batch_size=8, all_down_timeout=5) as pool:
+        result = pool.annotate(rows, "Label: {text}", tmp_path / "run", progress=False)
+    assert result.num_rows == 20
+    assert result.num_failed == 20
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(result.output_path).to_pylist()
+    assert {r["error_type"] for r in table} == {"malformed_response"}
+    assert all("usage.prompt_tokens is '5'" in r["error"] for r in table)
+    assert os.path.exists(result.report_path)
