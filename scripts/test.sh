@@ -14,6 +14,22 @@ fi
 .venv/bin/python -m pip install --quiet -e '.[dev]' 2>&1 | grep -v "is ignored" >&2 || true
 .venv/bin/python -c 'import llm_annotator, aiohttp, pytest' # fail here if the install failed
 
+# nginx terminates TLS in front of a real vLLM server in the TLS tests.
+if ! command -v nginx >/dev/null && [[ ! -x /usr/sbin/nginx ]]; then
+    if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "test: installing nginx-light" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            nginx-light >/dev/null 2>&1 || {
+            apt-get update -qq >/dev/null 2>&1 || true
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                nginx-light >/dev/null
+        }
+    else
+        echo "test: nginx is missing; install it (Debian: apt-get install nginx-light)" >&2
+        exit 1
+    fi
+fi
+
 LLM_ANNOTATOR_VLLM_PYTHON="$(bash scripts/vllm-env.sh)"
 export LLM_ANNOTATOR_VLLM_PYTHON
 export LLM_ANNOTATOR_REQUIRE_VLLM=1  # the real-vLLM tests must run, never skip

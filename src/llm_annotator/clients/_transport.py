@@ -300,9 +300,10 @@ class HttpTransport:
         detail = str(exc) or type(exc).__name__
         if isinstance(exc, aiohttp.ClientConnectorCertificateError):
             return TLSError(
-                f"the TLS certificate is not trusted ({exc.certificate_error}); give "
-                "verify='/path/to/ca.pem' with the authority that signed it (or "
-                "verify=False to skip the check, which also accepts an impostor)",
+                f"the TLS certificate is not trusted ({exc.certificate_error}); give the "
+                "authority that signed it: verify='/path/to/ca.pem' (--ca-bundle on the "
+                "command line), or skip the check with verify=False (--no-verify-tls), "
+                "which also accepts an impostor",
                 kind=ErrorKind.TLS,
                 server=server,
             )

@@ -432,6 +432,7 @@ class ResultStore:
                 written=self._written,
                 done=self.num_done,
                 errors=self.num_errors,
+                write_failed=self._broken,
             )
 
     def _note(self, row_id: RowId, *, error: bool) -> None:
