@@ -40,6 +40,8 @@ class RawServer:
     answer: Answer | None = None
     requests: list[Request] = field(default_factory=list)
     model: str = "fake-model"
+    routes: dict[str, Answer] = field(default_factory=dict)
+    """Answers for exact paths, before the defaults (``{"/v1/models": whole(...)}``)."""
     api_key: str | None = None
     """When set, /v1 routes answer 401 unless ``Authorization: Bearer <api_key>``, as
     vLLM started with ``--api-key`` does (``/health`` stays open)."""
@@ -110,6 +112,8 @@ async def _serve(
             if path.startswith("/v1") and server.api_key and headers.get("authorization") != wanted:
                 data = orjson.dumps({"error": "Unauthorized"})
                 writer.write(head(401, length=len(data)) + data)
+            elif path in server.routes:
+                await server.routes[path](writer, request)
             elif path == "/health":
                 writer.write(head(200, length=0))
             elif path.endswith("/models"):

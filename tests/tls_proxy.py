@@ -84,10 +84,28 @@ def tls_proxy(upstream_base_url: str, root: Path, nginx: str) -> Iterator[TlsPro
     ca_bundle = root / "ca.pem"
     authority.cert_pem.write_to_path(str(ca_bundle))
     upstream = urlsplit(upstream_base_url)
-    port = _free_port()
+    for _ in range(5):  # a free port may be taken by another process before nginx binds it
+        port = _free_port()
+        process = _start(nginx, root, port, f"http://{upstream.netloc}")
+        if process is not None:
+            break
+    else:
+        raise RuntimeError("nginx could not bind a free port in 5 attempts")
+    try:
+        yield TlsProxy(base_url=f"https://localhost:{port}/v1", ca_bundle=ca_bundle)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _start(nginx: str, root: Path, port: int, upstream: str) -> subprocess.Popen[bytes] | None:
+    """nginx listening on ``port``, or None if the port was taken meanwhile."""
     (root / "nginx.conf").write_text(
-        _CONFIG.format(root=root, port=port, upstream=f"http://{upstream.netloc}"),
-        encoding="utf-8",
+        _CONFIG.format(root=root, port=port, upstream=upstream), encoding="utf-8"
     )
     log = root / "nginx.stderr"
     with log.open("wb") as stderr:
@@ -97,24 +115,19 @@ def tls_proxy(upstream_base_url: str, root: Path, nginx: str) -> Iterator[TlsPro
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            if process.poll() is not None:
-                said = log.read_text(errors="replace")
-                if (root / "error.log").exists():
-                    said += (root / "error.log").read_text(errors="replace")
-                raise RuntimeError(f"nginx exited at start: {said[-2000:]}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("nginx did not listen within 15 s")
-            time.sleep(0.05)
-        yield TlsProxy(base_url=f"https://localhost:{port}/v1", ca_bundle=ca_bundle)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + 15
+    while True:
+        if process.poll() is not None:
+            said = log.read_text(errors="replace")
+            if (root / "error.log").exists():
+                said += (root / "error.log").read_text(errors="replace")
+            if "Address already in use" in said:
+                return None
+            raise RuntimeError(f"nginx exited at start: {said[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return process
+        if time.monotonic() > deadline:
             process.kill()
             process.wait(timeout=10)
+            raise RuntimeError("nginx did not listen within 15 s")
+        time.sleep(0.05)

@@ -7,6 +7,7 @@ Every flag has a key of the same name in the file (``--max-completion-tokens`` i
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -90,7 +91,7 @@ def _number(
                 number = None
         elif isinstance(value, int | float) and not isinstance(value, bool):
             number = value if (not integer or isinstance(value, int)) else None
-        ok = number is not None and number == number  # not NaN
+        ok = number is not None and math.isfinite(number)
         if ok and number is not None:
             ok = (number > low if low_open else number >= low) and (high is None or number <= high)
         if not ok or number is None:
@@ -369,8 +370,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 128 + (stopped.signum or int(signal.SIGINT))
     except ServersUnusableError as unusable:
         print(
-            f"llm-annotator run: error: {unusable}\nNothing was sent. Fix the settings "
-            "named above and run the same command again.",
+            f"llm-annotator run: error: {unusable}\nFix the settings named above and run "
+            "the same command again; rows already written are kept and not sent again.",
             file=sys.stderr,
             flush=True,
         )

@@ -264,3 +264,92 @@ def test_the_command_stops_on_a_refused_key_naming_the_server(
     assert server.base_url in done.stderr and "HTTP 401" in done.stderr
     assert "--api-key-file" in done.stderr
     assert server.chat_requests == []
+
+
+def echo_key(kind: str, padding: int) -> object:
+    """A server that quotes the Authorization header back, after ``padding`` bytes."""
+
+    async def answer(writer: object, request: object) -> None:
+        from tests.misbehaving import head
+
+        header = request.headers.get("authorization", "")  # type: ignore[attr-defined]
+        quoted = "p" * padding + header
+        if kind == "garbage":  # not HTTP at all: the parser's error quotes the bytes
+            writer.write(f"HTTP/1.1 {quoted}\r\n\r\n".encode())  # type: ignore[attr-defined]
+            writer.close()  # type: ignore[attr-defined]
+            return
+        if kind == "success":
+            data = completion_body(f"your header was {quoted}")
+        else:
+            data = orjson.dumps({"error": {"message": quoted, "type": "BadRequestError"}})
+        status = 200 if kind == "success" else 400
+        writer.write(head(status, length=len(data)) + data)  # type: ignore[attr-defined]
+
+    return answer
+
+
+@pytest.mark.parametrize("padding", [0, 180, 470, 3000], ids=lambda n: f"at-{n}")
+@pytest.mark.parametrize("kind", ["error", "success", "garbage"])
+async def test_a_quoted_key_is_redacted_wherever_it_falls(kind: str, padding: int) -> None:
+    """Wherever a server puts the key (an error body, a successful answer, bytes that are
+    not HTTP), at whatever offset (across the points where messages are cut), it is in
+    no Response, error message or traceback: the body is redacted before it is read."""
+    import traceback
+
+    from llm_annotator import ProviderError
+
+    with raw_server(echo_key(kind, padding)) as server:  # type: ignore[arg-type]
+        async with VLLMOnlineClient(
+            model="m", base_url=server.base_url, api_key=PLANTED, max_retries=0
+        ) as client:
+            response = await client.agenerate(messages=MESSAGES)
+        async with VLLMOnlineClient(
+            model="m", base_url=server.base_url, api_key=PLANTED, max_retries=0, on_error="raise"
+        ) as client:
+            try:
+                await client.agenerate(messages=MESSAGES)
+            except ProviderError as error:
+                shown = "".join(traceback.format_exception(error))
+            else:
+                shown = ""
+        assert server.chat_requests, "nothing was planted"
+    assert PLANTED not in repr(response)
+    assert PLANTED not in shown
+    assert PLANTED[:12] not in repr(response) + shown  # no half of it either
+    if kind == "success":
+        assert response.ok and "[redacted]" in (response.text or "")
+    else:
+        assert not response.ok
+
+
+def test_credentials_in_a_url_are_refused_without_showing_them() -> None:
+    """http://user:password@host is refused (the password would be in every log line and
+    result row), and the message does not repeat the password."""
+    from llm_annotator import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="api_key") as caught:
+        VLLMOnlineClient(base_url="http://user:hunter2@127.0.0.1:8000/v1")
+    assert "hunter2" not in str(caught.value)
+    with pytest.raises(ConfigurationError):
+        VLLMQueueAnnotator(["http://user:hunter2@127.0.0.1:8000/v1"])
+
+
+@pytest.mark.parametrize("key", ["sk-abc\n", "sk abc", "sk-ключ", "sk\x00"])
+def test_a_key_that_cannot_be_a_header_is_refused_at_once(key: str) -> None:
+    """A key with a newline (a key file's last line), a space, or a non-ASCII character is
+    refused when the client is made, without showing the key, not at every request."""
+    from llm_annotator import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="API key") as caught:
+        VLLMOnlineClient(base_url="http://127.0.0.1:8000/v1", api_key=key)
+    assert key not in str(caught.value)
+
+
+def test_the_environment_key_may_end_in_a_newline(
+    servers: list[RawServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VLLM_API_KEY from a secret file often ends in a newline: it is stripped."""
+    monkeypatch.setenv("VLLM_API_KEY", "from-secret\n")
+    with VLLMOnlineClient(model="m", base_url=servers[0].base_url) as client:
+        assert client.generate(messages=MESSAGES).ok
+    assert keys_seen(servers[0]) == {"Bearer from-secret"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +97,11 @@ def check(body: bytes) -> None:
     assert isinstance(response.finish_reason, str)
     for count in (response.num_prompt_tokens, response.num_output_tokens):
         assert count is None or (type(count) is int and count >= 0)
-    assert response.text is not None or response.reasoning or response.raw
+    if response.text is None:
+        message = response.raw["choices"][0]["message"] if response.raw else {}
+        assert response.reasoning or (
+            isinstance(message.get("tool_calls"), list) and message["tool_calls"]
+        )
 
 
 @FUZZ
@@ -141,3 +146,36 @@ def test_model_lists_parse_or_are_malformed(body: bytes) -> None:
     except MalformedResponseError:
         return
     assert all(isinstance(name, str) and name for name in names)
+
+
+def _deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}], '
+        b'"usage": {"prompt_tokens": ' + _deep(1000) + b"}}",
+        b'{"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}], '
+        b'"usage": {"prompt_tokens": "' + b"9" * 2_000_000 + b'"}}',
+        b'{"choices": [{"message": {"content": ' + _deep(1000) + b"}}]}",
+        b'{"detail": ' + _deep(1000) + b"}",
+        b'{"error": {"message": ' + _deep(1000) + b"}}",
+    ],
+    ids=["deep-count", "huge-count", "deep-content", "deep-detail", "deep-error"],
+)
+def test_values_nested_a_thousand_deep_or_huge_are_described_not_quoted(body: bytes) -> None:
+    """Values orjson accepts but repr() cannot print (nested ~1000 deep) or should not
+    (a 2 MB string) give a short message, never RecursionError or a message of megabytes."""
+    try:
+        parse_completion(body, server="s", provider="p")
+    except MalformedResponseError as error:
+        message = str(error)
+    else:
+        message = ""
+    status = str(status_error(500, body, "s"))
+    for text in (message, status):
+        assert len(text) < 2000
+    with pytest.raises(MalformedResponseError):
+        parse_model_list(b'{"data": [' + _deep(1000) + b"]}", server="s")

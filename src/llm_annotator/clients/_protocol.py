@@ -63,14 +63,16 @@ def error_message(body: bytes) -> str:
         return _snippet(body)
     if isinstance(data, dict):
         inner = data.get("error", data)
-        if isinstance(inner, dict) and "message" in inner:
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
             kind = inner.get("type")
-            prefix = f"{kind}: " if isinstance(kind, str) and kind else ""
+            prefix = f"{_clip(kind, 80)}: " if isinstance(kind, str) and kind else ""
             return _clip(f"{prefix}{inner['message']}")
         if isinstance(inner, str):
             return _clip(inner)
-        if "detail" in data:
-            return _clip(str(data["detail"]))
+        if isinstance(data.get("detail"), str):
+            return _clip(data["detail"])
+    # Only strings are quoted from the body, never a repr of its values: a value
+    # nested a thousand deep would make repr() raise RecursionError.
     return _snippet(body)
 
 
@@ -158,7 +160,8 @@ def _completion(data: Any, body: bytes, server: str, provider: str) -> Response:
         raise _malformed(f"message.content is {_type(text)}, not a string", body, server)
     if reasoning is not None and not isinstance(reasoning, str):
         raise _malformed(f"message reasoning is {_type(reasoning)}, not a string", body, server)
-    if text is None and not reasoning and not message.get("tool_calls"):
+    tool_calls = message.get("tool_calls")
+    if text is None and not reasoning and not (isinstance(tool_calls, list) and tool_calls):
         raise _malformed("message.content is null, with no reasoning or tool call", body, server)
     finish_reason = choice.get("finish_reason")
     if not isinstance(finish_reason, str):
@@ -175,7 +178,11 @@ def _completion(data: Any, body: bytes, server: str, provider: str) -> Response:
     return Response(
         text=text,
         finish_reason=finish_reason,
-        stop_reason=stop_reason if isinstance(stop_reason, str | int) else None,
+        stop_reason=(
+            stop_reason
+            if isinstance(stop_reason, str | int) and not isinstance(stop_reason, bool)
+            else None
+        ),
         model=model if isinstance(model, str) else None,
         provider=provider,
         server=server,
@@ -191,7 +198,7 @@ def _count(usage: dict[str, Any], name: str, body: bytes, server: str) -> int | 
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _malformed(f"usage.{name} is {value!r}, not an integer >= 0", body, server)
+        raise _malformed(f"usage.{name} is {_shown(value)}, not an integer >= 0", body, server)
     count: int = value
     return count
 
@@ -218,10 +225,7 @@ def parse_model_list(body: bytes, *, server: str) -> list[str]:
         name = entry.get("id") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not name:
             raise _malformed(
-                f"an entry has no string 'id' ({_clip(repr(entry))})",
-                body,
-                server,
-                what="a model list",
+                f"an entry ({_type(entry)}) has no string 'id'", body, server, what="a model list"
             )
         names.append(name)
     return names
@@ -249,6 +253,20 @@ def _type(value: object) -> str:
         float: "a number",
     }
     return names.get(type(value), f"a {type(value).__name__}")
+
+
+def _shown(value: object) -> str:
+    """A short description of a JSON value: scalars as they are, containers by type.
+
+    Examples:
+        >>> _shown("5"), _shown(-1), _shown([[1]]), _shown("x" * 100)[-4:]
+        ("'5'", '-1', 'a list', "...'")
+    """
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else repr(value[:40])[:-1] + "...'"
+    if value is None or isinstance(value, bool | int | float):
+        return repr(value)
+    return _type(value)
 
 
 def _clip(text: str, limit: int = 500) -> str:

@@ -65,6 +65,13 @@ def normalize_base_url(base_url: str) -> str:
     except ValueError:
         port_ok = False
         parts = urlsplit("")
+    if "@" in parts.netloc:
+        # A password in the URL would show in every log line, error and result row.
+        shown = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
+        raise ConfigurationError(
+            f"base_url {shown!r} holds credentials; give the URL without them and the key "
+            "as api_key (VLLM_API_KEY, or --api-key-file on the command line)"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
         raise ConfigurationError(
             f"base_url {base_url!r} is not an http(s) URL with a host; "
@@ -120,6 +127,31 @@ def ssl_setting(verify: Verify) -> ssl.SSLContext | bool:
         "verify must be True, False, a CA bundle path or an ssl.SSLContext, "
         f"got {type(verify).__name__}"
     )
+
+
+def check_key_text(api_key: str | None) -> None:
+    """Reject a key that cannot be sent in a header (the message never shows it).
+
+    Raises:
+        ConfigurationError: If the key holds whitespace, control or non-ASCII characters
+            (a key file or secret with a trailing newline, say).
+
+    Examples:
+        >>> check_key_text("sk-abc123")
+        >>> check_key_text("sk-abc\n")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.ConfigurationError: the API key holds a space, a control or a non-ASCII character ...
+    """  # noqa: E501
+    if api_key is None:
+        return
+    if not isinstance(api_key, str):
+        raise ConfigurationError(f"the API key must be a string, got {type(api_key).__name__}")
+    if not api_key.isascii() or not api_key.isprintable() or any(c.isspace() for c in api_key):
+        raise ConfigurationError(
+            "the API key holds a space, a control or a non-ASCII character (a trailing "
+            "newline from a file or secret?); give the key alone"
+        )
 
 
 def unverified_context() -> ssl.SSLContext:
@@ -178,7 +210,9 @@ class HttpTransport:
         # identity: a compressed body would be undecodable (auto_decompress is off) and
         # would hide its real size from the cap.
         self._headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        check_key_text(api_key)
         self._secret = api_key or None
+        self._secret_bytes = api_key.encode() if api_key else b""
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
@@ -197,6 +231,13 @@ class HttpTransport:
         if self._secret and self._secret in text:
             return text.replace(self._secret, REDACTED)
         return text
+
+    def redact_body(self, body: bytes) -> bytes:
+        """``body`` with the API key replaced, before anything is parsed or quoted from it
+        (a cut-off quote must not leave half a key either)."""
+        if self._secret_bytes and self._secret_bytes in body:
+            return body.replace(self._secret_bytes, REDACTED.encode())
+        return body
 
     def scrub(self, error: ProviderError) -> ProviderError:
         """``error`` with the API key cut out of its message."""
@@ -245,12 +286,19 @@ class HttpTransport:
             async with self._session().post(
                 self.base_url + path, data=body, allow_redirects=False
             ) as answer:
-                return answer.status, await self._read(answer), _location(answer)
+                raw = self.redact_body(await self._read(answer))
+                return answer.status, raw, _location(answer)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._map(exc) from exc
+            # Not chained: aiohttp's exception holds the request headers (the key) and
+            # may quote the raw answer.
+            raise self._map(exc) from None
 
-    async def get(self, url: str, *, timeout: float | None = None) -> tuple[int, bytes]:
-        """GET an absolute URL on this server, with an overall ``timeout`` if given."""
+    async def get(self, url: str, *, timeout: float | None = None) -> tuple[int, bytes, str | None]:
+        """GET an absolute URL on this server, with an overall ``timeout`` if given.
+
+        Returns:
+            As :meth:`post`: the status, the body and a redirect's Location.
+        """
         request_timeout = (
             aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, self._connect_timeout))
             if timeout is not None
@@ -260,9 +308,10 @@ class HttpTransport:
             async with self._session().get(
                 url, timeout=request_timeout, allow_redirects=False
             ) as answer:
-                return answer.status, await self._read(answer)
+                raw = self.redact_body(await self._read(answer))
+                return answer.status, raw, _location(answer)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._map(exc) from exc
+            raise self._map(exc) from None
 
     async def _read(self, answer: aiohttp.ClientResponse) -> bytes:
         """The whole body, or OversizedResponseError as soon as it passes the cap."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -15,9 +16,14 @@ from llm_annotator._constants import CONNECT_TIMEOUT, MAX_CONNECTIONS, MAX_RESPO
 from llm_annotator._gc import fewer_full_collections
 from llm_annotator.clients._protocol import parse_completion, parse_model_list, status_error
 from llm_annotator.clients._retry import retry_delay, should_retry
-from llm_annotator.clients._transport import HttpTransport, Verify
+from llm_annotator.clients._transport import HttpTransport, Verify, check_key_text
 from llm_annotator.clients.base import Client, Messages, OptionsT
-from llm_annotator.errors import ConfigurationError, ErrorKind, ProviderError
+from llm_annotator.errors import (
+    ConfigurationError,
+    ErrorKind,
+    MalformedResponseError,
+    ProviderError,
+)
 from llm_annotator.response import ON_ERROR_VALUES, OnError, Response
 
 log = structlog.get_logger(__name__)
@@ -42,9 +48,13 @@ def check_client_settings(
     if on_error not in ON_ERROR_VALUES:
         raise ConfigurationError(f"on_error must be one of {ON_ERROR_VALUES}, got {on_error!r}")
     for name, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not 0 < seconds < math.inf
+        ):
             raise ConfigurationError(
-                f"{name} must be a positive number of seconds, got {seconds!r}"
+                f"{name} must be a positive, finite number of seconds, got {seconds!r}"
             )
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
         raise ConfigurationError(f"max_retries must be an integer >= 0, got {max_retries!r}")
@@ -72,6 +82,10 @@ def check_api_key(api_key: object, where: str = "api_key") -> None:
     """
     if api_key is not None and not isinstance(api_key, str):
         raise ConfigurationError(f"{where} must be a string or None, got {type(api_key).__name__}")
+    try:
+        check_key_text(api_key)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{where}: {exc}") from None
 
 
 def check_single_choice(params: dict[str, Any], where: str) -> None:
@@ -81,6 +95,21 @@ def check_single_choice(params: dict[str, Any], where: str) -> None:
         raise ConfigurationError(
             f"{where} sets n={n!r}; only one response per sample is read, so n must be 1"
         )
+
+
+def _key_from_env(name: str) -> str | None:
+    """The key in environment variable ``name``, without surrounding whitespace."""
+    return os.environ.get(name, "").strip() or None
+
+
+def _unexpected(exc: Exception, body: bytes, server: str) -> ProviderError:
+    """A server answer that made the parser itself fail: malformed, never a crash."""
+    return MalformedResponseError(
+        f"answered with a body the parser could not handle ({type(exc).__name__}): "
+        f"{body[:120].decode('utf-8', errors='replace')!r}",
+        kind=ErrorKind.MALFORMED,
+        server=server,
+    )
 
 
 class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
@@ -152,12 +181,13 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         self.max_retries = max_retries
         self.on_error: OnError = on_error
         self.max_response_bytes = max_response_bytes
+        self._max_connections = max_connections
         self._transport = HttpTransport(
             base_url,
             connect_timeout=connect_timeout,
             read_timeout=timeout,
             max_connections=max_connections,
-            api_key=api_key if api_key is not None else os.environ.get(self.api_key_env),
+            api_key=api_key if api_key is not None else _key_from_env(self.api_key_env),
             verify=verify,
             max_response_bytes=max_response_bytes,
         )
@@ -172,6 +202,11 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} base_url={self.base_url!r} model={self.model!r}>"
+
+    def redact(self, error: ProviderError) -> ProviderError:
+        """``error`` with this client's API key cut out of its message (for errors made
+        outside the client, such as a pool's report of an unexpected failure)."""
+        return self._transport.scrub(error)
 
     # -- payload ---------------------------------------------------------------------
 
@@ -213,15 +248,17 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
             ProviderError: If the server cannot be asked or answers something else.
         """
         transport = self._transport
-        status, body = await transport.get(
+        status, body, location = await transport.get(
             self.base_url + "/models", timeout=self._transport_timeout()
         )
         try:
             if status != 200:
-                raise status_error(status, body, self.base_url)
+                raise status_error(status, body, self.base_url, location)
             return parse_model_list(body, server=self.base_url)
         except ProviderError as error:
             raise transport.scrub(error) from None
+        except Exception as exc:  # a parser bug must not become a crash of the caller
+            raise transport.scrub(_unexpected(exc, body, self.base_url)) from None
 
     async def aresolve_model(self) -> str:
         """The model to ask for: the configured one, or the first the server lists.
@@ -252,6 +289,7 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         attempt = 0
         transport = self._transport
         while True:
+            raw = b""
             try:
                 status, raw, location = await transport.post(_CHAT_PATH, body)
                 if 200 <= status < 300:
@@ -259,6 +297,8 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
                 error: ProviderError = status_error(status, raw, self.base_url, location)
             except ProviderError as exc:
                 error = exc
+            except Exception as exc:  # a parser bug must not become a crash of the caller
+                error = _unexpected(exc, raw, self.base_url)
             transport.scrub(error)
             if not should_retry(error.kind, attempt, self.max_retries):
                 error.attempts = attempt + 1
@@ -333,11 +373,14 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         except ProviderError as exc:
             errors: list[Response | ProviderError] = [exc] * len(messages)
             return self._finish(errors)
+        # Never more in flight than there are sockets: a request queued for a socket
+        # would spend its deadline before it is even sent.
+        limit = min(self.max_workers or len(messages), self._max_connections)
         with fewer_full_collections():
-            if self.max_workers is None or self.max_workers >= len(messages):
+            if limit >= len(messages):
                 results = await asyncio.gather(*(self.asend(m, params) for m in messages))
             else:
-                gate = asyncio.Semaphore(self.max_workers)
+                gate = asyncio.Semaphore(limit)
 
                 async def gated(conversation: Messages) -> Response | ProviderError:
                     async with gate:
@@ -385,12 +428,14 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         """
         transport = self._transport
         try:
-            status, body = await transport.get(transport.root + "/health", timeout=timeout)
+            status, body, location = await transport.get(
+                transport.root + "/health", timeout=timeout
+            )
         except ProviderError as error:
             return error
         if status == 200:
             return None
-        return transport.scrub(status_error(status, body, self.base_url))
+        return transport.scrub(status_error(status, body, self.base_url, location))
 
     async def aclose(self) -> None:
         """Close the client's connections."""

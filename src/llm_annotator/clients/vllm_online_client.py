@@ -7,19 +7,16 @@ vllm_offline_client. Both share VLLMBaseRuntimeOptions, which lives here.
 from __future__ import annotations
 
 import math
-import ssl
 from dataclasses import dataclass
 from typing import Any, ClassVar
-
-import httpx
 
 from llm_annotator._constants import CONNECT_TIMEOUT, MAX_RESPONSE_BYTES
 from llm_annotator._constants import MAX_CONNECTIONS as _MAX_CONNECTIONS
 from llm_annotator._sync import run_sync
-from llm_annotator.clients._transport import Verify, server_root, ssl_setting, unverified_context
+from llm_annotator.clients._transport import HttpTransport, Verify, server_root, unverified_context
 from llm_annotator.clients.base import Messages, ProviderRuntimeOptions, json_schema_format
 from llm_annotator.clients.openai_client import OpenAIClient, check_single_choice
-from llm_annotator.errors import ConfigurationError
+from llm_annotator.errors import ConfigurationError, ProviderError
 from llm_annotator.response import OnError, Response
 
 MAX_CONNECTIONS = _MAX_CONNECTIONS
@@ -82,17 +79,29 @@ def server_is_healthy(base_url: str, timeout: float, *, verify: Verify = True) -
     Returns:
         Whether the server answers with status 200.
     """
-    url = server_root(base_url) + "/health"
-    limit = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))
-    setting = ssl_setting(verify)
-    context: ssl.SSLContext | bool = unverified_context() if setting is False else setting
-    try:
-        with httpx.Client(
-            timeout=limit, trust_env=False, verify=context, follow_redirects=False
-        ) as client:
-            return client.get(url).status_code == 200
-    except httpx.HTTPError:
-        return False
+    transport = HttpTransport(
+        server_root(base_url),
+        connect_timeout=min(timeout, CONNECT_TIMEOUT),
+        read_timeout=timeout,
+        max_connections=1,
+        verify=unverified_context() if verify is False else verify,
+        max_response_bytes=_HEALTH_BODY_BYTES,
+    )
+
+    async def check() -> bool:
+        try:
+            status, _, _ = await transport.get(transport.root + "/health", timeout=timeout)
+        except ProviderError:
+            return False
+        finally:
+            await transport.aclose()
+        return status == 200
+
+    return run_sync(check())
+
+
+_HEALTH_BODY_BYTES = 64 * 1024
+"""A /health answer is empty; more than this is not a vLLM server."""
 
 
 def _check_number(

@@ -291,13 +291,7 @@ class Annotator:
             id_column=spec.id_column,
             columns=list(spec.columns) if spec.columns is not None else None,
         )
-        store = await asyncio.to_thread(
-            ResultStore.open,
-            spec.output_dir,
-            fingerprint,
-            force=spec.force,
-            retry_errors=spec.retry_errors,
-        )
+        store = await _open_store(spec, fingerprint)
         resumed = store.num_done
         hedged_before = _hedged(self.client)
         log.info(
@@ -560,6 +554,27 @@ def _healthy(client: Client[Any]) -> int:
     if isinstance(client, VLLMQueueAnnotator):
         return client.statistics().healthy
     return 1
+
+
+async def _open_store(spec: _Spec, fingerprint: dict[str, Any]) -> ResultStore:
+    """Open the run's store in a thread; if the job is cancelled meanwhile (a signal),
+    the store is still closed, so that its lock and empty shard do not linger."""
+    opening = asyncio.ensure_future(
+        asyncio.to_thread(
+            ResultStore.open,
+            spec.output_dir,
+            fingerprint,
+            force=spec.force,
+            retry_errors=spec.retry_errors,
+        )
+    )
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            store = await opening
+            await asyncio.to_thread(store.close)
+        raise
 
 
 def _report(

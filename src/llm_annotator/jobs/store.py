@@ -153,7 +153,10 @@ class DirectoryLock:
             JobError: If another process (or another store in this one) holds it.
         """
         path = directory / LOCK_FILE
-        file = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b", buffering=0)
+        try:
+            file = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b", buffering=0)
+        except OSError as error:
+            raise output_write_error(error, path, directory) from None
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -173,8 +176,12 @@ class DirectoryLock:
                 f"cannot lock {path}: {error}; the output directory must be on a file "
                 "system that supports flock"
             ) from error
-        file.truncate(0)
-        file.write(f"{os.getpid()}\n".encode())
+        try:
+            file.truncate(0)
+            file.write(f"{os.getpid()}\n".encode())
+        except OSError as error:
+            file.close()  # closing the file lets go of the lock
+            raise output_write_error(error, path, directory) from None
         return cls(file)
 
     def release(self) -> None:
@@ -260,7 +267,10 @@ class ResultStore:
             except OSError as error:
                 raise output_write_error(error, job_path, directory) from None
             store = cls(directory, lock, job["fingerprint"], retry_errors)
-            shards = store._scan()
+            try:
+                shards = store._scan()  # repairs a cut-off last line: a write too
+            except OSError as error:
+                raise output_write_error(error, error.filename or directory, directory) from None
             store._done_at_open = store.num_done
             try:
                 store._start_shard(shards)

@@ -34,8 +34,11 @@ class PoolHealth(PoolCore):
             started = time.monotonic()
             evictions = member.evictions
             problem = await member.client.acheck_health(self.health_check_timeout)
-            if problem is not None and problem.kind in CONFIGURATION_KINDS:
-                # A TLS failure, a redirect or a refused key will not heal by waiting.
+            joining = member.state is MemberState.JOINING
+            if joining and problem is not None and problem.kind in CONFIGURATION_KINDS:
+                # Never admitted, and a TLS failure, a redirect or a refused key will
+                # not heal by waiting. (Once a member has worked, such an answer is one
+                # failed probe: an ingress being reloaded says 404 for a moment.)
                 self._disable(run, member, f"GET /health: {problem}")
                 return
             if problem is not None and not member.last_error:
@@ -125,7 +128,7 @@ class PoolHealth(PoolCore):
                 usable = [m for m in members if m.state is not MemberState.DISABLED]
                 hopeless = not usable and self._discovery is None
                 if hopeless and members:
-                    run.finish(self._unusable(members))
+                    run.finish(self._unusable(run, members))
                     return
                 if hopeless or now - down_since >= self.all_down_timeout:
                     run.finish(self._exhausted(run, members, now - down_since))
@@ -133,12 +136,18 @@ class PoolHealth(PoolCore):
             await run.wait_for_change(0.5)
 
     @staticmethod
-    def _unusable(members: list[Member]) -> ServersUnusableError:
+    def _unusable(run: Run, members: list[Member]) -> ServersUnusableError:
         """Every member is disabled: settings to fix, not a server to wait for."""
         servers = {m.url: m.last_error or m.state.value for m in members}
         listing = "; ".join(f"{url}: {said}" for url, said in servers.items())
+        done = (
+            f"{run.delivered} of {run.admitted} samples taken were done before. "
+            if run.delivered
+            else ""
+        )
         return ServersUnusableError(
-            f"no server of the pool can be used, and waiting will not help: {listing}",
+            f"no server of the pool can be used, and waiting will not help. {done}"
+            f"Servers: {listing}",
             servers=servers,
         )
 

@@ -136,11 +136,12 @@ class PoolWork(PoolHealth):
         error = task.exception()
         if error is None:
             return task.result()
-        return ProviderError(
+        unexpected = ProviderError(
             f"unexpected {type(error).__name__} in the client: {error}",
             kind=ErrorKind.HTTP_ERROR,
             server=member.url,
         )
+        return member.client.redact(unexpected)
 
     def _settle(
         self, run: Run, member: Member, index: int, result: Response | ProviderError

@@ -146,14 +146,14 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             connect_timeout=connect_timeout,
         )
         self._api_key, self._api_keys = _api_keys(api_key)
-        ssl_setting(verify)  # a bad CA bundle fails here, naming the setting
-        if verify is False:
+        tls = ssl_setting(verify)  # a bad CA bundle fails here, once, naming the setting
+        if tls is False:
             log.warning(
                 "tls_verification_disabled",
                 detail="verify=False: no server's certificate is checked",
             )
-            verify = _unverified_context()  # the same, without a warning per client
-        self._tls_verify = verify
+            tls = _unverified_context()  # the same, without a warning per client
+        self._tls_verify = tls
         self.max_response_bytes = max_response_bytes
         for name, value in (
             ("batch_size", batch_size),
@@ -195,6 +195,13 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         for client in clients or ():
             self._add_member(Member(client))
         self._discovery = discovery
+        unknown = [url for url in self._api_keys if url not in self._members]
+        if unknown and discovery is None:
+            log.warning(
+                "api_key_for_unknown_server",
+                servers=unknown,
+                detail="api_key names servers that are not in the pool; their keys are unused",
+            )
         if discovery is not None:
             for url in discovery.initial_urls():
                 if normalize_base_url(url) not in self._members:
