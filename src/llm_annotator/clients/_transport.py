@@ -130,7 +130,7 @@ def ssl_setting(verify: Verify) -> ssl.SSLContext | bool:
 
 
 def check_key_text(api_key: str | None) -> None:
-    """Reject a key that cannot be sent in a header (the message never shows it).
+    r"""Reject a key that cannot be sent in a header (the message never shows it).
 
     Raises:
         ConfigurationError: If the key holds whitespace, control or non-ASCII characters
