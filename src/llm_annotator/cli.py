@@ -261,13 +261,23 @@ def _add_python(parser: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from llm_annotator.demo import run_demo
 
-    return run_demo(
-        num_servers=args.num_servers,
-        num_rows=args.rows,
-        out=sys.stdout,
-        base_urls=args.servers,
-        output_dir=args.output_dir,
-    )
+    # SIGTERM as SIGINT: the servers the demo started are stopped on the way out, not
+    # left running (the job inside installs its own handlers while it runs).
+    with _signals_interrupt():
+        try:
+            return run_demo(
+                num_servers=args.num_servers,
+                num_rows=args.rows,
+                out=sys.stdout,
+                base_urls=args.servers,
+                output_dir=args.output_dir,
+            )
+        except _Interrupted as interrupted:
+            print(
+                f"llm-annotator demo: stopped by {signal.Signals(interrupted.signum).name}",
+                file=sys.stderr,
+            )
+            return 128 + interrupted.signum
 
 
 def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
