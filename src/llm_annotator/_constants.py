@@ -20,7 +20,54 @@ RETRY_MAX_DELAY = 8.0
 """Exponential backoff between retries of one request: 0.5 s doubling to 8 s."""
 
 HEALTH_TIMEOUT = 5.0
-"""Default seconds a health probe may take."""
+"""Default seconds a one-off health check (``is_healthy``) may take."""
+
+TIMEOUT = 3600.0
+"""Seconds one request to a vLLM server may take, answer included: a loaded server may
+hold thousands of prompts in its queue."""
+
+OPENAI_TIMEOUT = 600.0
+"""The same for :class:`~llm_annotator.OpenAIClient`, as the OpenAI SDK's default."""
+
+MAX_RETRIES = 2
+"""Retries of one request by a client on its own (a pool sets 0: it is the retry layer)."""
+
+BATCH_SIZE = 256
+"""Samples per batch."""
+
+MAX_CONCURRENT_BATCHES = 4
+"""Batches in flight per server."""
+
+HEALTH_CHECK_INTERVAL = 3.0
+"""Seconds between the starts of two probes of a pool member."""
+
+HEALTH_CHECK_TIMEOUT = 4.0
+"""Seconds a pool's probe may take. Kept under 5 s, where aiohttp starts rounding
+timeouts up to whole seconds."""
+
+MAX_FAILED_HEALTH_CHECKS = 3
+"""Failed probes in a row that evict a healthy member (about 15 s with the defaults)."""
+
+MAX_SAMPLE_EVICTIONS = 3
+"""Evictions a sample may live through before it is a poison sample."""
+
+MAX_SAMPLE_RETRIES = 2
+"""Retries of a sample after transient server errors."""
+
+ALL_DOWN_TIMEOUT = 300.0
+"""Seconds a pool waits for a server when every one is down."""
+
+STOP_GRACE = 30.0
+"""Seconds the requests in flight get after SIGINT or SIGTERM before a job stops."""
+
+MAX_REGENERATIONS = 2
+"""Times an answer that is invalid against the output schema is generated again."""
+
+FLUSH_INTERVAL = 0.5
+"""Seconds between two flushes of a job's results to its shard."""
+
+SYNC_INTERVAL = 5.0
+"""Seconds between two fsyncs of a job's shard."""
 
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 """The largest answer a client reads, per request: 16 MiB. A chat completion stays far

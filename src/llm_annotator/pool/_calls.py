@@ -123,8 +123,8 @@ class PoolCalls(PoolWork):
             arrived.set()
 
         def has_room(run: Run) -> bool:
-            slots = self.max_concurrent_batches_per_client * max(1, len(self._members))
-            return len(run.open) + len(outbox) < 2 * self.batch_size * slots
+            slots = self.config.max_concurrent_batches_per_client * max(1, len(self._members))
+            return len(run.open) + len(outbox) < 2 * self.config.batch_size * slots
 
         run = self._begin(deliver, options, gen_kwargs)
         run.stop = stop
@@ -161,7 +161,7 @@ class PoolCalls(PoolWork):
         if self._run is not None:
             raise RuntimeError("VLLMQueueAnnotator runs one call at a time")
         self._prototype().encode_params(options, gen_kwargs)  # ValueError before anything
-        run = Run(self.batch_size, deliver)
+        run = Run(self.config.batch_size, deliver)
         self._run, self._loop = run, asyncio.get_running_loop()
         self._params, self._options = {}, (options, gen_kwargs)
         return run
@@ -172,8 +172,8 @@ class PoolCalls(PoolWork):
             "run_started",
             samples=run.admitted if run.source_done else None,
             servers=len(self._members),
-            batch_size=self.batch_size,
-            batches_per_server=self.max_concurrent_batches_per_client,
+            batch_size=self.config.batch_size,
+            batches_per_server=self.config.max_concurrent_batches_per_client,
         )
         try:
             with fewer_full_collections():
@@ -262,13 +262,13 @@ class PoolCalls(PoolWork):
         )
         if not failed:
             return
-        if self.on_error == "raise":
+        if self.config.on_error == "raise":
             first = failed[0]
             raise ProviderError(
                 first.error or "request failed",
                 kind=ErrorKind(first.error_type or ErrorKind.HTTP_ERROR.value),
             )
-        if self.on_error == "warn":
+        if self.config.on_error == "warn":
             log.warning(
                 "requests_failed",
                 failed=len(failed),

@@ -14,6 +14,7 @@ from typing import Any
 
 from llm_annotator.clients._transport import Verify, normalize_base_url
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
+from llm_annotator.pool.config import PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.member import Member
 from llm_annotator.pool.run import Run
@@ -22,19 +23,7 @@ from llm_annotator.pool.run import Run
 class PoolCore:
     """The pool's settings and state; ``VLLMQueueAnnotator.__init__`` sets them all."""
 
-    model: str | None
-    batch_size: int
-    max_concurrent_batches_per_client: int
-    timeout: float
-    connect_timeout: float
-    health_check_interval: float
-    health_check_timeout: float
-    max_failed_health_checks: int
-    max_sample_evictions: int
-    max_sample_retries: int
-    all_down_timeout: float
-    hedge_tail: bool
-    max_response_bytes: int
+    config: PoolConfig
     _tls_verify: Verify
     _api_key: str | None
     _api_keys: Mapping[str, str]
@@ -51,15 +40,15 @@ class PoolCore:
 
     def _new_client(self, url: str) -> VLLMOnlineClient:
         return VLLMOnlineClient(
-            model=self.model,
+            model=self.config.model,
             base_url=url,
-            timeout=self.timeout,
+            timeout=self.config.timeout,
             max_retries=0,
             on_error="ignore",
-            connect_timeout=self.connect_timeout,
+            connect_timeout=self.config.connect_timeout,
             api_key=self._api_keys.get(normalize_base_url(url), self._api_key),
             verify=self._tls_verify,
-            max_response_bytes=self.max_response_bytes,
+            max_response_bytes=self.config.max_response_bytes,
         )
 
     def _prototype(self) -> VLLMOnlineClient:

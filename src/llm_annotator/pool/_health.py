@@ -33,7 +33,7 @@ class PoolHealth(PoolCore):
                 return
             started = time.monotonic()
             evictions = member.evictions
-            problem = await member.client.acheck_health(self.health_check_timeout)
+            problem = await member.client.acheck_health(self.config.health_check_timeout)
             joining = member.state is MemberState.JOINING
             if joining and problem is not None and problem.kind in CONFIGURATION_KINDS:
                 # Never admitted, and a TLS failure, a redirect or a refused key will
@@ -45,7 +45,7 @@ class PoolHealth(PoolCore):
                 member.last_error = f"GET /health: {problem}"
             if member.evictions == evictions:  # else the answer predates the eviction
                 await self._after_probe(run, member, problem is None)
-            pause = self.health_check_interval - (time.monotonic() - started)
+            pause = self.config.health_check_interval - (time.monotonic() - started)
             if pause > 0:
                 await asyncio.sleep(pause)
 
@@ -56,12 +56,12 @@ class PoolHealth(PoolCore):
                 member.failed_probes = 0
                 return
             member.failed_probes += 1
-            if member.failed_probes >= self.max_failed_health_checks:
+            if member.failed_probes >= self.config.max_failed_health_checks:
                 self._evict(
                     run,
                     member,
                     f"no answer to {member.failed_probes} health checks in a row "
-                    f"({self.health_check_timeout:g} s each)",
+                    f"({self.config.health_check_timeout:g} s each)",
                 )
         elif state in (MemberState.JOINING, MemberState.EVICTED):
             if healthy:
@@ -111,7 +111,9 @@ class PoolHealth(PoolCore):
         """One shared health check for all the requests that doubt this member."""
         task = self._verifying.get(member.url)
         if task is None or task.done():
-            task = asyncio.ensure_future(member.client.ais_healthy(self.health_check_timeout))
+            task = asyncio.ensure_future(
+                member.client.ais_healthy(self.config.health_check_timeout)
+            )
             self._verifying[member.url] = task
         return await asyncio.shield(task)
 
@@ -130,7 +132,7 @@ class PoolHealth(PoolCore):
                 if hopeless and members:
                     run.finish(self._unusable(run, members))
                     return
-                if hopeless or now - down_since >= self.all_down_timeout:
+                if hopeless or now - down_since >= self.config.all_down_timeout:
                     run.finish(self._exhausted(run, members, now - down_since))
                     return
             await run.wait_for_change(0.5)
@@ -156,7 +158,7 @@ class PoolHealth(PoolCore):
         listing = "; ".join(f"{url}: {said}" for url, said in servers.items())
         return PoolExhaustedError(
             f"no server of the pool could take work for {waited:.0f} s "
-            f"(all_down_timeout={self.all_down_timeout:g}); {run.delivered} of "
+            f"(all_down_timeout={self.config.all_down_timeout:g}); {run.delivered} of "
             f"{run.admitted} samples taken were done (in .responses for batch_generate, "
             f"already handed out for a stream or a job). Servers: {listing}",
             servers=servers,
@@ -220,7 +222,7 @@ class PoolHealth(PoolCore):
             return False
         history = run.evicted_with.setdefault(index, [])
         history.append(member.url)
-        if len(history) >= self.max_sample_evictions:
+        if len(history) >= self.config.max_sample_evictions:
             return run.store(index, self._poison(member, history))
         return False
 

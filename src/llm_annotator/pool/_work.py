@@ -31,7 +31,7 @@ class PoolWork(PoolHealth):
         if member.state is MemberState.DISABLED:
             return
         self._spawn(self._probe_loop(run, member))
-        for _ in range(self.max_concurrent_batches_per_client):
+        for _ in range(self.config.max_concurrent_batches_per_client):
             self._spawn(self._slot(run, member))
 
     def _params_for(self, member: Member) -> bytes:
@@ -61,7 +61,7 @@ class PoolWork(PoolHealth):
                 continue
             batch = run.take(self._working_slots())
             tail = run.source_done and not run.queue and not run.stopping
-            if batch is None and self.hedge_tail and tail:
+            if batch is None and self.config.hedge_tail and tail:
                 batch = self._hedge(run, member)
             if batch is None:
                 await run.wait_for_change(1.0)
@@ -70,7 +70,7 @@ class PoolWork(PoolHealth):
 
     def _working_slots(self) -> int:
         healthy = sum(m.state is MemberState.HEALTHY for m in self._members.values())
-        return max(1, healthy) * self.max_concurrent_batches_per_client
+        return max(1, healthy) * self.config.max_concurrent_batches_per_client
 
     def _hedge(self, run: Run, member: Member) -> list[int] | None:
         """Samples in flight on the members expected to finish last, not yet hedged."""
@@ -88,9 +88,9 @@ class PoolWork(PoolHealth):
                 # A sample that was on an evicted member may be what kills servers.
                 if index in run.open and index not in run.hedged and index not in suspects:
                     batch.append(index)
-                    if len(batch) == self.batch_size:
+                    if len(batch) == self.config.batch_size:
                         break
-            if len(batch) == self.batch_size:
+            if len(batch) == self.config.batch_size:
                 break
         if not batch:
             return None
@@ -175,7 +175,7 @@ class PoolWork(PoolHealth):
         elif action is Action.RETRY:
             run.retries[index] += 1
             member.last_error = reason
-            if run.retries[index] > self.max_sample_retries:
+            if run.retries[index] > self.config.max_sample_retries:
                 self._error_row(run, member, index, result)
             else:
                 self._spawn(self._requeue_later(run, index, retry_delay(run.retries[index] - 1)))
@@ -210,7 +210,7 @@ class PoolWork(PoolHealth):
         # A dropped connection or connect timeout on a healthy server: try again, a
         # bounded number of times, so a sample that always breaks its connection ends.
         run.retries[index] += 1
-        if run.retries[index] > self.max_sample_retries:
+        if run.retries[index] > self.config.max_sample_retries:
             self._error_row(run, member, index, error)
         else:
             self._requeue_one(run, member, index)

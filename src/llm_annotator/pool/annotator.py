@@ -16,7 +16,7 @@ from llm_annotator._constants import CONNECT_TIMEOUT, MAX_RESPONSE_BYTES
 from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_setting
 from llm_annotator.clients._transport import unverified_context as _unverified_context
 from llm_annotator.clients.base import Client
-from llm_annotator.clients.openai_client import check_api_key, check_client_settings
+from llm_annotator.clients.openai_client import check_api_key
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
 from llm_annotator.errors import (
     ConfigurationError,
@@ -25,6 +25,7 @@ from llm_annotator.errors import (
     ServersUnusableError,
 )
 from llm_annotator.pool._calls import PoolCalls
+from llm_annotator.pool.config import FromConfig, PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.member import Member, MemberState
 from llm_annotator.pool.policy import CONFIGURATION_KINDS
@@ -112,6 +113,22 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
 
     provider = "vllm_pool"
 
+    # The settings, read-only (they live in ``self.config``, a frozen PoolConfig).
+    model = FromConfig()
+    batch_size = FromConfig()
+    max_concurrent_batches_per_client = FromConfig()
+    timeout = FromConfig()
+    connect_timeout = FromConfig()
+    health_check_interval = FromConfig()
+    health_check_timeout = FromConfig()
+    max_failed_health_checks = FromConfig()
+    max_sample_evictions = FromConfig()
+    max_sample_retries = FromConfig()
+    all_down_timeout = FromConfig()
+    on_error = FromConfig()
+    hedge_tail = FromConfig()
+    max_response_bytes = FromConfig()
+
     def __init__(
         self,
         base_urls: Sequence[str] | None = None,
@@ -137,13 +154,21 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
     ) -> None:
         if isinstance(base_urls, str):
             raise ConfigurationError("base_urls must be a list of URLs, not one string")
-        check_client_settings(
+        self.config = PoolConfig(
+            model=model,
+            batch_size=batch_size,
+            max_concurrent_batches_per_client=max_concurrent_batches_per_client,
             timeout=timeout,
-            max_retries=0,
-            on_error=on_error,
-            max_workers=None,
-            max_response_bytes=max_response_bytes,
             connect_timeout=connect_timeout,
+            health_check_interval=health_check_interval,
+            health_check_timeout=health_check_timeout,
+            max_failed_health_checks=max_failed_health_checks,
+            max_sample_evictions=max_sample_evictions,
+            max_sample_retries=max_sample_retries,
+            all_down_timeout=all_down_timeout,
+            on_error=on_error,
+            hedge_tail=hedge_tail,
+            max_response_bytes=max_response_bytes,
         )
         self._api_key, self._api_keys = _api_keys(api_key)
         tls = ssl_setting(verify)  # a bad CA bundle fails here, once, naming the setting
@@ -154,41 +179,6 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             )
             tls = _unverified_context()  # the same, without a warning per client
         self._tls_verify = tls
-        self.max_response_bytes = max_response_bytes
-        for name, value in (
-            ("batch_size", batch_size),
-            ("max_concurrent_batches_per_client", max_concurrent_batches_per_client),
-            ("max_failed_health_checks", max_failed_health_checks),
-            ("max_sample_evictions", max_sample_evictions),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(max_sample_retries, int) or max_sample_retries < 0:
-            raise ConfigurationError(
-                f"max_sample_retries must be an integer >= 0, got {max_sample_retries!r}"
-            )
-        for name, number in (
-            ("health_check_interval", health_check_interval),
-            ("health_check_timeout", health_check_timeout),
-            ("all_down_timeout", all_down_timeout),
-        ):
-            if not isinstance(number, int | float) or number <= 0:
-                raise ConfigurationError(
-                    f"{name} must be a positive number of seconds, got {number!r}"
-                )
-        self.model = model
-        self.batch_size = batch_size
-        self.max_concurrent_batches_per_client = max_concurrent_batches_per_client
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.health_check_interval = float(health_check_interval)
-        self.health_check_timeout = float(health_check_timeout)
-        self.max_failed_health_checks = max_failed_health_checks
-        self.max_sample_evictions = max_sample_evictions
-        self.max_sample_retries = max_sample_retries
-        self.all_down_timeout = float(all_down_timeout)
-        self.on_error: OnError = on_error
-        self.hedge_tail = hedge_tail
         self._members: dict[str, Member] = {}
         for url in base_urls or ():
             self._add_member(Member(self._new_client(url)))
@@ -393,9 +383,10 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             ServersUnusableError: Every server refused for a reason waiting cannot fix
                 (a wrong or missing API key, a TLS failure, a redirect, no such route).
         """
-        if self.model is not None:
-            return self.model
-        deadline = time.monotonic() + (self.all_down_timeout if timeout is None else timeout)
+        config = self.config
+        if config.model is not None:
+            return config.model
+        deadline = time.monotonic() + (config.all_down_timeout if timeout is None else timeout)
         said: dict[str, str] = {}
         while True:
             if self._discovery is not None:

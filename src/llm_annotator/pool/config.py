@@ -1,0 +1,94 @@
+"""The pool's settings: one frozen, validated object instead of fourteen loose ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llm_annotator import _constants as default
+from llm_annotator._validate import (
+    non_negative_int,
+    one_of,
+    positive_int,
+    positive_seconds,
+)
+from llm_annotator.errors import ConfigurationError
+from llm_annotator.response import ON_ERROR_VALUES, OnError
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """What a :class:`~llm_annotator.VLLMQueueAnnotator` is set to; see its arguments.
+
+    Every field is checked when the object is made; change one with
+    ``dataclasses.replace``, which checks again.
+
+    Raises:
+        ConfigurationError: For the first setting out of range, naming it.
+
+    Examples:
+        >>> PoolConfig().batch_size
+        256
+        >>> PoolConfig(max_sample_retries=-1)
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.ConfigurationError: max_sample_retries must be an integer >= 0, got -1
+    """
+
+    model: str | None = None
+    batch_size: int = default.BATCH_SIZE
+    max_concurrent_batches_per_client: int = default.MAX_CONCURRENT_BATCHES
+    timeout: float = default.TIMEOUT
+    connect_timeout: float = default.CONNECT_TIMEOUT
+    health_check_interval: float = default.HEALTH_CHECK_INTERVAL
+    health_check_timeout: float = default.HEALTH_CHECK_TIMEOUT
+    max_failed_health_checks: int = default.MAX_FAILED_HEALTH_CHECKS
+    max_sample_evictions: int = default.MAX_SAMPLE_EVICTIONS
+    max_sample_retries: int = default.MAX_SAMPLE_RETRIES
+    all_down_timeout: float = default.ALL_DOWN_TIMEOUT
+    on_error: OnError = "warn"
+    hedge_tail: bool = True
+    max_response_bytes: int = default.MAX_RESPONSE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigurationError(
+                f"model must be a non-empty string or None, got {self.model!r}"
+            )
+        for name in (
+            "batch_size",
+            "max_concurrent_batches_per_client",
+            "max_failed_health_checks",
+            "max_sample_evictions",
+            "max_response_bytes",
+        ):
+            positive_int(name, getattr(self, name))
+        non_negative_int("max_sample_retries", self.max_sample_retries)
+        for name in ("timeout", "connect_timeout", "health_check_interval", "health_check_timeout"):
+            positive_seconds(name, getattr(self, name))  # stored as given; range checked
+        if not (
+            isinstance(self.all_down_timeout, int | float)
+            and not isinstance(self.all_down_timeout, bool)
+            and self.all_down_timeout > 0
+        ):  # float("inf") is allowed: wait for a server for ever
+            raise ConfigurationError(
+                f"all_down_timeout must be a positive number of seconds, got "
+                f"{self.all_down_timeout!r}"
+            )
+        one_of("on_error", self.on_error, ON_ERROR_VALUES)
+        if not isinstance(self.hedge_tail, bool):
+            raise ConfigurationError(f"hedge_tail must be True or False, got {self.hedge_tail!r}")
+
+
+class FromConfig:
+    """A read-only attribute of the pool that shows one field of its :class:`PoolConfig`."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        return getattr(instance.config, self.name)
