@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
+from llm_annotator._constants import HEALTH_TIMEOUT
 from llm_annotator._sync import run_sync
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.response import Response
@@ -107,7 +108,7 @@ class Client(ABC, Generic[OptionsT]):
         """Async twin of :meth:`batch_generate`."""
 
     @abstractmethod
-    async def ais_healthy(self, timeout: float = 5.0) -> bool:
+    async def ais_healthy(self, timeout: float = HEALTH_TIMEOUT) -> bool:
         """Async twin of :meth:`is_healthy`."""
 
     async def aclose(self) -> None:
@@ -135,7 +136,7 @@ class Client(ABC, Generic[OptionsT]):
             self.abatch_generate(messages=messages, options=options, gen_kwargs=gen_kwargs)
         )
 
-    def is_healthy(self, timeout: float = 5.0) -> bool:
+    def is_healthy(self, timeout: float = HEALTH_TIMEOUT) -> bool:
         """Whether the backend can take requests now."""
         return run_sync(self.ais_healthy(timeout))
 

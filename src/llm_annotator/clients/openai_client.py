@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -12,8 +11,16 @@ from typing import Any, ClassVar, Generic
 import orjson
 import structlog
 
-from llm_annotator._constants import CONNECT_TIMEOUT, MAX_CONNECTIONS, MAX_RESPONSE_BYTES
+from llm_annotator._constants import (
+    CONNECT_TIMEOUT,
+    HEALTH_TIMEOUT,
+    MAX_CONNECTIONS,
+    MAX_RESPONSE_BYTES,
+    MAX_RETRIES,
+    OPENAI_TIMEOUT,
+)
 from llm_annotator._gc import fewer_full_collections
+from llm_annotator._validate import non_negative_int, one_of, positive_int, positive_seconds
 from llm_annotator.clients._protocol import parse_completion, parse_model_list, status_error
 from llm_annotator.clients._retry import retry_delay, should_retry
 from llm_annotator.clients._transport import HttpTransport, Verify, check_key_text
@@ -45,33 +52,13 @@ def check_client_settings(
     Raises:
         ConfigurationError: For the first setting out of range (a ``ValueError``).
     """
-    if on_error not in ON_ERROR_VALUES:
-        raise ConfigurationError(f"on_error must be one of {ON_ERROR_VALUES}, got {on_error!r}")
-    for name, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, int | float)
-            or not 0 < seconds < math.inf
-        ):
-            raise ConfigurationError(
-                f"{name} must be a positive, finite number of seconds, got {seconds!r}"
-            )
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ConfigurationError(f"max_retries must be an integer >= 0, got {max_retries!r}")
-    if max_workers is not None and (
-        isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
-    ):
-        raise ConfigurationError(
-            f"max_workers must be a positive integer or None, got {max_workers!r}"
-        )
-    if (
-        isinstance(max_response_bytes, bool)
-        or not isinstance(max_response_bytes, int)
-        or max_response_bytes < 1
-    ):
-        raise ConfigurationError(
-            f"max_response_bytes must be a positive integer, got {max_response_bytes!r}"
-        )
+    one_of("on_error", on_error, ON_ERROR_VALUES)
+    positive_seconds("timeout", timeout)
+    positive_seconds("connect_timeout", connect_timeout)
+    non_negative_int("max_retries", max_retries)
+    if max_workers is not None:
+        positive_int("max_workers", max_workers)
+    positive_int("max_response_bytes", max_response_bytes)
 
 
 def check_api_key(api_key: object, where: str = "api_key") -> None:
@@ -156,8 +143,8 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         *,
         api_key: str | None = None,
         max_workers: int | None = None,
-        timeout: float = 600.0,
-        max_retries: int = 2,
+        timeout: float = OPENAI_TIMEOUT,
+        max_retries: int = MAX_RETRIES,
         on_error: OnError = "warn",
         connect_timeout: float = CONNECT_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
@@ -412,11 +399,11 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
             )
         return [self._error_response(e) for e in errors]
 
-    async def ais_healthy(self, timeout: float = 5.0) -> bool:
+    async def ais_healthy(self, timeout: float = HEALTH_TIMEOUT) -> bool:
         """Whether the server answers ``GET /health`` with 200 within ``timeout`` seconds."""
         return await self.acheck_health(timeout) is None
 
-    async def acheck_health(self, timeout: float = 5.0) -> ProviderError | None:
+    async def acheck_health(self, timeout: float = HEALTH_TIMEOUT) -> ProviderError | None:
         """Ask ``GET /health`` and say what went wrong, if anything.
 
         Uses the client's own connections, TLS settings and size cap.

@@ -10,7 +10,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from llm_annotator._constants import CONNECT_TIMEOUT, MAX_RESPONSE_BYTES
+from llm_annotator._constants import (
+    CONNECT_TIMEOUT,
+    HEALTH_TIMEOUT,
+    MAX_RESPONSE_BYTES,
+    MAX_RETRIES,
+    TIMEOUT,
+)
 from llm_annotator._constants import MAX_CONNECTIONS as _MAX_CONNECTIONS
 from llm_annotator._sync import run_sync
 from llm_annotator.clients._transport import HttpTransport, Verify, server_root, unverified_context
@@ -379,8 +385,8 @@ class VLLMOnlineClient(OpenAIClient[VLLMOnlineRuntimeOptions]):
         model: str | None = None,
         base_url: str = "http://localhost:8000/v1",
         max_workers: int | None = None,
-        timeout: float = 3600.0,
-        max_retries: int = 2,
+        timeout: float = TIMEOUT,
+        max_retries: int = MAX_RETRIES,
         on_error: OnError = "warn",
         *,
         api_key: str | None = None,
@@ -405,7 +411,7 @@ class VLLMOnlineClient(OpenAIClient[VLLMOnlineRuntimeOptions]):
     def _default_payload(self) -> dict[str, Any]:
         return dict(_DEFAULT_PAYLOAD)
 
-    def is_healthy(self, timeout: float = 5.0) -> bool:
+    def is_healthy(self, timeout: float = HEALTH_TIMEOUT) -> bool:
         """Check whether the server answers its /health endpoint.
 
         Args:

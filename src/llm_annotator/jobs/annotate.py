@@ -16,10 +16,18 @@ from typing import Any
 import orjson
 import structlog
 
+from llm_annotator._constants import (
+    BATCH_SIZE,
+    FLUSH_INTERVAL,
+    MAX_CONCURRENT_BATCHES,
+    STOP_GRACE,
+    SYNC_INTERVAL,
+)
 from llm_annotator._sync import run_sync
+from llm_annotator._validate import non_negative_seconds, positive_int, positive_seconds
 from llm_annotator.clients.base import Client, Messages
 from llm_annotator.clients.openai_client import OpenAIClient
-from llm_annotator.errors import ConfigurationError, InputError, PromptError, RunInterruptedError
+from llm_annotator.errors import InputError, PromptError, RunInterruptedError
 from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.fingerprint import make_fingerprint
 from llm_annotator.jobs.ids import RowId
@@ -126,23 +134,18 @@ class Annotator:
         self,
         client: Client[Any],
         *,
-        batch_size: int = 256,
-        max_concurrent_batches: int = 4,
+        batch_size: int = BATCH_SIZE,
+        max_concurrent_batches: int = MAX_CONCURRENT_BATCHES,
         progress: bool | None = None,
-        stop_grace: float = 30.0,
-        flush_interval: float = 0.5,
-        sync_interval: float = 5.0,
+        stop_grace: float = STOP_GRACE,
+        flush_interval: float = FLUSH_INTERVAL,
+        sync_interval: float = SYNC_INTERVAL,
     ) -> None:
-        for name, value in (
-            ("batch_size", batch_size),
-            ("max_concurrent_batches", max_concurrent_batches),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(stop_grace, int | float) or stop_grace < 0:
-            raise ConfigurationError(
-                f"stop_grace must be a number of seconds >= 0, got {stop_grace!r}"
-            )
+        positive_int("batch_size", batch_size)
+        positive_int("max_concurrent_batches", max_concurrent_batches)
+        non_negative_seconds("stop_grace", stop_grace)
+        positive_seconds("flush_interval", flush_interval)
+        positive_seconds("sync_interval", sync_interval)
         self.client = client
         self.batch_size = batch_size
         self.max_concurrent_batches = max_concurrent_batches

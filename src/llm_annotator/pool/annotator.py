@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from llm_annotator._constants import CONNECT_TIMEOUT, MAX_RESPONSE_BYTES
+from llm_annotator import _constants as default
 from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_setting
 from llm_annotator.clients._transport import unverified_context as _unverified_context
 from llm_annotator.clients.base import Client
@@ -135,22 +135,22 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         *,
         clients: Sequence[VLLMOnlineClient] | None = None,
         model: str | None = None,
-        batch_size: int = 256,
-        max_concurrent_batches_per_client: int = 4,
-        timeout: float = 3600.0,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        health_check_interval: float = 3.0,
-        health_check_timeout: float = 4.0,
-        max_failed_health_checks: int = 3,
-        max_sample_evictions: int = 3,
-        max_sample_retries: int = 2,
-        all_down_timeout: float = 300.0,
+        batch_size: int = default.BATCH_SIZE,
+        max_concurrent_batches_per_client: int = default.MAX_CONCURRENT_BATCHES,
+        timeout: float = default.TIMEOUT,
+        connect_timeout: float = default.CONNECT_TIMEOUT,
+        health_check_interval: float = default.HEALTH_CHECK_INTERVAL,
+        health_check_timeout: float = default.HEALTH_CHECK_TIMEOUT,
+        max_failed_health_checks: int = default.MAX_FAILED_HEALTH_CHECKS,
+        max_sample_evictions: int = default.MAX_SAMPLE_EVICTIONS,
+        max_sample_retries: int = default.MAX_SAMPLE_RETRIES,
+        all_down_timeout: float = default.ALL_DOWN_TIMEOUT,
         on_error: OnError = "warn",
         discovery: ServerDiscovery | None = None,
         hedge_tail: bool = True,
         api_key: str | Mapping[str, str] | None = None,
         verify: Verify = True,
-        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        max_response_bytes: int = default.MAX_RESPONSE_BYTES,
     ) -> None:
         if isinstance(base_urls, str):
             raise ConfigurationError("base_urls must be a list of URLs, not one string")
@@ -304,9 +304,9 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         retry_errors: bool = False,
         force: bool = False,
         write_jsonl: bool = False,
-        max_regenerations: int = 2,
+        max_regenerations: int = default.MAX_REGENERATIONS,
         progress: bool | None = None,
-        stop_grace: float = 30.0,
+        stop_grace: float = default.STOP_GRACE,
     ) -> AnnotationResult:
         """Annotate a dataset over the pool into ``output_dir``, resumably.
 
@@ -345,9 +345,9 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         retry_errors: bool = False,
         force: bool = False,
         write_jsonl: bool = False,
-        max_regenerations: int = 2,
+        max_regenerations: int = default.MAX_REGENERATIONS,
         progress: bool | None = None,
-        stop_grace: float = 30.0,
+        stop_grace: float = default.STOP_GRACE,
         stop: asyncio.Event | None = None,
     ) -> AnnotationResult:
         """Async twin of :meth:`annotate`; set ``stop`` for a clean stop."""
@@ -422,7 +422,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
                 )
             await asyncio.sleep(min(2.0, left))
 
-    async def ais_healthy(self, timeout: float = 5.0) -> bool:
+    async def ais_healthy(self, timeout: float = default.HEALTH_TIMEOUT) -> bool:
         """Whether at least one member answers /health."""
         checks = [m.client.ais_healthy(timeout) for m in self._members.values()]
         return any(await asyncio.gather(*checks))
