@@ -8,7 +8,7 @@ test:
 	bash scripts/test.sh
 
 lint:
-	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy && .venv/bin/lint-imports
 
 bench:
 	.venv/bin/python benchmarks/client_overhead.py

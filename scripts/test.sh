@@ -38,5 +38,6 @@ export LLM_ANNOTATOR_REQUIRE_SLURM=1  # and so must the SLURM tests (the cluster
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+.venv/bin/lint-imports  # the one-way layers of pyproject's [tool.importlinter]
 bash scripts/lint-deploy.sh
 .venv/bin/pytest "$@"

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 import structlog
@@ -26,7 +26,6 @@ from llm_annotator._constants import (
 from llm_annotator._sync import run_sync
 from llm_annotator._validate import non_negative_seconds, positive_int, positive_seconds
 from llm_annotator.clients.base import Client, Messages
-from llm_annotator.clients.openai_client import OpenAIClient
 from llm_annotator.errors import InputError, PromptError, RunInterruptedError
 from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.fingerprint import make_fingerprint
@@ -38,8 +37,7 @@ from llm_annotator.jobs.prompts import PromptTemplate, build_messages
 from llm_annotator.jobs.records import RecordBuilder
 from llm_annotator.jobs.schema import OutputSchema
 from llm_annotator.jobs.store import ResultStore, output_write_error
-from llm_annotator.jobs.streaming import stream
-from llm_annotator.pool.annotator import VLLMQueueAnnotator
+from llm_annotator.jobs.streaming import ModelSource, Streamer, stream
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
@@ -74,6 +72,21 @@ class AnnotationResult:
     num_resumed: int
     num_sent: int
     seconds: float
+
+
+class JobArgs(TypedDict, total=False):
+    """The keyword arguments of a job, written once: :meth:`Annotator.annotate` takes
+    them, and ``VLLMQueueAnnotator.annotate`` forwards them (see there for each)."""
+
+    system_message: str | None
+    id_column: str | None
+    options: Any
+    gen_kwargs: dict[str, Any] | None
+    columns: Sequence[str] | None
+    retry_errors: bool
+    force: bool
+    write_jsonl: bool
+    max_regenerations: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,9 +551,7 @@ def _check_columns(
 
 async def _model_of(client: Client[Any]) -> str | None:
     """The model the job runs on, for the fingerprint."""
-    if isinstance(client, VLLMQueueAnnotator):
-        return await client.aresolve_model()
-    if isinstance(client, OpenAIClient):
+    if isinstance(client, ModelSource):
         return await client.aresolve_model()
     model = getattr(client, "model", None)
     return model if isinstance(model, str) else None
@@ -548,15 +559,11 @@ async def _model_of(client: Client[Any]) -> str | None:
 
 def _hedged(client: Client[Any]) -> int:
     """Duplicate requests the pool sent to shorten the tail (first answer kept)."""
-    if isinstance(client, VLLMQueueAnnotator):
-        return client.statistics().hedged
-    return 0
+    return client.statistics().hedged if isinstance(client, Streamer) else 0
 
 
 def _healthy(client: Client[Any]) -> int:
-    if isinstance(client, VLLMQueueAnnotator):
-        return client.statistics().healthy
-    return 1
+    return client.statistics().healthy if isinstance(client, Streamer) else 1
 
 
 async def _open_store(spec: _Spec, fingerprint: dict[str, Any]) -> ResultStore:
@@ -584,7 +591,7 @@ def _report(
     job: _Job, result: Any, total: int, resumed: int, seconds: float, client: Client[Any]
 ) -> dict[str, Any]:
     per_server: dict[str, Any] = {}
-    if isinstance(client, VLLMQueueAnnotator):
+    if isinstance(client, Streamer):
         for member in client.statistics().members:
             per_server[member.server] = {
                 "state": member.state,

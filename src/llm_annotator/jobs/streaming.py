@@ -6,13 +6,48 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from llm_annotator.clients.base import Client, Messages
-from llm_annotator.pool.annotator import VLLMQueueAnnotator
+from llm_annotator.pool.statistics import PoolStatistics
 from llm_annotator.response import Response
 
 K = TypeVar("K")
+
+
+@runtime_checkable
+class Streamer(Protocol):
+    """A client that streams a job's samples itself and reports on its servers, as
+    :class:`~llm_annotator.VLLMQueueAnnotator` does. The job needs only this of a pool.
+    """
+
+    def astream(
+        self,
+        samples: AsyncIterable[tuple[K, Messages]],
+        *,
+        options: Any = None,
+        gen_kwargs: dict[str, Any] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> AsyncGenerator[tuple[K, Response], None]:
+        """``(key, Response)`` pairs as each completes."""
+        ...
+
+    async def aresolve_model(self) -> str:
+        """The model the servers run."""
+        ...
+
+    def statistics(self) -> PoolStatistics:
+        """A snapshot of the servers' counters."""
+        ...
+
+
+@runtime_checkable
+class ModelSource(Protocol):
+    """A client that can say which model it runs (``OpenAIClient`` and the pool can)."""
+
+    async def aresolve_model(self) -> str:
+        """The model's name."""
+        ...
 
 
 def stream(
@@ -27,11 +62,11 @@ def stream(
 ) -> AsyncGenerator[tuple[K, Response], None]:
     """``(key, Response)`` pairs as they complete, for any client.
 
-    A pool streams on its own (see :meth:`VLLMQueueAnnotator.astream`). Any other
+    A :class:`Streamer` (the pool) streams on its own. Any other
     client gets batches of ``batch_size`` through ``abatch_generate``, up to
     ``max_concurrent_batches`` at once, each yielded when it completes.
     """
-    if isinstance(client, VLLMQueueAnnotator):
+    if isinstance(client, Streamer):
         return client.astream(samples, options=options, gen_kwargs=gen_kwargs, stop=stop)
     return _batched(client, samples, options, gen_kwargs, stop, batch_size, max_concurrent_batches)
 

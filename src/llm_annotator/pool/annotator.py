@@ -8,7 +8,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import structlog
 
@@ -34,7 +34,7 @@ from llm_annotator.pool.statistics import PoolStatistics
 from llm_annotator.response import OnError
 
 if TYPE_CHECKING:
-    from llm_annotator.jobs.annotate import AnnotationResult
+    from llm_annotator.jobs.annotate import AnnotationResult, JobArgs
 
 log = structlog.get_logger("llm_annotator.pool")
 
@@ -296,40 +296,22 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         prompt_template: str,
         output_dir: str | os.PathLike[str],
         *,
-        system_message: str | None = None,
-        id_column: str | None = None,
-        options: VLLMOnlineRuntimeOptions | None = None,
-        gen_kwargs: dict[str, Any] | None = None,
-        columns: Sequence[str] | None = None,
-        retry_errors: bool = False,
-        force: bool = False,
-        write_jsonl: bool = False,
-        max_regenerations: int = default.MAX_REGENERATIONS,
         progress: bool | None = None,
         stop_grace: float = default.STOP_GRACE,
+        **job: Unpack[JobArgs],
     ) -> AnnotationResult:
         """Annotate a dataset over the pool into ``output_dir``, resumably.
 
         The same as ``Annotator(pool, progress=..., stop_grace=...).annotate(...)``;
-        see :meth:`llm_annotator.Annotator.annotate` for every argument.
+        see :meth:`llm_annotator.Annotator.annotate` for every argument (the keywords
+        of :class:`~llm_annotator.jobs.annotate.JobArgs`).
         """
+        # The one call up the layers (pool -> jobs), allowed by name in the import
+        # contract: the documented shortcut hands the pool to the job runner.
         from llm_annotator.jobs.annotate import Annotator
 
-        annotator = Annotator(self, progress=progress, stop_grace=stop_grace)
-        return annotator.annotate(
-            data,
-            prompt_template,
-            output_dir,
-            system_message=system_message,
-            id_column=id_column,
-            options=options,
-            gen_kwargs=gen_kwargs,
-            columns=columns,
-            retry_errors=retry_errors,
-            force=force,
-            write_jsonl=write_jsonl,
-            max_regenerations=max_regenerations,
-        )
+        runner = Annotator(self, progress=progress, stop_grace=stop_grace)
+        return runner.annotate(data, prompt_template, output_dir, **job)
 
     async def aannotate(
         self,
@@ -337,38 +319,16 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         prompt_template: str,
         output_dir: str | os.PathLike[str],
         *,
-        system_message: str | None = None,
-        id_column: str | None = None,
-        options: VLLMOnlineRuntimeOptions | None = None,
-        gen_kwargs: dict[str, Any] | None = None,
-        columns: Sequence[str] | None = None,
-        retry_errors: bool = False,
-        force: bool = False,
-        write_jsonl: bool = False,
-        max_regenerations: int = default.MAX_REGENERATIONS,
         progress: bool | None = None,
         stop_grace: float = default.STOP_GRACE,
         stop: asyncio.Event | None = None,
+        **job: Unpack[JobArgs],
     ) -> AnnotationResult:
         """Async twin of :meth:`annotate`; set ``stop`` for a clean stop."""
         from llm_annotator.jobs.annotate import Annotator
 
-        annotator = Annotator(self, progress=progress, stop_grace=stop_grace)
-        return await annotator.aannotate(
-            data,
-            prompt_template,
-            output_dir,
-            system_message=system_message,
-            id_column=id_column,
-            options=options,
-            gen_kwargs=gen_kwargs,
-            columns=columns,
-            retry_errors=retry_errors,
-            force=force,
-            write_jsonl=write_jsonl,
-            max_regenerations=max_regenerations,
-            stop=stop,
-        )
+        runner = Annotator(self, progress=progress, stop_grace=stop_grace)
+        return await runner.aannotate(data, prompt_template, output_dir, stop=stop, **job)
 
     # -- the rest of the Client contract -------------------------------------------------
 
