@@ -22,9 +22,9 @@ from pathlib import Path
 
 import structlog
 
-from llm_annotator.errors import LLMAnnotatorError
+from llm_annotator.errors import LocalServerError
 
-logger = structlog.get_logger(__name__)
+log = structlog.get_logger(__name__)
 
 HEALTH_POLL_INTERVAL = 0.25
 """Seconds between two /health probes while waiting for a server."""
@@ -32,26 +32,6 @@ HEALTH_PROBE_TIMEOUT = 2.0
 """Seconds one /health probe may take (connect and answer)."""
 LOG_TAIL_LINES = 40
 """Log lines quoted in a start-up error."""
-
-
-class LocalServerError(LLMAnnotatorError):
-    """A local vLLM server exited or did not become healthy in time.
-
-    The message ends with the last lines of the server's log.
-
-    Attributes:
-        base_url: The server's base URL.
-        log_path: The server's log file.
-        returncode: The process's exit status, or ``None`` if it was still running.
-    """
-
-    def __init__(
-        self, message: str, *, base_url: str, log_path: Path, returncode: int | None
-    ) -> None:
-        super().__init__(message)
-        self.base_url = base_url
-        self.log_path = log_path
-        self.returncode = returncode
 
 
 def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -275,11 +255,11 @@ class LocalServer:
             The handle of the started server.
         """
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("wb") as log:
+        with log_path.open("wb") as log_file:
             process = subprocess.Popen(
                 list(command),
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=dict(env) if env is not None else None,
                 start_new_session=True,
@@ -287,7 +267,7 @@ class LocalServer:
         server = cls(
             process, host=host, port=port, model=model, log_path=log_path, url_file=url_file
         )
-        logger.info("local server launched", server=server.base_url, pid=process.pid)
+        log.info("local_server_launched", server=server.base_url, pid=process.pid)
         return server
 
     @property
@@ -350,7 +330,7 @@ class LocalServer:
                 raise self.failure(f"did not become healthy within {timeout:g} s")
             if self.is_healthy(min(HEALTH_PROBE_TIMEOUT, remaining)):
                 waited = time.monotonic() - start
-                logger.info("local server healthy", server=self.base_url, waited_s=waited)
+                log.info("local_server_healthy", server=self.base_url, waited_s=waited)
                 self.announce()
                 return waited
             time.sleep(min(HEALTH_POLL_INTERVAL, max(deadline - time.monotonic(), 0.0)))
@@ -364,24 +344,24 @@ class LocalServer:
         if self.url_file is None:
             return
         _write_atomically(self.url_file, self.base_url + "\n")
-        logger.info("local server announced", server=self.base_url, url_file=str(self.url_file))
+        log.info("local_server_announced", server=self.base_url, url_file=str(self.url_file))
 
     def withdraw(self) -> None:
         """Remove :attr:`url_file`, if it is there, so that annotators stop using the server."""
         if _remove(self.url_file):
-            logger.info("local server withdrawn", server=self.base_url, url_file=str(self.url_file))
+            log.info("local_server_withdrawn", server=self.base_url, url_file=str(self.url_file))
 
     def pause(self) -> None:
         """Freeze the server and its engine (SIGSTOP): connections hang, none is refused."""
         signal_group(self.pid, signal.SIGSTOP)
         self._paused = True
-        logger.info("local server paused", server=self.base_url, pid=self.pid)
+        log.info("local_server_paused", server=self.base_url, pid=self.pid)
 
     def resume(self) -> None:
         """Let a paused server run again (SIGCONT)."""
         signal_group(self.pid, signal.SIGCONT)
         self._paused = False
-        logger.info("local server resumed", server=self.base_url, pid=self.pid)
+        log.info("local_server_resumed", server=self.base_url, pid=self.pid)
 
     def kill(self) -> None:
         """Kill the server and its engine at once (SIGKILL), as a crash would.
@@ -394,7 +374,7 @@ class LocalServer:
         _kill_sparing_tracker(self.pid)
         returncode = self._process.wait()
         self._paused = False
-        logger.info("local server killed", server=self.base_url, returncode=returncode)
+        log.info("local_server_killed", server=self.base_url, returncode=returncode)
 
     def stop(self, grace: float = 10.0) -> int:
         """Shut the server down: SIGTERM, then SIGKILL if it is still there after ``grace``.
@@ -412,7 +392,7 @@ class LocalServer:
         returncode = _terminate(self._process, grace)
         self._paused = False
         if first_stop:
-            logger.info("local server stopped", server=self.base_url, returncode=returncode)
+            log.info("local_server_stopped", server=self.base_url, returncode=returncode)
         return returncode
 
     def tail_log(self, n: int = LOG_TAIL_LINES) -> str:
@@ -427,16 +407,16 @@ class LocalServer:
         if n <= 0:
             return ""
         try:
-            with self.log_path.open("rb") as log:
-                position = log.seek(0, os.SEEK_END)
+            with self.log_path.open("rb") as log_file:
+                position = log_file.seek(0, os.SEEK_END)
                 data = b""
                 # Read backwards until the chunk holds n whole lines (vLLM writes some
                 # lines of several kB) or the file is exhausted.
                 while position > 0 and data.count(b"\n") <= n:
                     step = min(position, 65536)
                     position -= step
-                    log.seek(position)
-                    data = log.read(step) + data
+                    log_file.seek(position)
+                    data = log_file.read(step) + data
         except OSError:
             return ""
         return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-n:])

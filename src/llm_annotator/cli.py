@@ -34,7 +34,7 @@ from llm_annotator._run_command import add_run
 from llm_annotator.errors import LLMAnnotatorError
 from llm_annotator.local import LocalServer, ensure_tiny_model, start_local_servers
 
-logger = structlog.get_logger(__name__)
+log = structlog.get_logger(__name__)
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -115,13 +115,13 @@ def _serve_local(args: argparse.Namespace) -> int:
                 print(url, flush=True)
             _watch(servers.servers)
         except _Interrupted as interrupted:
-            logger.info("stopping local servers", signal=signal.Signals(interrupted.signum).name)
+            log.info("stopping_local_servers", signal=signal.Signals(interrupted.signum).name)
             return 0
         finally:
             if servers is not None:
                 with _signals_ignored():
                     servers.stop()
-    logger.error("every local server exited")
+    log.error("every_local_server_exited")
     return 1
 
 
@@ -139,8 +139,8 @@ def _watch(servers: Sequence[LocalServer]) -> None:
             if not server.is_running():
                 alive.remove(server)
                 server.withdraw()
-                logger.warning(
-                    "local server exited",
+                log.warning(
+                    "local_server_exited",
                     server=server.base_url,
                     returncode=server.returncode,
                     log=str(server.log_path),

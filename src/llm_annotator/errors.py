@@ -14,6 +14,7 @@ them::
     │   ├── StatusError             an HTTP error status or a redirect (the kind tells which)
     │   ├── MalformedResponseError  a 2xx whose body is not a chat completion
     │   └── OversizedResponseError  an answer larger than max_response_bytes
+    ├── LocalServerError            (local) a local vLLM server exited or never got healthy
     ├── PoolExhaustedError          (pool) every server is gone past the deadline
     │   └── ServersUnusableError    every server refused for a reason waiting won't fix
     └── JobError                    (jobs) an annotation job cannot start or go on
@@ -38,6 +39,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from llm_annotator.response import Response
 
 
@@ -205,6 +208,26 @@ class MalformedResponseError(ProviderError):
 
 class OversizedResponseError(ProviderError):
     """The answer was larger than ``max_response_bytes``; it was cut off, not buffered."""
+
+
+class LocalServerError(LLMAnnotatorError):
+    """A local vLLM server exited or did not become healthy in time.
+
+    The message ends with the last lines of the server's log.
+
+    Attributes:
+        base_url: The server's base URL.
+        log_path: The server's log file.
+        returncode: The process's exit status, or ``None`` if it was still running.
+    """
+
+    def __init__(
+        self, message: str, *, base_url: str, log_path: Path, returncode: int | None
+    ) -> None:
+        super().__init__(message)
+        self.base_url = base_url
+        self.log_path = log_path
+        self.returncode = returncode
 
 
 class PoolExhaustedError(LLMAnnotatorError):

@@ -49,11 +49,10 @@ from llm_annotator._server_process import (
     HEALTH_POLL_INTERVAL,
     HEALTH_PROBE_TIMEOUT,
     LocalServer,
-    LocalServerError,
     pick_free_ports,
     signal_group,
 )
-from llm_annotator.errors import ConfigurationError
+from llm_annotator.errors import ConfigurationError, LocalServerError
 
 __all__ = [
     "LocalServer",
@@ -66,7 +65,7 @@ __all__ = [
     "start_local_servers",
 ]
 
-logger = structlog.get_logger(__name__)
+log = structlog.get_logger(__name__)
 
 VLLM_PYTHON_ENV = "LLM_ANNOTATOR_VLLM_PYTHON"
 """Environment variable naming the Python interpreter that has vLLM installed."""
@@ -215,7 +214,7 @@ def ensure_tiny_model(directory: str | Path | None = None, *, python: str | None
             if not (target / COMPLETE_STAMP).is_file():
                 raise
         else:
-            logger.info("tiny model written", path=str(target))
+            log.info("tiny_model_written", path=str(target))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
@@ -485,8 +484,8 @@ def _wait_all(servers: Sequence[LocalServer], timeout: float) -> None:
                 remaining = deadline - time.monotonic()
                 if server.is_healthy(max(min(HEALTH_PROBE_TIMEOUT, remaining), 0.01)):
                     pending.remove(server)
-                    logger.info(
-                        "local server healthy",
+                    log.info(
+                        "local_server_healthy",
                         server=server.base_url,
                         waited_s=round(time.monotonic() - start, 2),
                     )
@@ -632,8 +631,8 @@ def start_local_servers(
         enforce_eager=enforce_eager,
         servers_dir=announce_in,
     )
-    logger.info(
-        "starting local servers",
+    log.info(
+        "starting_local_servers",
         count=num_servers,
         model=model_name,
         served_model_name=served_model_name,

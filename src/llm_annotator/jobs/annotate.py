@@ -430,7 +430,6 @@ class _Job:
         """Items handed to the model and not yet concluded."""
         self.sent = 0
         self.regenerated = 0
-        self.output_tokens = 0
         self.prompt_tokens = 0
 
     async def run(
@@ -495,7 +494,9 @@ class _Job:
 
     def _conclude(self, item: _Item, response: Response) -> None:
         """Write the row's record, or send it again for a better answer."""
-        self.output_tokens += response.num_output_tokens or 0
+        # Every answer's tokens count, regenerated ones too: what the servers generated
+        # for this run. The bar's and report.json's rates are both this one figure.
+        self.progress.add(rows=0, output_tokens=response.num_output_tokens or 0)
         self.prompt_tokens += response.num_prompt_tokens or 0
         parsed = None
         if self.schema is not None and response.ok:
@@ -516,7 +517,7 @@ class _Job:
 
     def _write(self, record: dict[str, Any], *, failed: bool) -> None:
         self.store.append(record)
-        self.progress.add(failed=int(failed), output_tokens=record.get("num_output_tokens") or 0)
+        self.progress.add(failed=int(failed))
 
 
 def _invalid(response: Response, error: str | None, kind: Any) -> Response:
@@ -618,7 +619,7 @@ def _report(
             "regenerations": job.regenerated,
             "wall_seconds": round(seconds, 3),
             "rows_per_second": round(job.progress.rows / elapsed, 2),
-            "output_tokens_per_second": round(job.output_tokens / elapsed, 2),
+            "output_tokens_per_second": round(job.progress.output_tokens / elapsed, 2),
             "prompt_tokens_per_second": round(job.prompt_tokens / elapsed, 2),
         },
         "per_server": per_server,

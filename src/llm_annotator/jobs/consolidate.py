@@ -34,7 +34,7 @@ from llm_annotator.jobs.store import (
     shard_paths,
 )
 
-logger = structlog.get_logger(__name__)
+log = structlog.get_logger(__name__)
 
 PARQUET_FILE = "annotations.parquet"
 JSONL_FILE = "annotations.jsonl"
@@ -165,7 +165,7 @@ def _consolidate(directory: Path, *, jsonl: bool, column_order: Sequence[str]) -
         with atomic_write(jsonl_path) as file:
             _write_jsonl(file, shards, keys, names)
     result = summary.result(parquet_path, jsonl_path)
-    logger.info(
+    log.info(
         "results_consolidated",
         output_dir=str(directory),
         rows=result.num_rows,
@@ -326,7 +326,7 @@ class _Loader:
             data_type = None if name in self.stringified else self._unified(name)
             if data_type is None:
                 self.stringified.add(name)
-                logger.warning("column_stored_as_strings", column=name)
+                log.warning("column_stored_as_strings", column=name)
                 data_type = pa.string()
             fields[name] = pa.field(name, data_type)
         return fields
@@ -413,7 +413,7 @@ def _id_column(keys: pa.Table) -> pa.ChunkedArray:
         return keys["int_id"]
     if strs == keys.num_rows:
         return keys["str_id"]
-    logger.warning("id_column_stored_as_strings", column="id")
+    log.warning("id_column_stored_as_strings", column="id")
     return pc.if_else(is_str, keys["str_id"], pc.cast(keys["int_id"], pa.string()))
 
 

@@ -18,7 +18,7 @@ import structlog
 
 from llm_annotator.errors import ConfigurationError, FingerprintMismatchError, JobError
 
-logger = structlog.get_logger(__name__)
+log = structlog.get_logger(__name__)
 
 _SHORT = 60
 """Longest value shown whole by :func:`describe_changes`; longer ones are cut with …."""
@@ -220,7 +220,7 @@ def job_record(
                 "directory.",
                 changes=changes,
             )
-        logger.warning("fingerprint_changed_forced", output_dir=where, changes=changes)
+        log.warning("fingerprint_changed_forced", output_dir=where, changes=changes)
         history.append({"fingerprint": old, "digest": old_digest, "replaced": now})
     record.update(
         format_version=JOB_FORMAT_VERSION,
@@ -254,5 +254,5 @@ def read_job_record(path: Path, *, force: bool = False) -> dict[str, Any] | None
             f"{path} is not a readable job record ({problem}); restore it, or pass "
             "force=True (CLI --force) to record the current settings"
         )
-    logger.warning("job_record_replaced", path=str(path))
+    log.warning("job_record_replaced", path=str(path))
     return None

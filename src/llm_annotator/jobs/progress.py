@@ -65,7 +65,8 @@ class Progress:
         self._drawn = False
 
     def add(self, *, rows: int = 1, failed: int = 0, output_tokens: int = 0) -> None:
-        """Count finished rows; show the progress if it is time."""
+        """Count finished rows and the output tokens of answers (every answer, a
+        regenerated one too); show the progress if it is time."""
         self.done += rows
         self.rows += rows
         self.failed += failed

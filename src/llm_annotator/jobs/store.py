@@ -36,7 +36,7 @@ from llm_annotator.errors import JobError, OutputWriteError
 from llm_annotator.jobs.fingerprint import job_record, read_job_record
 from llm_annotator.jobs.ids import IdSet, RowId, is_valid_id
 
-logger = structlog.get_logger(__name__)
+log = structlog.get_logger(__name__)
 
 JOB_FILE = "job.json"
 SHARDS_DIR = "shards"
@@ -107,7 +107,7 @@ def read_shard(path: Path, *, repair: bool = False) -> Iterator[tuple[int, int, 
     with path.open("rb") as file:
         for number, line in enumerate(file, 1):
             if bad is not None:
-                logger.warning("shard_line_skipped", shard=str(path), line=bad[0])
+                log.warning("shard_line_skipped", shard=str(path), line=bad[0])
                 bad = None
             record = _parse(line) if line.endswith(b"\n") else None
             if record is None:
@@ -119,7 +119,7 @@ def read_shard(path: Path, *, repair: bool = False) -> Iterator[tuple[int, int, 
         if repair:
             os.truncate(path, bad[1])
             _fsync(path)
-        logger.warning(
+        log.warning(
             "truncated_line_repaired" if repair else "truncated_line_ignored",
             shard=str(path),
             line=bad[0],
@@ -279,7 +279,7 @@ class ResultStore:
         except BaseException:
             lock.release()
             raise
-        logger.info(
+        log.info(
             "store_resumed" if shards else "store_opened",
             output_dir=str(directory),
             shards=len(shards),
@@ -436,7 +436,7 @@ class ResultStore:
                 with contextlib.suppress(OSError):
                     self._shard_path.unlink()
             self._lock.release()
-            logger.info(
+            log.info(
                 "store_closed",
                 output_dir=str(self._directory),
                 written=self._written,

@@ -29,7 +29,7 @@ from llm_annotator.pool.member import MemberState
 from llm_annotator.pool.run import Deliver, Run
 from llm_annotator.response import OnError, Response
 
-log = structlog.get_logger("llm_annotator.pool")
+log = structlog.get_logger(__name__)
 
 K = TypeVar("K")
 

@@ -19,7 +19,7 @@ from llm_annotator.pool.policy import CONFIGURATION_KINDS
 from llm_annotator.pool.run import Run
 from llm_annotator.response import Response
 
-log = structlog.get_logger("llm_annotator.pool")
+log = structlog.get_logger(__name__)
 
 
 class PoolHealth(PoolCore):

@@ -15,7 +15,7 @@ from llm_annotator.pool.policy import Action, action_for
 from llm_annotator.pool.run import Run
 from llm_annotator.response import Response
 
-log = structlog.get_logger("llm_annotator.pool")
+log = structlog.get_logger(__name__)
 
 _MALFORMED_STREAK_TO_EVICT = 20
 """Malformed answers in a row, without a good one between, that evict a member."""

@@ -36,7 +36,7 @@ from llm_annotator.response import OnError
 if TYPE_CHECKING:
     from llm_annotator.jobs.annotate import AnnotationResult, JobArgs
 
-log = structlog.get_logger("llm_annotator.pool")
+log = structlog.get_logger(__name__)
 
 
 class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
