@@ -52,24 +52,19 @@ class PoolHealth(PoolCore):
     async def _after_probe(self, run: Run, member: Member, healthy: bool) -> None:
         state = member.state
         if state is MemberState.HEALTHY:
-            if healthy:
-                member.failed_probes = 0
-                return
-            member.failed_probes += 1
-            if member.failed_probes >= self.config.max_failed_health_checks:
+            failed = member.note_probe(healthy)
+            if failed >= self.config.max_failed_health_checks:
                 self._evict(
                     run,
                     member,
-                    f"no answer to {member.failed_probes} health checks in a row "
+                    f"no answer to {failed} health checks in a row "
                     f"({self.config.health_check_timeout:g} s each)",
                 )
         elif state in (MemberState.JOINING, MemberState.EVICTED):
             if healthy:
                 await self._admit(run, member)
             elif state is MemberState.JOINING:
-                member.state = MemberState.EVICTED
-                member.was_down = True
-                member.last_error = member.last_error or "no answer to GET /health"
+                member.mark_down("no answer to GET /health")
                 log.warning("member_down", server=member.url)
                 run.notify()
 
@@ -93,18 +88,12 @@ class PoolHealth(PoolCore):
                 run, member, f"does not serve model {wanted!r} (it serves {', '.join(models)})"
             )
             return
-        rejoined = member.was_down or member.evictions > 0
-        member.state = MemberState.HEALTHY
-        member.failed_probes = 0
-        member.backoff_until = 0.0
-        member.overload_streak = 0
-        member.malformed_streak = 0
-        if rejoined:
-            member.readmissions += 1
+        if member.state not in (MemberState.JOINING, MemberState.EVICTED):
+            return  # disabled or drained while /v1/models was asked
+        if member.admit():
             log.info("member_readmitted", server=member.url, model=member.client.model)
         else:
             log.info("member_joined", server=member.url, model=member.client.model)
-        member.was_down = False
         run.notify()
 
     async def _verify(self, member: Member) -> bool:
@@ -175,13 +164,9 @@ class PoolHealth(PoolCore):
         evicting = member.state in (MemberState.HEALTHY, MemberState.DRAINING)
         if cause is not None and not (evicting and self._note_eviction(run, member, cause)):
             self._requeue_one(run, member, cause)
-        if not evicting:
-            return
         draining = member.state is MemberState.DRAINING
-        member.state = MemberState.EVICTED
-        member.evictions += 1
-        member.failed_probes = 0
-        member.last_error = reason
+        if not member.evict(reason):
+            return
         poisoned = self._cancel_in_flight(run, member)
         log.warning(
             "member_evicted",
@@ -195,8 +180,8 @@ class PoolHealth(PoolCore):
         run.notify()
 
     def _disable(self, run: Run, member: Member, reason: str) -> None:
-        member.state = MemberState.DISABLED
-        member.last_error = reason
+        if not member.disable(reason):
+            return  # disabled already (a second answer of the same kind)
         self._cancel_in_flight(run, member)
         log.error("member_disabled", server=member.url, reason=reason)
         run.notify()

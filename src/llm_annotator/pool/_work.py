@@ -55,7 +55,7 @@ class PoolWork(PoolHealth):
                     return
                 await run.wait_for_change(1.0)
                 continue
-            if not member.takes_work:
+            if not member.takes_work(time.monotonic()):
                 wait = member.backoff_until - time.monotonic()
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
@@ -150,8 +150,7 @@ class PoolWork(PoolHealth):
         if isinstance(result, Response):
             if run.store(index, result):
                 member.completed += 1
-            member.overload_streak = 0
-            member.malformed_streak = 0
+            member.note_answer()
             return
         action = action_for(result.kind)
         reason = str(result)
@@ -164,8 +163,7 @@ class PoolWork(PoolHealth):
                 member.suspects.add(index)
                 self._spawn(self._verify_then_settle(run, member, index, result, action))
         elif action is Action.BACKOFF:
-            member.overload_streak += 1
-            member.backoff_until = time.monotonic() + retry_delay(member.overload_streak - 1)
+            member.back_off(time.monotonic(), retry_delay)
             member.last_error = reason
             run.overloads[index] += 1
             if run.overloads[index] > _MAX_OVERLOAD_REQUEUES:
@@ -185,11 +183,9 @@ class PoolWork(PoolHealth):
         else:
             self._error_row(run, member, index, result)
             if result.kind in (ErrorKind.MALFORMED, ErrorKind.OVERSIZED):
-                member.malformed_streak += 1
-                if member.malformed_streak >= _MALFORMED_STREAK_TO_EVICT:
-                    self._evict(
-                        run, member, f"{member.malformed_streak} malformed answers in a row"
-                    )
+                streak = member.note_malformed()
+                if streak >= _MALFORMED_STREAK_TO_EVICT:
+                    self._evict(run, member, f"{streak} malformed answers in a row")
 
     async def _verify_then_settle(
         self, run: Run, member: Member, index: int, error: ProviderError, action: Action

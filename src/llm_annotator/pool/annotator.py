@@ -285,7 +285,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         if self._run is None or not member.in_flight:
             self._forget(member)
         else:
-            member.state = MemberState.DRAINING
+            member.drain()
             self._run.notify()
 
     # -- annotation jobs ------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -12,7 +12,7 @@ from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
 
 
 class MemberState(Enum):
-    """Where a member is in its life: ``joining -> healthy -> (evicted -> healthy)``."""
+    """Where a member is in its life; :class:`Member` draws the transitions."""
 
     JOINING = "joining"
     """Not yet probed."""
@@ -57,7 +57,20 @@ class MemberStatistics:
 
 
 class Member:
-    """A pool member: a client plus everything the pool tracks about its server."""
+    """A pool member: a client plus everything the pool tracks about its server.
+
+    Its state changes only through the methods below, along this graph (a change not in
+    it raises ``RuntimeError``: a bug in the pool, never a server's doing)::
+
+        JOINING ──admit──> HEALTHY ──evict──> EVICTED ──admit──> HEALTHY
+           │                  │                  │
+           └─mark_down──> EVICTED                 │
+        any ──disable──> DISABLED (for good)      │
+        any ──drain──> DRAINING ──evict──> EVICTED (then forgotten)
+
+    JOINING, HEALTHY and EVICTED members may be disabled or drained; a DRAINING member
+    may also be disabled. Each method returns whether the state changed.
+    """
 
     def __init__(self, client: VLLMOnlineClient) -> None:
         self.client = client
@@ -79,10 +92,88 @@ class Member:
         self.hedged = 0
         self.last_error: str | None = None
 
-    @property
-    def takes_work(self) -> bool:
-        """Healthy and not backing off."""
-        return self.state is MemberState.HEALTHY and time.monotonic() >= self.backoff_until
+    # -- transitions -------------------------------------------------------------------
+
+    def _move(self, to: MemberState) -> bool:
+        if to is self.state:
+            return False
+        if to not in _NEXT[self.state]:
+            raise RuntimeError(f"member {self.url}: no transition {self.state.value} -> {to.value}")
+        self.state = to
+        return True
+
+    def admit(self) -> bool:
+        """JOINING or EVICTED -> HEALTHY: it answered its probe and serves the model.
+
+        Returns:
+            True if it rejoined (it was evicted, or down when the call started),
+            False on a first join.
+        """
+        rejoined = self.was_down or self.evictions > 0
+        self._move(MemberState.HEALTHY)
+        self.failed_probes = 0
+        self.backoff_until = 0.0
+        self.overload_streak = 0
+        self.malformed_streak = 0
+        self.was_down = False
+        if rejoined:
+            self.readmissions += 1
+        return rejoined
+
+    def mark_down(self, reason: str) -> bool:
+        """JOINING -> EVICTED: down from the start; probed until it answers."""
+        self._move(MemberState.EVICTED)
+        self.was_down = True
+        self.last_error = self.last_error or reason
+        return True
+
+    def evict(self, reason: str) -> bool:
+        """HEALTHY or DRAINING -> EVICTED; False (and nothing changes) from other states."""
+        if self.state not in (MemberState.HEALTHY, MemberState.DRAINING):
+            return False
+        self._move(MemberState.EVICTED)
+        self.evictions += 1
+        self.failed_probes = 0
+        self.last_error = reason
+        return True
+
+    def disable(self, reason: str) -> bool:
+        """-> DISABLED, for good: its settings (key, TLS, model, URL) are wrong."""
+        self.last_error = reason
+        return self._move(MemberState.DISABLED)
+
+    def drain(self) -> bool:
+        """-> DRAINING: it is being removed; it finishes what it holds."""
+        return self._move(MemberState.DRAINING)
+
+    # -- counters that decide transitions -------------------------------------------------
+
+    def note_probe(self, healthy: bool) -> int:
+        """Count a probe of a HEALTHY member; the failed probes in a row so far."""
+        self.failed_probes = 0 if healthy else self.failed_probes + 1
+        return self.failed_probes
+
+    def note_answer(self) -> None:
+        """A good answer: the streaks of overloads and malformed answers end."""
+        self.overload_streak = 0
+        self.malformed_streak = 0
+
+    def note_malformed(self) -> int:
+        """A malformed or oversized answer; how many in a row."""
+        self.malformed_streak += 1
+        return self.malformed_streak
+
+    def back_off(self, now: float, delay_for: Callable[[int], float]) -> float:
+        """An overloaded answer: pause the member; the moment it may take work again."""
+        self.overload_streak += 1
+        self.backoff_until = now + delay_for(self.overload_streak - 1)
+        return self.backoff_until
+
+    # -- views -----------------------------------------------------------------------------
+
+    def takes_work(self, now: float) -> bool:
+        """Healthy and not backing off at ``now``."""
+        return self.state is MemberState.HEALTHY and now >= self.backoff_until
 
     def statistics(self) -> MemberStatistics:
         return MemberStatistics(
@@ -100,3 +191,19 @@ class Member:
 
     def __repr__(self) -> str:
         return f"<Member {self.url} {self.state.value} in_flight={len(self.in_flight)}>"
+
+
+_NEXT: dict[MemberState, frozenset[MemberState]] = {
+    MemberState.JOINING: frozenset(
+        {MemberState.HEALTHY, MemberState.EVICTED, MemberState.DISABLED, MemberState.DRAINING}
+    ),
+    MemberState.HEALTHY: frozenset(
+        {MemberState.EVICTED, MemberState.DISABLED, MemberState.DRAINING}
+    ),
+    MemberState.EVICTED: frozenset(
+        {MemberState.HEALTHY, MemberState.DISABLED, MemberState.DRAINING}
+    ),
+    MemberState.DRAINING: frozenset({MemberState.EVICTED, MemberState.DISABLED}),
+    MemberState.DISABLED: frozenset({MemberState.DRAINING}),
+}
+"""The transition graph of :class:`Member`, as data (checked on every change)."""
