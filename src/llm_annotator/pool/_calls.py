@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter, deque
 from collections.abc import (
     AsyncGenerator,
@@ -73,14 +72,14 @@ class PoolCalls(PoolWork):
         for index, conversation in enumerate(messages):
             run.admit(index, conversation)
         run.close_source()
-        started = time.monotonic()
+        started = self._clock.now()
         try:
             await self._drive(run)
         except PoolExhaustedError as exc:
             exc.responses = list(results)
             raise
         done: list[Response] = [r for r in results if r is not None]
-        self._report(done, time.monotonic() - started)
+        self._report(done, self._clock.now() - started)
         return done
 
     async def astream(
@@ -161,7 +160,7 @@ class PoolCalls(PoolWork):
         if self._run is not None:
             raise RuntimeError("VLLMQueueAnnotator runs one call at a time")
         self._prototype().encode_params(options, gen_kwargs)  # ValueError before anything
-        run = Run(self.config.batch_size, deliver)
+        run = Run(self.config.batch_size, deliver, self._clock)
         self._run, self._loop = run, asyncio.get_running_loop()
         self._params, self._options = {}, (options, gen_kwargs)
         return run

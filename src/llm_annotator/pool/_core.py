@@ -14,6 +14,7 @@ from typing import Any
 
 from llm_annotator.clients._transport import Verify, normalize_base_url
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
+from llm_annotator.pool.clock import Clock
 from llm_annotator.pool.config import PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.member import Member
@@ -24,6 +25,7 @@ class PoolCore:
     """The pool's settings and state; ``VLLMQueueAnnotator.__init__`` sets them all."""
 
     config: PoolConfig
+    _clock: Clock
     _tls_verify: Verify
     _api_key: str | None
     _api_keys: Mapping[str, str]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import structlog
 
@@ -31,7 +30,7 @@ class PoolHealth(PoolCore):
         while not run.finished and member.state not in (MemberState.DISABLED,):
             if self._members.get(member.url) is not member:
                 return
-            started = time.monotonic()
+            started = self._clock.now()
             evictions = member.evictions
             problem = await member.client.acheck_health(self.config.health_check_timeout)
             joining = member.state is MemberState.JOINING
@@ -45,9 +44,9 @@ class PoolHealth(PoolCore):
                 member.last_error = f"GET /health: {problem}"
             if member.evictions == evictions:  # else the answer predates the eviction
                 await self._after_probe(run, member, problem is None)
-            pause = self.config.health_check_interval - (time.monotonic() - started)
+            pause = self.config.health_check_interval - (self._clock.now() - started)
             if pause > 0:
-                await asyncio.sleep(pause)
+                await self._clock.sleep(pause)
 
     async def _after_probe(self, run: Run, member: Member, healthy: bool) -> None:
         state = member.state
@@ -113,7 +112,7 @@ class PoolHealth(PoolCore):
             if any(m.state is MemberState.HEALTHY for m in members):
                 down_since = None
             else:
-                now = time.monotonic()
+                now = self._clock.now()
                 if down_since is None:
                     down_since = now
                 usable = [m for m in members if m.state is not MemberState.DISABLED]

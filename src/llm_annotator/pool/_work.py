@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import structlog
 
@@ -55,8 +54,9 @@ class PoolWork(PoolHealth):
                     return
                 await run.wait_for_change(1.0)
                 continue
-            if not member.takes_work(time.monotonic()):
-                wait = member.backoff_until - time.monotonic()
+            now = self._clock.now()
+            if not member.takes_work(now):
+                wait = member.backoff_until - now
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
             batch = run.take(self._working_slots())
@@ -74,7 +74,7 @@ class PoolWork(PoolHealth):
 
     def _hedge(self, run: Run, member: Member) -> list[int] | None:
         """Samples in flight on the members expected to finish last, not yet hedged."""
-        elapsed = max(time.monotonic() - run.started, 1e-3)
+        elapsed = max(self._clock.now() - run.started, 1e-3)
 
         def expected_end(other: Member) -> float:
             rate = max(other.completed / elapsed, 1e-3)
@@ -163,7 +163,7 @@ class PoolWork(PoolHealth):
                 member.suspects.add(index)
                 self._spawn(self._verify_then_settle(run, member, index, result, action))
         elif action is Action.BACKOFF:
-            member.back_off(time.monotonic(), retry_delay)
+            member.back_off(self._clock.now(), retry_delay)
             member.last_error = reason
             run.overloads[index] += 1
             if run.overloads[index] > _MAX_OVERLOAD_REQUEUES:
@@ -212,7 +212,7 @@ class PoolWork(PoolHealth):
             self._requeue_one(run, member, index)
 
     async def _requeue_later(self, run: Run, index: int, delay: float) -> None:
-        await asyncio.sleep(delay)
+        await self._clock.sleep(delay)
         run.requeue([index])
 
     def _error_row(self, run: Run, member: Member, index: int, error: ProviderError) -> None:

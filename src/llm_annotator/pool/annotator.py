@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
@@ -25,6 +24,7 @@ from llm_annotator.errors import (
     ServersUnusableError,
 )
 from llm_annotator.pool._calls import PoolCalls
+from llm_annotator.pool.clock import SYSTEM_CLOCK, Clock
 from llm_annotator.pool.config import FromConfig, PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.member import Member, MemberState
@@ -99,6 +99,9 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             that says so.
         max_response_bytes: The largest answer read from a server, for clients built
             here (16 MiB by default; see :class:`VLLMOnlineClient`).
+        clock: Where the pool reads the time and sleeps: the system's by default; a
+            test gives a fake one so that health intervals, backoff and deadlines pass
+            without waiting.
 
     Raises:
         ConfigurationError: If no server is given, one is given twice, or a setting is
@@ -151,6 +154,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         api_key: str | Mapping[str, str] | None = None,
         verify: Verify = True,
         max_response_bytes: int = default.MAX_RESPONSE_BYTES,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if isinstance(base_urls, str):
             raise ConfigurationError("base_urls must be a list of URLs, not one string")
@@ -179,6 +183,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             )
             tls = _unverified_context()  # the same, without a warning per client
         self._tls_verify = tls
+        self._clock = clock
         self._members: dict[str, Member] = {}
         for url in base_urls or ():
             self._add_member(Member(self._new_client(url)))
@@ -346,7 +351,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         config = self.config
         if config.model is not None:
             return config.model
-        deadline = time.monotonic() + (config.all_down_timeout if timeout is None else timeout)
+        deadline = self._clock.now() + (config.all_down_timeout if timeout is None else timeout)
         said: dict[str, str] = {}
         while True:
             if self._discovery is not None:
@@ -373,14 +378,14 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
                     f"no server of the pool can be used, and waiting will not help: {listing}",
                     servers=said,
                 )
-            left = deadline - time.monotonic()
+            left = deadline - self._clock.now()
             if left <= 0:
                 listing = "; ".join(f"{url}: {text}" for url, text in said.items())
                 raise PoolExhaustedError(
                     f"no server of the pool listed a model on /v1/models in time: {listing}",
                     servers=said,
                 )
-            await asyncio.sleep(min(2.0, left))
+            await self._clock.sleep(min(2.0, left))
 
     async def ais_healthy(self, timeout: float = default.HEALTH_TIMEOUT) -> bool:
         """Whether at least one member answers /health."""

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 
 from llm_annotator.clients.base import Messages
 from llm_annotator.errors import PoolExhaustedError
+from llm_annotator.pool.clock import SYSTEM_CLOCK, Clock
 from llm_annotator.response import Response
 
 Deliver = Callable[[int, Response], None]
@@ -30,8 +29,9 @@ class Run:
     Nothing here grows with the samples already delivered.
     """
 
-    def __init__(self, batch_size: int, deliver: Deliver) -> None:
+    def __init__(self, batch_size: int, deliver: Deliver, clock: Clock = SYSTEM_CLOCK) -> None:
         self.batch_size = batch_size
+        self.clock = clock
         self.deliver = deliver
         self.open: dict[int, Messages] = {}
         self.queue: deque[int] = deque()
@@ -42,7 +42,7 @@ class Run:
         """Set by the caller: no new work is taken; the run ends once nothing is in flight."""
         self.hedged: set[int] = set()
         """Open samples also sent to a second member near the end (first answer wins)."""
-        self.started = time.monotonic()
+        self.started = clock.now()
         self.evicted_with: dict[int, list[str]] = {}
         self.retries: Counter[int] = Counter()
         self.overloads: Counter[int] = Counter()
@@ -141,9 +141,4 @@ class Run:
 
     async def wait_for_change(self, timeout: float) -> None:
         """Sleep until the next :meth:`notify`, or ``timeout`` seconds at most."""
-        changed = self._changed
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
-        # cancellation that arrives as the event fires, and the waiter then never ends.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await changed.wait()
+        await self.clock.wait(self._changed, timeout)
