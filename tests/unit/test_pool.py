@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import structlog
 from aiohttp import web
 
 from llm_annotator import (
@@ -561,28 +562,44 @@ def test_sample_whose_connection_always_drops_ends_as_an_error_row(
 
 
 def test_removed_member_that_fails_does_not_come_back(fake_servers: FakeServers) -> None:
-    """A member removed during a call that then fails leaves for good."""
+    """A member removed during a call whose engine then dies (its requests in flight
+    answer EngineCore 500) is evicted and forgotten at once, not drained or re-admitted;
+    its samples finish on the other member."""
     keep, leave = fake_servers(2)
+    removed = threading.Event()
 
-    slow = delayed_echo(0.05)
-
-    async def dies(request: dict[str, Any]) -> web.StreamResponse:
-        await asyncio.sleep(0.2)
+    async def held_then_dead(request: dict[str, Any]) -> web.StreamResponse:
+        # Requests already on `leave` wait here until it is removed, then its engine dies.
+        await asyncio.to_thread(removed.wait, 10)  # bounded
         return error(500, "EngineCore encountered an issue.", "InternalServerError")
 
-    keep.handler, leave.handler = slow, slow
-    with VLLMQueueAnnotator(
-        [keep.base_url, leave.base_url], batch_size=5, max_concurrent_batches_per_client=1, **FAST
-    ) as pool:
+    keep.handler, leave.handler = delayed_echo(0.02), held_then_dead
+    with (
+        structlog.testing.capture_logs() as logs,
+        VLLMQueueAnnotator(
+            [keep.base_url, leave.base_url],
+            batch_size=5,
+            max_concurrent_batches_per_client=1,
+            **FAST,
+        ) as pool,
+    ):
 
         def remove_then_fail() -> None:
-            leave.handler = dies
+            deadline = time.monotonic() + 10
+            while not leave.in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)  # bounded: wait until `leave` holds a batch
             pool.remove_server(leave.base_url)
+            removed.set()
 
-        threading.Timer(0.2, remove_then_fail).start()
+        threading.Thread(target=remove_then_fail, daemon=True).start()
         responses = pool.batch_generate(messages=conversations(150))
         assert pool.base_urls == [keep.base_url]
     assert_all_answered_in_order(responses, 150)
+    events = [(e["event"], e.get("server")) for e in logs]
+    assert ("member_removed", leave.base_url) in events
+    assert ("member_evicted", leave.base_url) in events  # it died while draining
+    assert ("member_readmitted", leave.base_url) not in events
+    assert len(leave.requests) == 5  # only the batch it held before removal
 
 
 def test_tail_hedge_rescues_samples_stuck_on_a_slow_member(fake_servers: FakeServers) -> None:
