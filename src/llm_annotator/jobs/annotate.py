@@ -26,7 +26,7 @@ from llm_annotator._constants import (
 from llm_annotator._sync import run_sync
 from llm_annotator._validate import non_negative_seconds, positive_int, positive_seconds
 from llm_annotator.clients.base import Client, Messages
-from llm_annotator.errors import InputError, PromptError, RunInterruptedError
+from llm_annotator.errors import InputError, JobError, PromptError, RunInterruptedError
 from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.fingerprint import make_fingerprint
 from llm_annotator.jobs.ids import RowId
@@ -384,7 +384,15 @@ class Annotator:
             output=str(result.parquet_path),
         )
         if result.num_rows < total:
+            # Never silent: a done-id set that claimed a row it never saw (an 8-byte hash
+            # collision) would otherwise skip that row without a trace.
             log.error("rows_missing", expected=total, written=result.num_rows)
+            raise JobError(
+                f"{total - result.num_rows} of the {total} input rows have no result in "
+                f"{spec.output_dir} ({result.num_rows} written). This is a bug or a changed "
+                "input: please report it with the run directory's job.json; the rows "
+                "written are kept."
+            )
         return AnnotationResult(
             output_dir=spec.output_dir,
             output_path=result.parquet_path,
