@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import orjson
+
+from tests.threaded_loop import threaded_loop
 
 Answer = Callable[[asyncio.StreamWriter, "Request"], Awaitable[None]]
 
@@ -136,30 +137,20 @@ async def _serve(
 def raw_server(answer: Answer | None = None) -> Iterator[RawServer]:
     """Start a :class:`RawServer` on a free loopback port; stop it at the end."""
     server = RawServer(answer=answer)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="raw-server", daemon=True)
-    thread.start()
+    listeners: list[asyncio.Server] = []
 
-    async def start() -> asyncio.Server:
-        return await asyncio.start_server(
-            lambda r, w: _serve(server, r, w), "127.0.0.1", 0, limit=2**20
-        )
-
-    listener = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
-    server.port = listener.sockets[0].getsockname()[1]
-    server.base_url = f"http://127.0.0.1:{server.port}/v1"
-    try:
-        yield server
-    finally:
-
-        async def stop() -> None:
+    async def close() -> None:
+        for listener in listeners:
             listener.close()
-            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in others:
-                task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
 
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+    with threaded_loop("raw-server", close) as loop:
+
+        async def start() -> asyncio.Server:
+            return await asyncio.start_server(
+                lambda r, w: _serve(server, r, w), "127.0.0.1", 0, limit=2**20
+            )
+
+        listeners.append(loop.call(start()))
+        server.port = listeners[0].sockets[0].getsockname()[1]
+        server.base_url = f"http://127.0.0.1:{server.port}/v1"
+        yield server

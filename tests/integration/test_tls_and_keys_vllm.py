@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +23,12 @@ from llm_annotator import (
     server_is_healthy,
 )
 from llm_annotator.local import LocalServers, start_local_servers
+from tests.cli import run_job
 from tests.conftest import REQUIRE_VLLM_ENV
 from tests.tls_proxy import TlsProxy, find_nginx, tls_proxy
 
 pytestmark = pytest.mark.integration
 
-COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
 KEY = "vllm-test-key-4c9e1d7a"
 SHORT = VLLMOnlineRuntimeOptions(max_completion_tokens=4, temperature=0.0)
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -40,15 +39,18 @@ def write_rows(path: Path, n: int) -> Path:
     return path
 
 
-def run_command(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [COMMAND, "run", "--log-format", "json", "--max-completion-tokens", "4", *argv],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, **(env or {})},
+def run_command(
+    server: str, data: Path, output_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return run_job(
+        server,
+        data,
+        output_dir,
+        "--max-completion-tokens",
+        "4",
+        *extra,
+        template="{text}",
+        env=env,
     )
 
 
@@ -119,13 +121,12 @@ def test_the_command_takes_a_ca_bundle(https_vllm: TlsProxy, tmp_path: Path) -> 
     """`llm-annotator run --ca-bundle ca.pem` annotates over https; without it, it exits
     1 at once naming the TLS failure."""
     data = write_rows(tmp_path / "rows.jsonl", 12)
-    common = ["--servers", https_vllm.base_url, "--input", str(data), "--prompt-template", "{text}"]
     good = run_command(
-        *common, "--output-dir", str(tmp_path / "a"), "--ca-bundle", str(https_vllm.ca_bundle)
+        https_vllm.base_url, data, tmp_path / "a", "--ca-bundle", str(https_vllm.ca_bundle)
     )
     assert good.returncode == 0, good.stderr[-3000:]
     assert "rows: 12 (12 succeeded, 0 failed)" in good.stdout
-    bad = run_command(*common, "--output-dir", str(tmp_path / "b"))
+    bad = run_command(https_vllm.base_url, data, tmp_path / "b")
     assert bad.returncode == 1, bad.stderr[-3000:]
     assert "Traceback" not in bad.stderr
     assert "TLS certificate is not trusted" in bad.stderr and "--ca-bundle" in bad.stderr
@@ -196,16 +197,11 @@ def test_the_command_with_key_file_env_and_wrong_key(
     key_file.write_text(KEY + "\n", encoding="utf-8")
     wrong_file = tmp_path / "wrong"
     wrong_file.write_text("not-the-key\n", encoding="utf-8")
-    common = ["--servers", keyed_vllm, "--input", str(data), "--prompt-template", "{text}"]
-    by_file = run_command(
-        *common, "--output-dir", str(tmp_path / "a"), "--api-key-file", str(key_file)
-    )
+    by_file = run_command(keyed_vllm, data, tmp_path / "a", "--api-key-file", str(key_file))
     by_env = run_command(
-        *common, "--output-dir", str(tmp_path / "b"), "--api-key-env", "MY_KEY", env={"MY_KEY": KEY}
+        keyed_vllm, data, tmp_path / "b", "--api-key-env", "MY_KEY", env={"MY_KEY": KEY}
     )
-    wrong = run_command(
-        *common, "--output-dir", str(tmp_path / "c"), "--api-key-file", str(wrong_file)
-    )
+    wrong = run_command(keyed_vllm, data, tmp_path / "c", "--api-key-file", str(wrong_file))
     for done in (by_file, by_env):
         assert done.returncode == 0, done.stderr[-3000:]
         assert "rows: 10 (10 succeeded, 0 failed)" in done.stdout

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,30 +18,20 @@ import orjson
 import pytest
 from aiohttp import web
 
+from tests.misbehaving import completion_body
+from tests.threaded_loop import threaded_loop
+
 Handler = Callable[[dict[str, Any]], Awaitable[web.StreamResponse]]
 
 
 def completion(content: str, *, prompt_tokens: int = 5, completion_tokens: int = 2) -> web.Response:
     """A chat-completion answer with the given content."""
-    body = {
-        "id": "cmpl-1",
-        "object": "chat.completion",
-        "model": "fake-model",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": content},
-                "finish_reason": "stop",
-                "stop_reason": None,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+    return web.Response(body=completion_body(content, usage=usage), content_type="application/json")
 
 
 def error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
@@ -108,9 +97,6 @@ def running_fake_server() -> Iterator[FakeServer]:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="fake-server", daemon=True)
-    thread.start()
 
     async def start() -> str:
         await runner.setup()
@@ -118,23 +104,9 @@ def running_fake_server() -> Iterator[FakeServer]:
         await site.start()
         return f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
 
-    server.base_url = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
-    try:
+    with threaded_loop("fake-server", runner.cleanup) as loop:
+        server.base_url = loop.call(start())
         yield server
-    finally:
-
-        async def shutdown() -> None:
-            await runner.cleanup()
-            # Handlers still waiting (e.g. sleep_forever) end here, not at loop close.
-            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in others:
-                task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
 
 
 @pytest.fixture

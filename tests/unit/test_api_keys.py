@@ -7,8 +7,6 @@ The servers are the socket-level fakes of ``tests/misbehaving.py``, which check 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +22,9 @@ from llm_annotator import (
     VLLMQueueAnnotator,
 )
 from llm_annotator.pool.discovery import FileSource, ServerDiscovery
-from tests.misbehaving import RawServer, completion_body, raw_server, whole
+from tests.cli import run_job
+from tests.misbehaving import RawServer, completion_body, head, raw_server, whole
 
-COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
 MESSAGES = [{"role": "user", "content": "hi"}]
 PLANTED = "sk-planted-7f3a9c1e5b"
 
@@ -153,7 +151,6 @@ def quoting_server_answer(status: int) -> object:
     """An answer that quotes the Authorization header back, as some proxies do."""
 
     async def answer(writer: object, request: object) -> None:
-        from tests.misbehaving import head
 
         header = request.headers.get("authorization", "")  # type: ignore[attr-defined]
         if status == 200:
@@ -175,29 +172,14 @@ def test_a_key_quoted_back_never_reaches_any_output(
     data = tmp_path / "rows.jsonl"
     data.write_bytes(b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(6)))
     with raw_server(quoting_server_answer(status)) as server:  # type: ignore[arg-type]
-        done = subprocess.run(
-            [
-                COMMAND,
-                "run",
-                "--servers",
-                server.base_url,
-                "--input",
-                str(data),
-                "--prompt-template",
-                "Label: {text}",
-                "--output-dir",
-                str(tmp_path / "run"),
-                "--api-key-env",
-                "ANNOTATOR_TEST_KEY",
-                "--log-format",
-                "json",
-                "--jsonl",
-            ],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
+        done = run_job(
+            server.base_url,
+            data,
+            tmp_path / "run",
+            "--api-key-env",
+            "ANNOTATOR_TEST_KEY",
+            "--jsonl",
             timeout=120,
-            check=False,
         )
         quoted = [r for r in server.chat_requests if PLANTED in r.headers["authorization"]]
         with VLLMQueueAnnotator([server.base_url], api_key=PLANTED) as pool:
@@ -241,26 +223,14 @@ def test_the_command_stops_on_a_refused_key_naming_the_server(
     key_file.write_text("wrong\n", encoding="utf-8")
     data = tmp_path / "rows.jsonl"
     data.write_bytes(b'{"text": "a"}\n')
-    done = subprocess.run(
-        [
-            COMMAND,
-            "run",
-            "--servers",
-            server.base_url,
-            "--input",
-            str(data),
-            "--prompt-template",
-            "{text}",
-            "--output-dir",
-            str(tmp_path / "run"),
-            "--api-key-file",
-            str(key_file),
-        ],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
+    done = run_job(
+        server.base_url,
+        data,
+        tmp_path / "run",
+        "--api-key-file",
+        str(key_file),
+        template="{text}",
         timeout=60,
-        check=False,
     )
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
@@ -273,7 +243,6 @@ def echo_key(kind: str, padding: int) -> object:
     """A server that quotes the Authorization header back, after ``padding`` bytes."""
 
     async def answer(writer: object, request: object) -> None:
-        from tests.misbehaving import head
 
         header = request.headers.get("authorization", "")  # type: ignore[attr-defined]
         quoted = "p" * padding + header

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from llm_annotator import OutputWriteError, VLLMQueueAnnotator
+from tests.cli import run_job
 from tests.conftest import REQUIRE_VLLM_ENV
 from tests.unit.conftest import FakeServer
 
-COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
 ROWS = 400
 
 
@@ -103,27 +102,7 @@ def test_the_command_on_a_full_disk_exits_1_without_a_traceback(
     fake_server: FakeServer, small_disk: Path, tmp_path: Path
 ) -> None:
     """`llm-annotator run` says what happened in one error line and exits 1."""
-    done = subprocess.run(
-        [
-            COMMAND,
-            "run",
-            "--servers",
-            fake_server.base_url,
-            "--input",
-            str(rows(tmp_path)),
-            "--prompt-template",
-            "Label: {text}",
-            "--output-dir",
-            str(small_disk / "run"),
-            "--log-format",
-            "json",
-        ],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_job(fake_server.base_url, rows(tmp_path), small_disk / "run", timeout=120)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("llm-annotator run:")]
