@@ -44,7 +44,10 @@ def threaded_loop(name: str, cleanup: Callable[[], Awaitable[None]]) -> Iterator
                 task.cancel()
             await asyncio.gather(*others, return_exceptions=True)
 
-        running.call(stop())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+        try:
+            running.call(stop())
+        finally:  # even when the clean-up failed: never leave the thread behind
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            if not thread.is_alive():
+                loop.close()

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from llm_annotator._constants import MAX_RESPONSE_BYTES
+from llm_annotator import _constants as default
 from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_setting
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import (
@@ -126,12 +126,17 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("system_message", _text, "a system message for every row"),
     _Setting("columns", _strings, "input columns to keep in the output (default: all)", nargs="+"),
     _Setting("model", _text, "model name (default: what the servers serve)"),
-    _Setting("batch_size", _POSITIVE_INT, "rows per batch (default 256)", 256),
+    _Setting(
+        "batch_size",
+        _POSITIVE_INT,
+        f"rows per batch (default {default.BATCH_SIZE})",
+        default.BATCH_SIZE,
+    ),
     _Setting(
         "max_concurrent_batches_per_client",
         _POSITIVE_INT,
-        "batches in flight per server (default 4)",
-        4,
+        f"batches in flight per server (default {default.MAX_CONCURRENT_BATCHES})",
+        default.MAX_CONCURRENT_BATCHES,
     ),
     _Setting("max_completion_tokens", _POSITIVE_INT, "upper bound on generated tokens"),
     _Setting(
@@ -145,7 +150,10 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("seed", _SEED, "random seed for reproducible sampling"),
     _Setting("output_schema", _text, "JSON schema file the answers must follow"),
     _Setting(
-        "max_regenerations", _COUNT, "with a schema: retries of invalid answers (default 2)", 2
+        "max_regenerations",
+        _COUNT,
+        f"with a schema: retries of invalid answers (default {default.MAX_REGENERATIONS})",
+        default.MAX_REGENERATIONS,
     ),
     _Setting("retry_errors", _bool, "send again the rows that ended in error", False),
     _Setting("force", _bool, "resume even if the directory was made with other settings", False),
@@ -170,23 +178,26 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting(
         "timeout",
         _SECONDS,
-        "seconds one request may take, answer included (default 3600)",
-        3600.0,
+        f"seconds one request may take, answer included (default {default.TIMEOUT:g})",
+        default.TIMEOUT,
     ),
     _Setting(
         "max_response_bytes",
         _POSITIVE_INT,
         "largest answer read from a server, in bytes (default 16 MiB)",
-        MAX_RESPONSE_BYTES,
+        default.MAX_RESPONSE_BYTES,
     ),
     _Setting(
-        "stop_grace", _GRACE, "seconds in-flight requests get after a signal (default 30)", 30.0
+        "stop_grace",
+        _GRACE,
+        f"seconds in-flight requests get after a signal (default {default.STOP_GRACE:g})",
+        default.STOP_GRACE,
     ),
     _Setting(
         "all_down_timeout",
         _SECONDS,
-        "seconds to wait when every server is down (default 300)",
-        300.0,
+        f"seconds to wait when every server is down (default {default.ALL_DOWN_TIMEOUT:g})",
+        default.ALL_DOWN_TIMEOUT,
     ),
     _Setting("log_format", _log_format, "json or console (default: console on a terminal)"),
 )

@@ -80,9 +80,11 @@ def run_demo(
         print(f"starting {num_servers} local vLLM servers on the tiny model...", file=out)
         started = time.monotonic()
         servers = start_local_servers(num_servers)
-        base_urls = servers.base_urls
-        print(f"  ready in {time.monotonic() - started:.1f} s: {', '.join(base_urls)}", file=out)
     try:
+        if servers is not None:
+            base_urls = servers.base_urls
+            ready = time.monotonic() - started
+            print(f"  ready in {ready:.1f} s: {', '.join(base_urls)}", file=out)
         with VLLMQueueAnnotator(list(base_urls), batch_size=64) as pool:
             result = pool.annotate(rows, PROMPT, output_dir, options=options)
             members = pool.statistics().members

@@ -5,8 +5,9 @@ caller on a heap of deadlines, and a driver task jumps the time to the earliest 
 whenever the event loop has had a few turns with nothing else to do. Paired with
 :class:`ClockedClient` (a VLLMOnlineClient whose requests, health checks and model
 list take fake time and no network), a test of health intervals, backoff or the
-all-down deadline runs minutes of pool time in milliseconds, and in the same order
-every time.
+all-down deadline runs minutes of pool time in milliseconds. Time moves on only after
+the loop has had a few turns, so a test must not mix in real waits (threads, sockets):
+they would see fake time jump past them.
 """
 
 from __future__ import annotations
@@ -66,9 +67,12 @@ class FakeClock:
                 heapq.heappop(self._heap)
             if not self._heap:
                 return
-            deadline, _, future = heapq.heappop(self._heap)
+            deadline = self._heap[0][0]
             self.time = max(self.time, deadline)
-            future.set_result(None)
+            while self._heap and self._heap[0][0] <= deadline:  # all who wake now
+                future = heapq.heappop(self._heap)[2]
+                if not future.done():
+                    future.set_result(None)
 
 
 Answer = Callable[[str, float], "Response | ProviderError | None"]

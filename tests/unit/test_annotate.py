@@ -275,3 +275,28 @@ def test_a_single_client_annotates_too(fake_server: FakeServer, tmp_path: Path) 
     assert result.jsonl_path is not None
     lines = result.jsonl_path.read_bytes().splitlines()
     assert [orjson.loads(line)["id"] for line in lines] == list(range(50))
+
+
+def test_a_row_the_store_claims_without_a_result_fails_the_job_loudly(
+    fake_servers: FakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the done-id set claimed a row it never saw (an 8-byte hash collision), the job
+    would skip it; it must end in a JobError that says rows are missing, not a quiet
+    success."""
+    from llm_annotator import JobError
+    from llm_annotator.jobs.store import ResultStore
+
+    servers = fake_servers(1)
+    data = write_jsonl(tmp_path / "data.jsonl", rows(20))
+    real = ResultStore.is_done
+
+    def claims_row_7(self: ResultStore, row_id: Any) -> bool:
+        return row_id == 7 or real(self, row_id)
+
+    monkeypatch.setattr(ResultStore, "is_done", claims_row_7)
+    with (
+        pool_of(servers) as pool,
+        pytest.raises(JobError, match="1 of the 20 input rows have no result"),
+    ):
+        pool.annotate(data, TEMPLATE, tmp_path / "run", progress=False)
+    assert len(servers[0].requests) == 19

@@ -234,8 +234,10 @@ def test_the_command_stops_on_a_refused_key_naming_the_server(
     )
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
-    assert server.base_url in done.stderr and "HTTP 401" in done.stderr
-    assert "--api-key-file" in done.stderr
+    final = [line for line in done.stderr.splitlines() if line.startswith("llm-annotator run:")]
+    assert len(final) == 1, done.stderr[-2000:]  # one error line, beside the JSON logs
+    assert server.base_url in final[0] and "HTTP 401" in final[0]
+    assert "--api-key-file" in final[0]
     assert server.chat_requests == []
 
 

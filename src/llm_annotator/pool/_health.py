@@ -49,6 +49,8 @@ class PoolHealth(PoolCore):
                 await self._clock.sleep(pause)
 
     async def _after_probe(self, run: Run, member: Member, healthy: bool) -> None:
+        if self._members.get(member.url) is not member:
+            return  # removed while the probe ran
         state = member.state
         if state is MemberState.HEALTHY:
             failed = member.note_probe(healthy)
@@ -89,6 +91,8 @@ class PoolHealth(PoolCore):
             return
         if member.state not in (MemberState.JOINING, MemberState.EVICTED):
             return  # disabled or drained while /v1/models was asked
+        if self._members.get(member.url) is not member:
+            return  # removed meanwhile
         if member.admit():
             log.info("member_readmitted", server=member.url, model=member.client.model)
         else:
@@ -179,9 +183,12 @@ class PoolHealth(PoolCore):
         run.notify()
 
     def _disable(self, run: Run, member: Member, reason: str) -> None:
+        draining = member.state is MemberState.DRAINING
         if not member.disable(reason):
             return  # disabled already (a second answer of the same kind)
         self._cancel_in_flight(run, member)
+        if draining:
+            self._forget(member)  # it was leaving; it will not finish anything now
         log.error("member_disabled", server=member.url, reason=reason)
         run.notify()
 

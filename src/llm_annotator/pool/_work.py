@@ -56,7 +56,10 @@ class PoolWork(PoolHealth):
                 continue
             now = self._clock.now()
             if not member.takes_work(now):
-                wait = member.backoff_until - now
+                # Not healthy: every change of state notifies, so a long wait is fine.
+                # Backing off: wake when the pause ends.
+                backing_off = member.state is MemberState.HEALTHY
+                wait = member.backoff_until - now if backing_off else 1.0
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
             batch = run.take(self._working_slots())

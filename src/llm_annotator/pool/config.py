@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +22,8 @@ from llm_annotator.response import ON_ERROR_VALUES, OnError
 class PoolConfig:
     """What a :class:`~llm_annotator.VLLMQueueAnnotator` is set to; see its arguments.
 
-    Every field is checked when the object is made; change one with
-    ``dataclasses.replace``, which checks again.
+    Every field is checked when the object is made (seconds are stored as floats); change
+    one with ``dataclasses.replace``, which checks again.
 
     Raises:
         ConfigurationError: For the first setting out of range, naming it.
@@ -64,24 +66,30 @@ class PoolConfig:
         ):
             positive_int(name, getattr(self, name))
         non_negative_int("max_sample_retries", self.max_sample_retries)
-        for name in ("timeout", "connect_timeout", "health_check_interval", "health_check_timeout"):
-            positive_seconds(name, getattr(self, name))  # stored as given; range checked
-        if not (
-            isinstance(self.all_down_timeout, int | float)
-            and not isinstance(self.all_down_timeout, bool)
-            and self.all_down_timeout > 0
-        ):  # float("inf") is allowed: wait for a server for ever
-            raise ConfigurationError(
-                f"all_down_timeout must be a positive number of seconds, got "
-                f"{self.all_down_timeout!r}"
-            )
+        for name in ("timeout", "connect_timeout"):  # per request: must be finite
+            object.__setattr__(self, name, positive_seconds(name, getattr(self, name)))
+        for name in ("health_check_interval", "health_check_timeout", "all_down_timeout"):
+            value = getattr(self, name)  # float("inf") allowed: never / wait for ever
+            if not (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and value > 0
+                and not math.isnan(value)
+            ):
+                raise ConfigurationError(
+                    f"{name} must be a positive number of seconds, got {value!r}"
+                )
+            object.__setattr__(self, name, float(value))
         one_of("on_error", self.on_error, ON_ERROR_VALUES)
-        if not isinstance(self.hedge_tail, bool):
-            raise ConfigurationError(f"hedge_tail must be True or False, got {self.hedge_tail!r}")
+        object.__setattr__(self, "hedge_tail", bool(self.hedge_tail))
 
 
 class FromConfig:
-    """A read-only attribute of the pool that shows one field of its :class:`PoolConfig`."""
+    """An attribute of the pool that is one field of its :class:`PoolConfig`.
+
+    Reading it reads the config; setting it replaces the config with a checked copy
+    (``dataclasses.replace``), so ``pool.batch_size = 64`` still works and is validated.
+    """
 
     __slots__ = ("name",)
 
@@ -92,3 +100,6 @@ class FromConfig:
         if instance is None:
             return self
         return getattr(instance.config, self.name)
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        instance.config = dataclasses.replace(instance.config, **{self.name: value})

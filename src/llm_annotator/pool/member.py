@@ -109,6 +109,8 @@ class Member:
             True if it rejoined (it was evicted, or down when the call started),
             False on a first join.
         """
+        if self.state not in (MemberState.JOINING, MemberState.EVICTED):
+            raise RuntimeError(f"member {self.url}: admit from {self.state.value}")
         rejoined = self.was_down or self.evictions > 0
         self._move(MemberState.HEALTHY)
         self.failed_probes = 0
@@ -122,6 +124,8 @@ class Member:
 
     def mark_down(self, reason: str) -> bool:
         """JOINING -> EVICTED: down from the start; probed until it answers."""
+        if self.state is not MemberState.JOINING:
+            raise RuntimeError(f"member {self.url}: mark_down from {self.state.value}")
         self._move(MemberState.EVICTED)
         self.was_down = True
         self.last_error = self.last_error or reason
