@@ -359,3 +359,18 @@ def test_a_deadline_must_be_finite_and_positive(setting: str, value: float) -> N
 
     with pytest.raises(ConfigurationError, match=setting):
         VLLMOnlineClient(base_url="http://127.0.0.1:1/v1", **{setting: value})
+
+
+async def test_a_callers_cancellation_stays_a_cancellation() -> None:
+    """Only the deadline's own cancellation becomes read_timeout: a request cancelled by
+    its caller (a pool evicting the server) ends as cancelled, at once."""
+    with raw_server(silent) as server:  # type: ignore[arg-type]
+        async with client(server.base_url, timeout=DEADLINE) as c:
+            request = asyncio.ensure_future(c.agenerate(messages=MESSAGES))
+            await asyncio.sleep(0.3)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            response, seconds = await ask(server.base_url, timeout=DEADLINE)  # still works
+    assert response.error_type == ErrorKind.READ_TIMEOUT
+    assert seconds <= DEADLINE + 1.0

@@ -21,6 +21,7 @@ import aiohttp
 import structlog
 
 from llm_annotator._constants import KEEPALIVE_TIMEOUT, MAX_CONNECTIONS, MAX_RESPONSE_BYTES
+from llm_annotator.clients._deadline import Deadlines
 from llm_annotator.errors import (
     ConfigurationError,
     DisconnectedError,
@@ -200,9 +201,13 @@ class HttpTransport:
     ) -> None:
         self.base_url = normalize_base_url(base_url)
         self.root = self.base_url.removesuffix("/v1")
+        # The whole-request deadline is ours (clients/_deadline.py: cheaper than
+        # aiohttp's total); aiohttp bounds only the connect.
         self._timeout = aiohttp.ClientTimeout(
-            total=read_timeout, connect=None, sock_connect=connect_timeout, sock_read=None
+            total=None, connect=None, sock_connect=connect_timeout, sock_read=None
         )
+        self._read_timeout = read_timeout
+        self._deadlines: dict[asyncio.AbstractEventLoop, Deadlines] = {}
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
         self._max_bytes = max_response_bytes
@@ -268,6 +273,7 @@ class HttpTransport:
                 trust_env=False,
             )
             self._sessions[loop] = session
+            self._deadlines[loop] = Deadlines(loop)
             _LIVE.add(self)
         return session
 
@@ -282,8 +288,12 @@ class HttpTransport:
             ProviderError: A :class:`TransportError` subclass when no whole answer came
                 in time, or :class:`OversizedResponseError`.
         """
+        session = self._session()
+        task: asyncio.Task[object] = asyncio.current_task()  # type: ignore[assignment]
+        deadlines = self._deadlines[task.get_loop()]
+        deadlines.watch(task, self._read_timeout)
         try:
-            async with self._session().post(
+            async with session.post(
                 self.base_url + path, data=body, allow_redirects=False
             ) as answer:
                 raw = self.redact_body(await self._read(answer))
@@ -292,6 +302,13 @@ class HttpTransport:
             # Not chained: aiohttp's exception holds the request headers (the key) and
             # may quote the raw answer.
             raise self._map(exc) from None
+        except asyncio.CancelledError:
+            if not deadlines.expired(task):
+                raise
+            task.uncancel()  # the deadline's cancellation, not the caller's
+            raise self._map(TimeoutError()) from None
+        finally:
+            deadlines.release(task)
 
     async def get(self, url: str, *, timeout: float | None = None) -> tuple[int, bytes, str | None]:
         """GET an absolute URL on this server, with an overall ``timeout`` if given.

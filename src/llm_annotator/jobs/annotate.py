@@ -518,7 +518,7 @@ class _Job:
         """Write the row's record, or send it again for a better answer."""
         # Every answer's tokens count, regenerated ones too: what the servers generated
         # for this run. The bar's and report.json's rates are both this one figure.
-        self.progress.add(rows=0, output_tokens=response.num_output_tokens or 0)
+        self.progress.add_tokens(response.num_output_tokens or 0)
         self.prompt_tokens += response.num_prompt_tokens or 0
         parsed = None
         if self.schema is not None and response.ok:

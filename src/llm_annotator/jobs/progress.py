@@ -76,6 +76,10 @@ class Progress:
             self._shown = now
             self.show()
 
+    def add_tokens(self, output_tokens: int) -> None:
+        """Count the output tokens of one answer (a regenerated one too); no display."""
+        self.output_tokens += output_tokens
+
     def rates(self) -> tuple[float, float]:
         """Rows per second and output tokens per second, in this process."""
         elapsed = max(self.clock() - self.started, 1e-9)
