@@ -71,16 +71,28 @@ _RUNNER = _LoopThread()
 
 
 def _close_transports_at_exit() -> None:
-    """Close the connections clients left open on the background loop."""
+    """Close the connections clients left open on the background loop, then stop it.
+
+    The loop must not still be running when the interpreter tears down: a TLS
+    connection being shut down in that thread then can crash the process (seen once as
+    SIGSEGV after a finished https job). So the loop gets a moment to finish closing
+    (TLS close_notify), is stopped, and its thread is joined.
+    """
     from llm_annotator.clients._transport import live_transports
 
-    loop = _RUNNER._loop
+    loop, thread = _RUNNER._loop, _RUNNER._thread
     if loop is None or not loop.is_running():
         return
-    for transport in live_transports():
-        future = asyncio.run_coroutine_threadsafe(transport.aclose(), loop)
-        with contextlib.suppress(Exception):
-            future.result(timeout=2)
+
+    async def close_all() -> None:
+        await asyncio.gather(*(t.aclose() for t in live_transports()), return_exceptions=True)
+        await asyncio.sleep(0.1)  # let TLS connections finish closing
+
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(close_all(), loop).result(timeout=3)
+    loop.call_soon_threadsafe(loop.stop)
+    if thread is not None:
+        thread.join(timeout=3)
 
 
 atexit.register(_close_transports_at_exit)
