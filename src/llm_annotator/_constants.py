@@ -75,3 +75,27 @@ under it (even 32k tokens of output with top-20 logprobs is a few MiB of JSON), 
 proxy's error page streamed without end, a wrong endpoint sending a file, or a broken
 server that never stops is cut off before one request costs the process real memory.
 Answers are read in pieces and never buffered past the cap."""
+
+MAX_SERVER_FAULTS = 3
+"""Answers in a row that are the server's fault (garbage, a 5xx, a cut-off body, a hung
+request) that evict a pool member. Three, not one: a live server may drop one keep-alive
+connection at the wrong moment, and a second failure may already be in flight; not
+twenty: a member answering garbage spoils a few of its samples' first tries before it
+goes, and each of those is sent again elsewhere."""
+
+STALL_WINDOW = 30.0
+"""The least time a pool member may hold requests and answer none before it is taken
+for hung (its ``/health`` may still say 200). The window grows with the longest gap
+between answers the member (or, before its first answer, the pool) has shown: three
+times that gap. 30 s is three times the longest stall of a live server seen here
+(10 s of no tokens with badly bound threads)."""
+
+STALL_FACTOR = 3.0
+"""How many times its longest gap between answers a member may go quiet."""
+
+CANARY_TIMEOUT = 30.0
+"""Seconds the one-token test completion that re-admits an evicted member may take."""
+
+MAX_PROBATION = 300.0
+"""The longest wait before an evicted member is tried again; the wait doubles with each
+eviction and each failed test completion, from ``health_check_interval``."""

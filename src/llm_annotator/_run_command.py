@@ -188,6 +188,20 @@ _SETTINGS: tuple[_Setting, ...] = (
         default.MAX_RESPONSE_BYTES,
     ),
     _Setting(
+        "max_server_faults",
+        _POSITIVE_INT,
+        "answers in a row that are a server's fault (garbage, 5xx, cut off) that evict it "
+        f"(default {default.MAX_SERVER_FAULTS})",
+        default.MAX_SERVER_FAULTS,
+    ),
+    _Setting(
+        "stall_window",
+        _SECONDS,
+        "least seconds a server may hold requests and answer none before it is taken for "
+        f"hung (default {default.STALL_WINDOW:g})",
+        default.STALL_WINDOW,
+    ),
+    _Setting(
         "stop_grace",
         _GRACE,
         f"seconds in-flight requests get after a signal (default {default.STOP_GRACE:g})",
@@ -360,6 +374,8 @@ def run_command(args: argparse.Namespace) -> int:
         api_key=api_key_from(settings),
         verify=verify_from(settings),
         max_response_bytes=settings["max_response_bytes"],
+        max_server_faults=settings["max_server_faults"],
+        stall_window=settings["stall_window"],
     )
     annotator = Annotator(pool, stop_grace=settings["stop_grace"])
     try:

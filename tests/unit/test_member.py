@@ -58,11 +58,11 @@ def test_counters_follow_the_transitions() -> None:
     streaks; a first admission is a join, not a readmission."""
     member = member_in(S.JOINING)
     assert member.admit() is False and member.readmissions == 0
-    member.note_malformed()
+    member.note_fault()
     member.back_off(100.0, lambda attempt: 2.0)
     assert not member.takes_work(101.0) and member.takes_work(102.0)
     assert member.evict("gone") and member.evictions == 1 and member.last_error == "gone"
     assert member.admit() is True and member.readmissions == 1
-    assert (member.malformed_streak, member.overload_streak, member.backoff_until) == (0, 0, 0.0)
+    assert (member.fault_streak, member.overload_streak, member.backoff_until) == (0, 0, 0.0)
     assert member.note_probe(False) == 1 and member.note_probe(False) == 2
     assert member.note_probe(True) == 0

@@ -14,12 +14,10 @@ import structlog
 from aiohttp import web
 
 from llm_annotator import (
-    ErrorKind,
     PoolExhaustedError,
     PoolStatistics,
     VLLMQueueAnnotator,
 )
-from llm_annotator.pool.policy import Action, action_for
 from llm_annotator.pool.run import Run
 from llm_annotator.response import Response
 from tests.unit.conftest import FakeServer, completion, echo, error, sleep_forever
@@ -34,7 +32,8 @@ def conversations(n: int) -> list[list[dict[str, str]]]:
 
 
 def index_of(request: dict[str, Any]) -> int:
-    return int(request["messages"][0]["content"].split()[1])
+    words = request["messages"][0]["content"].split()
+    return int(words[1]) if len(words) > 1 and words[1].isdigit() else -1  # -1: a test completion
 
 
 def delayed_echo(seconds: float) -> Any:
@@ -52,28 +51,6 @@ def assert_all_answered_in_order(responses: list[Any], n: int) -> None:
     bad = [r for r in responses if not r.ok]
     assert not bad, bad[:3]
     assert [r.text for r in responses] == [f"sample {i}" for i in range(n)]
-
-
-@pytest.mark.parametrize(
-    ("kind", "action"),
-    [
-        (ErrorKind.CONNECT, Action.EVICT),
-        (ErrorKind.CONNECT_TIMEOUT, Action.VERIFY),
-        (ErrorKind.ENGINE_DEAD, Action.EVICT),
-        (ErrorKind.DISCONNECTED, Action.VERIFY),
-        (ErrorKind.READ_TIMEOUT, Action.CHECK_HEALTH),
-        (ErrorKind.OVERLOADED, Action.BACKOFF),
-        (ErrorKind.SERVER_ERROR, Action.RETRY),
-        (ErrorKind.AUTH, Action.DISABLE),
-        (ErrorKind.NOT_FOUND, Action.DISABLE),
-        (ErrorKind.BAD_REQUEST, Action.ERROR_ROW),
-        (ErrorKind.HTTP_ERROR, Action.ERROR_ROW),
-        (ErrorKind.MALFORMED, Action.ERROR_ROW),
-    ],
-)
-def test_failure_taxonomy(kind: ErrorKind, action: Action) -> None:
-    """Each kind of failure leads to the action the design's taxonomy names."""
-    assert action_for(kind) is action
 
 
 def test_work_spreads_over_members_and_comes_back_in_order(fake_servers: FakeServers) -> None:
@@ -514,6 +491,7 @@ def dying_handler(server: FakeServer, trigger: int, down_for: float) -> Any:
     return handle
 
 
+@pytest.mark.timeout(40)
 def test_sample_that_kills_servers_by_reset_is_poison(fake_servers: FakeServers) -> None:
     """A sample whose request makes each server drop every connection (as a SIGKILL
     does) is marked poison after max_sample_evictions; every other sample succeeds."""

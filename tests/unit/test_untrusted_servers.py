@@ -10,7 +10,6 @@ completion, a redirect to another port.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from llm_annotator import ErrorKind, Response, VLLMOnlineClient, VLLMQueueAnnotator
+from llm_annotator import (
+    ErrorKind,
+    PoolExhaustedError,
+    Response,
+    VLLMOnlineClient,
+    VLLMQueueAnnotator,
+)
 from tests.misbehaving import Request, completion_body, head, raw_server, whole
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -332,20 +337,27 @@ def wrong_counts() -> Iterator[str]:
         yield server.base_url
 
 
-def test_annotate_survives_a_server_of_wrong_answers(wrong_counts: str, tmp_path: Path) -> None:
-    """A job over a server whose every answer is malformed ends with error rows that say
-    why, not with an exception."""
-    rows = [{"text": f"row {i}"} for i in range(10)]  # fewer than evict a member
-    with VLLMQueueAnnotator([wrong_counts], batch_size=4, all_down_timeout=5) as pool:
-        result = pool.annotate(rows, "Label: {text}", tmp_path / "run", progress=False)
-    assert result.num_rows == 10
-    assert result.num_failed == 10
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(result.output_path).to_pylist()
-    assert {r["error_type"] for r in table} == {"malformed_response"}
-    assert all("usage.prompt_tokens is '5'" in r["error"] for r in table)
-    assert os.path.exists(result.report_path)
+def test_a_job_over_a_server_of_wrong_answers_stops_and_writes_no_final_row(
+    wrong_counts: str, tmp_path: Path
+) -> None:
+    """A job over a server whose every answer is malformed: the server is at fault, not
+    the rows, so it is evicted, no test completion re-admits it, and the job stops after
+    all_down_timeout naming the defect, with no row written as final: the same call
+    later sends them all again."""
+    rows = [{"text": f"row {i}"} for i in range(10)]
+    with VLLMQueueAnnotator([wrong_counts], batch_size=4, all_down_timeout=1) as pool:
+        with pytest.raises(PoolExhaustedError) as info:
+            pool.annotate(rows, "Label: {text}", tmp_path / "run", progress=False)
+        member = pool.statistics().member(wrong_counts)
+    assert "usage.prompt_tokens is '5'" in str(info.value)
+    assert member.evictions == 1 and member.readmissions == 0
+    assert member.completed == 0 and member.errors == 0
+    written = [
+        line
+        for shard in (tmp_path / "run" / "shards").glob("*.jsonl")
+        for line in shard.read_text().splitlines()
+    ]
+    assert written == []
 
 
 async def test_a_redirect_on_model_discovery_names_the_location() -> None:

@@ -19,6 +19,7 @@ from llm_annotator._constants import (
 )
 from llm_annotator._constants import MAX_CONNECTIONS as _MAX_CONNECTIONS
 from llm_annotator._sync import run_sync
+from llm_annotator.clients._metrics import engine_progress
 from llm_annotator.clients._transport import HttpTransport, Verify, server_root, unverified_context
 from llm_annotator.clients.base import Messages, ProviderRuntimeOptions, json_schema_format
 from llm_annotator.clients.openai_client import OpenAIClient, check_single_choice
@@ -421,6 +422,26 @@ class VLLMOnlineClient(OpenAIClient[VLLMOnlineRuntimeOptions]):
             Whether the server answers with status 200.
         """
         return run_sync(self.ais_healthy(timeout))
+
+    async def aengine_progress(self, timeout: float = HEALTH_TIMEOUT) -> float | None:
+        """How much work the server's engine has done so far, from its ``/metrics``.
+
+        The sum of vLLM's counters of prompt tokens, generated tokens and finished
+        requests: it grows while the engine works, and stands still when the engine is
+        hung behind an API server that still answers ``/health``.
+
+        Args:
+            timeout: Maximum number of seconds to wait for the answer.
+
+        Returns:
+            The sum, or None if ``/metrics`` could not be read or has no such counter.
+        """
+        transport = self._transport
+        try:
+            status, body, _ = await transport.get(transport.root + "/metrics", timeout=timeout)
+        except ProviderError:
+            return None
+        return engine_progress(body) if status == 200 else None
 
     def generate(
         self,

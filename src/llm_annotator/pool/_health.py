@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import structlog
 
+from llm_annotator import _constants as default
 from llm_annotator.errors import (
     ErrorKind,
     PoolExhaustedError,
@@ -14,11 +16,14 @@ from llm_annotator.errors import (
 )
 from llm_annotator.pool._core import PoolCore
 from llm_annotator.pool.member import Member, MemberState
-from llm_annotator.pool.policy import CONFIGURATION_KINDS
+from llm_annotator.pool.policy import CONFIGURATION_KINDS, hung, probation, stall_window
 from llm_annotator.pool.run import Run
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
+
+CANARY_MESSAGES = [{"role": "user", "content": "Say OK."}]
+"""The test completion an evicted member must answer before it takes work again."""
 
 
 class PoolHealth(PoolCore):
@@ -31,6 +36,9 @@ class PoolHealth(PoolCore):
             if self._members.get(member.url) is not member:
                 return
             started = self._clock.now()
+            if member.state is MemberState.EVICTED and started < member.probation_until:
+                await self._clock.sleep(member.probation_until - started)
+                continue
             evictions = member.evictions
             problem = await member.client.acheck_health(self.config.health_check_timeout)
             joining = member.state is MemberState.JOINING
@@ -91,6 +99,18 @@ class PoolHealth(PoolCore):
             return
         if member.state not in (MemberState.JOINING, MemberState.EVICTED):
             return  # disabled or drained while /v1/models was asked
+        if member.evictions > 0:
+            # /health says 200 for a hung engine or a server answering garbage: only
+            # a real completion proves the member fit again.
+            problem = await self._canary(member)
+            if problem is not None:
+                member.failed_canaries += 1
+                member.last_error = f"test completion failed: {problem}"
+                member.probation_until = self._clock.now() + self._probation(member)
+                log.info("canary_failed", server=member.url, reason=problem)
+                return
+            if member.state is not MemberState.EVICTED:
+                return  # disabled or drained meanwhile
         if self._members.get(member.url) is not member:
             return  # removed meanwhile
         if member.admit():
@@ -98,6 +118,100 @@ class PoolHealth(PoolCore):
         else:
             log.info("member_joined", server=member.url, model=member.client.model)
         run.notify()
+
+    async def _canary(self, member: Member) -> str | None:
+        """Send the one-token test completion; None if it succeeded, else what failed."""
+        client = member.client
+        params = client.encode_params(None, {"max_tokens": 1})
+        try:
+            async with asyncio.timeout(default.CANARY_TIMEOUT):
+                result = await client.asend(CANARY_MESSAGES, params)
+        except TimeoutError:
+            return f"no answer within {default.CANARY_TIMEOUT:g} s"
+        if isinstance(result, ProviderError):
+            return str(result)
+        return None
+
+    def _probation(self, member: Member) -> float:
+        return probation(
+            member.evictions,
+            member.failed_canaries,
+            self.config.health_check_interval,
+            default.MAX_PROBATION,
+        )
+
+    async def _watch_progress(self, run: Run, member: Member) -> None:
+        """Evict a member that holds requests and answers none for its stall window,
+        unless its engine's own counters show it working."""
+        config = self.config
+        if math.isinf(config.stall_window):
+            return
+        while not run.finished:
+            if self._members.get(member.url) is not member:
+                return
+            if member.state is MemberState.DISABLED:
+                return
+            window, timing_decides = stall_window(
+                config.stall_window,
+                own_gap=member.longest_gap,
+                pool_gap=self._pool_gap(member),
+                factor=default.STALL_FACTOR,
+            )
+            quiet = member.quiet_for(self._clock.now())
+            if member.state is MemberState.HEALTHY and quiet >= window / 2:
+                await self._check_stall(run, member, window, timing_decides)
+            await self._clock.sleep(max(0.05, min(1.0, window / 8)))
+
+    async def _check_stall(
+        self, run: Run, member: Member, window: float, timing_decides: bool
+    ) -> None:
+        epoch = (member.busy_since, member.last_answer_at)
+        progress = await member.client.aengine_progress(self.config.health_check_timeout)
+        if epoch != (member.busy_since, member.last_answer_at) or not member.in_flight:
+            return  # an answer came meanwhile
+        if not member.progress_read:
+            member.progress_read, member.progress_seen = True, progress
+            return
+        quiet = member.quiet_for(self._clock.now())
+        verdict = hung(
+            quiet,
+            window,
+            timing_decides=timing_decides,
+            progress_before=member.progress_seen,
+            progress_now=progress,
+        )
+        if verdict is None:
+            return
+        if not verdict:
+            log.info(
+                "member_busy_not_hung",
+                server=member.url,
+                quiet_seconds=round(quiet, 1),
+                in_flight=len(member.in_flight),
+                engine_progress=progress,
+            )
+            member.busy_since = self._clock.now()  # watch it again from now
+            member.progress_read = False
+            return
+        metrics = (
+            "its engine's counters on /metrics stood still"
+            if progress is not None and member.progress_seen is not None
+            else "/metrics could not tell"
+        )
+        self._evict(
+            run,
+            member,
+            f"hung: it held {len(member.in_flight)} requests and answered none for "
+            f"{quiet:.1f} s (stall window {window:.1f} s); {metrics}",
+        )
+
+    def _pool_gap(self, member: Member) -> float | None:
+        gaps = [
+            m.longest_gap
+            for m in self._members.values()
+            if m is not member and m.longest_gap is not None
+        ]
+        return max(gaps, default=None)
 
     async def _verify(self, member: Member) -> bool:
         """One shared health check for all the requests that doubt this member."""
@@ -170,6 +284,7 @@ class PoolHealth(PoolCore):
         draining = member.state is MemberState.DRAINING
         if not member.evict(reason):
             return
+        member.probation_until = self._clock.now() + self._probation(member)
         poisoned = self._cancel_in_flight(run, member)
         log.warning(
             "member_evicted",
@@ -211,6 +326,11 @@ class PoolHealth(PoolCore):
         made it a poison sample (it then has its error Response)."""
         if not run.is_open(index):
             return False
+        marks = run.eviction_marks.setdefault(index, set())
+        mark = (member.url, member.evictions)
+        if mark in marks:
+            return False  # this eviction is counted already (the sample was sent twice)
+        marks.add(mark)
         history = run.evicted_with.setdefault(index, [])
         history.append(member.url)
         if len(history) >= self.config.max_sample_evictions:

@@ -10,14 +10,19 @@ from llm_annotator.clients._retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
 from llm_annotator.pool._health import PoolHealth
 from llm_annotator.pool.member import Member, MemberState
-from llm_annotator.pool.policy import Action, action_for
+from llm_annotator.pool.policy import (
+    Action,
+    action_for,
+    evicts,
+    fault_once_healthy,
+    gives_up_on_sample,
+    timeout_action,
+)
 from llm_annotator.pool.run import Run
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
 
-_MALFORMED_STREAK_TO_EVICT = 20
-"""Malformed answers in a row, without a good one between, that evict a member."""
 _MAX_OVERLOAD_REQUEUES = 50
 """Overload answers (429, 503) one sample may get before it becomes an error row."""
 
@@ -30,6 +35,7 @@ class PoolWork(PoolHealth):
         if member.state is MemberState.DISABLED:
             return
         self._spawn(self._probe_loop(run, member))
+        self._spawn(self._watch_progress(run, member))
         for _ in range(self.config.max_concurrent_batches_per_client):
             self._spawn(self._slot(run, member))
 
@@ -62,7 +68,7 @@ class PoolWork(PoolHealth):
                 wait = member.backoff_until - now if backing_off else 1.0
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
-            batch = run.take(self._working_slots())
+            batch = run.take(self._working_slots(), self._shunned_by(member))
             tail = run.source_done and not run.queue and not run.stopping
             if batch is None and self.config.hedge_tail and tail:
                 batch = self._hedge(run, member)
@@ -70,6 +76,16 @@ class PoolWork(PoolHealth):
                 await run.wait_for_change(1.0)
                 continue
             await self._run_batch(run, member, batch)
+
+    def _shunned_by(self, member: Member) -> str | None:
+        """``member``'s URL if samples that failed there should wait for another member
+        (one that takes work now); else None."""
+        if not self._run or not self._run.avoid:
+            return None
+        for other in self._members.values():
+            if other is not member and other.state is MemberState.HEALTHY:
+                return member.url
+        return None
 
     def _working_slots(self) -> int:
         healthy = sum(m.state is MemberState.HEALTHY for m in self._members.values())
@@ -85,11 +101,17 @@ class PoolWork(PoolHealth):
 
         others = [m for m in self._members.values() if m is not member and m.in_flight]
         suspects = run.evicted_with
+        failed_here = {i for i, url in run.avoid.items() if url == member.url}
         batch: list[int] = []
         for other in sorted(others, key=expected_end, reverse=True):
             for index in list(other.in_flight.values()):
                 # A sample that was on an evicted member may be what kills servers.
-                if index in run.open and index not in run.hedged and index not in suspects:
+                if (
+                    index in run.open
+                    and index not in run.hedged
+                    and index not in suspects
+                    and index not in failed_here
+                ):
                     batch.append(index)
                     if len(batch) == self.config.batch_size:
                         break
@@ -108,6 +130,7 @@ class PoolWork(PoolHealth):
         client = member.client
         arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
         tasks: dict[asyncio.Task[Response | ProviderError], int] = {}
+        member.note_sent(self._clock.now())
         for index in batch:
             task = asyncio.ensure_future(client.asend(run.open[index], params))
             task.add_done_callback(arrived.put_nowait)  # one callback a task: O(batch)
@@ -118,7 +141,10 @@ class PoolWork(PoolHealth):
                 task = await arrived.get()
                 member.in_flight.pop(task, None)
                 if not task.cancelled():
-                    self._settle(run, member, tasks[task], self._outcome(task, member))
+                    outcome = self._outcome(task, member)
+                    if not _timed_out(outcome):  # an answer: the member is not hung
+                        member.note_arrival(self._clock.now())
+                    self._settle(run, member, tasks[task], outcome)
         finally:
             for task in tasks:
                 if not task.done():
@@ -156,15 +182,18 @@ class PoolWork(PoolHealth):
             member.note_answer()
             return
         action = action_for(result.kind)
+        if action is Action.TIMED_OUT:
+            answering = self._clock.now() - member.last_answer_at < self.config.stall_window
+            action = timeout_action(member_answering=answering and member.completed > 0)
         reason = str(result)
         if action is Action.EVICT:
             self._evict(run, member, reason, cause=index)
-        elif action is Action.VERIFY or action is Action.CHECK_HEALTH:
+        elif action is Action.VERIFY:
             if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
                 self._requeue_one(run, member, index)  # already out; nothing to verify
             else:
                 member.suspects.add(index)
-                self._spawn(self._verify_then_settle(run, member, index, result, action))
+                self._spawn(self._verify_then_settle(run, member, index, result))
         elif action is Action.BACKOFF:
             member.back_off(self._clock.now(), retry_delay)
             member.last_error = reason
@@ -173,25 +202,52 @@ class PoolWork(PoolHealth):
                 self._error_row(run, member, index, result)
             else:
                 self._requeue_one(run, member, index)
-        elif action is Action.RETRY:
-            run.retries[index] += 1
-            member.last_error = reason
-            if run.retries[index] > self.config.max_sample_retries:
-                self._error_row(run, member, index, result)
-            else:
-                self._spawn(self._requeue_later(run, index, retry_delay(run.retries[index] - 1)))
+        elif action is Action.SERVER_FAULT:
+            self._server_fault(run, member, index, result)
         elif action is Action.DISABLE:
             self._requeue_one(run, member, index)
             self._disable(run, member, reason)
         else:
             self._error_row(run, member, index, result)
-            if result.kind in (ErrorKind.MALFORMED, ErrorKind.OVERSIZED):
-                streak = member.note_malformed()
-                if streak >= _MALFORMED_STREAK_TO_EVICT:
-                    self._evict(run, member, f"{streak} malformed answers in a row")
+
+    def _server_fault(self, run: Run, member: Member, index: int, error: ProviderError) -> None:
+        """The member failed the sample: count it against the member, send the sample
+        elsewhere (or end it, once it has failed on every try while others succeed)."""
+        reason = str(error)
+        member.last_error = reason
+        faults = run.note_fault(index, member.url)
+        if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
+            # Sent before the member was evicted, answered after: it was on the member
+            # when it broke, like the requests the eviction cancelled.
+            if not self._note_eviction(run, member, index):
+                self._requeue_one(run, member, index)
+            return
+        streak = member.note_fault(index)
+        log.debug(
+            "server_fault",
+            server=member.url,
+            kind=error.kind.value,
+            streak=streak,
+            sample_faults=faults,
+        )
+        if gives_up_on_sample(
+            faults,
+            self.config.max_sample_retries,
+            pool_answered_since=run.answered_since_first_fault(index),
+        ):
+            self._error_row(run, member, index, error)
+        else:
+            self._requeue_one(run, member, index)
+        if evicts(streak, self.config.max_server_faults):
+            broke_on = list(member.fault_samples)
+            self._evict(
+                run, member, f"{streak} answers in a row were the server's fault; last: {reason}"
+            )
+            for sample in broke_on:
+                self._note_eviction(run, member, sample)
 
     async def _verify_then_settle(
-        self, run: Run, member: Member, index: int, error: ProviderError, action: Action
+        self, run: Run, member: Member, index: int, error: ProviderError
     ) -> None:
         healthy = await self._verify(member)
         if not healthy:
@@ -203,20 +259,16 @@ class PoolWork(PoolHealth):
         member.suspects.discard(index)
         if not run.is_open(index):
             return
-        if action is Action.CHECK_HEALTH:
-            self._error_row(run, member, index, error)  # slow, on a healthy server
+        if fault_once_healthy(error.kind):
+            self._server_fault(run, member, index, error)
             return
-        # A dropped connection or connect timeout on a healthy server: try again, a
-        # bounded number of times, so a sample that always breaks its connection ends.
+        # A connect timeout on a healthy server: try again, a bounded number of times,
+        # so a sample that always breaks its connection ends.
         run.retries[index] += 1
         if run.retries[index] > self.config.max_sample_retries:
             self._error_row(run, member, index, error)
         else:
             self._requeue_one(run, member, index)
-
-    async def _requeue_later(self, run: Run, index: int, delay: float) -> None:
-        await self._clock.sleep(delay)
-        run.requeue([index])
 
     def _error_row(self, run: Run, member: Member, index: int, error: ProviderError) -> None:
         response = Response(
@@ -229,3 +281,7 @@ class PoolWork(PoolHealth):
         if run.store(index, response):
             member.errors += 1
             member.last_error = str(error)
+
+
+def _timed_out(outcome: Response | ProviderError) -> bool:
+    return isinstance(outcome, ProviderError) and outcome.kind is ErrorKind.READ_TIMEOUT

@@ -63,8 +63,8 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
 
     Args:
         base_urls: The servers' base URLs (``http://host:port/v1``).
-        clients: Ready clients instead of (or besides) ``base_urls``. Give them
-            ``max_retries=0``: the pool is the retry layer.
+        clients: Ready :class:`VLLMOnlineClient` objects instead of (or besides)
+            ``base_urls``. Give them ``max_retries=0``: the pool is the retry layer.
         model: Model name for the clients built from ``base_urls``; None asks each
             server.
         batch_size: Samples per batch.
@@ -99,6 +99,17 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             that says so.
         max_response_bytes: The largest answer read from a server, for clients built
             here (16 MiB by default; see :class:`VLLMOnlineClient`).
+        max_server_faults: Answers in a row that are the server's fault (not JSON or not
+            a chat completion, over ``max_response_bytes``, cut off, a 5xx, a request
+            timed out on a member that answers nothing) that evict a member. Each such
+            sample is sent again to another member; it becomes an error row only after
+            ``max_sample_retries`` such resends while other samples succeed.
+        stall_window: The least time a member may hold requests and answer none before
+            it is taken for hung, whatever its ``/health`` says: three times the
+            longest gap between its answers so far, never less than this. Before
+            evicting, the server's ``/metrics`` are read twice: an engine whose token
+            counters grow is busy, not hung, and keeps its work. A hung member's
+            requests are cancelled (their connections closed) and sent elsewhere.
         clock: Where the pool reads the time and sleeps: the system's by default; a
             test gives a fake one so that health intervals, backoff and deadlines pass
             without waiting.
@@ -106,6 +117,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
     Raises:
         ConfigurationError: If no server is given, one is given twice, or a setting is
             out of range (a ``ValueError``).
+        TypeError: If one of ``clients`` is not a :class:`VLLMOnlineClient`.
 
     Examples:
         >>> pool = VLLMQueueAnnotator(["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"])
@@ -131,6 +143,8 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
     on_error = FromConfig()
     hedge_tail = FromConfig()
     max_response_bytes = FromConfig()
+    max_server_faults = FromConfig()
+    stall_window = FromConfig()
 
     def __init__(
         self,
@@ -154,6 +168,8 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         api_key: str | Mapping[str, str] | None = None,
         verify: Verify = True,
         max_response_bytes: int = default.MAX_RESPONSE_BYTES,
+        max_server_faults: int = default.MAX_SERVER_FAULTS,
+        stall_window: float = default.STALL_WINDOW,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if isinstance(base_urls, str):
@@ -173,6 +189,8 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             on_error=on_error,
             hedge_tail=hedge_tail,
             max_response_bytes=max_response_bytes,
+            max_server_faults=max_server_faults,
+            stall_window=stall_window,
         )
         self._api_key, self._api_keys = _api_keys(api_key)
         tls = ssl_setting(verify)  # a bad CA bundle fails here, once, naming the setting
@@ -188,6 +206,11 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         for url in base_urls or ():
             self._add_member(Member(self._new_client(url)))
         for client in clients or ():
+            if not isinstance(client, VLLMOnlineClient):
+                raise TypeError(
+                    "clients must be VLLMOnlineClient instances (the pool needs their "
+                    f"health checks and metrics), got {type(client).__name__}"
+                )
             self._add_member(Member(client))
         self._discovery = discovery
         unknown = [url for url in self._api_keys if url not in self._members]
@@ -213,6 +236,7 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         self._options: tuple[VLLMOnlineRuntimeOptions | None, dict[str, Any] | None] = (None, None)
         self._verifying: dict[str, asyncio.Task[bool]] = {}
         self._removed: list[Member] = []
+        self._closed = False
 
     # -- membership --------------------------------------------------------------------
 
@@ -234,7 +258,10 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         Raises:
             ValueError: If the server is already in the pool.
             ConfigurationError: If the URL is not an http(s) URL.
+            RuntimeError: If the pool is closed.
         """
+        if self._closed:
+            raise RuntimeError(f"cannot add {base_url}: the pool is closed")
         member = Member(self._new_client(base_url))
         self._in_loop(lambda: self._join(member))
 
@@ -393,7 +420,8 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         return any(await asyncio.gather(*checks))
 
     async def aclose(self) -> None:
-        """Close every member's connections."""
+        """Close every member's connections; no server can be added after this."""
+        self._closed = True
         members = [*self._members.values(), *self._removed]
         await asyncio.gather(*(m.client.aclose() for m in members))
 

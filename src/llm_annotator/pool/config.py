@@ -51,6 +51,8 @@ class PoolConfig:
     on_error: OnError = "warn"
     hedge_tail: bool = True
     max_response_bytes: int = default.MAX_RESPONSE_BYTES
+    max_server_faults: int = default.MAX_SERVER_FAULTS
+    stall_window: float = default.STALL_WINDOW
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -63,12 +65,18 @@ class PoolConfig:
             "max_failed_health_checks",
             "max_sample_evictions",
             "max_response_bytes",
+            "max_server_faults",
         ):
             positive_int(name, getattr(self, name))
         non_negative_int("max_sample_retries", self.max_sample_retries)
         for name in ("timeout", "connect_timeout"):  # per request: must be finite
             object.__setattr__(self, name, positive_seconds(name, getattr(self, name)))
-        for name in ("health_check_interval", "health_check_timeout", "all_down_timeout"):
+        for name in (
+            "health_check_interval",
+            "health_check_timeout",
+            "all_down_timeout",
+            "stall_window",
+        ):
             value = getattr(self, name)  # float("inf") allowed: never / wait for ever
             if not (
                 isinstance(value, int | float)

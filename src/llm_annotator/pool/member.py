@@ -81,9 +81,25 @@ class Member:
         """Samples whose request failed here and that wait for a health check."""
         self.failed_probes = 0
         self.overload_streak = 0
-        self.malformed_streak = 0
+        self.fault_streak = 0
+        """Answers in a row that were the server's fault (garbage, 5xx, cut off, hung)."""
+        self.fault_samples: list[int] = []
+        """The samples of that streak: they were on the member when it broke."""
         self.backoff_until = 0.0
         self.was_down = False
+        self.busy_since = 0.0
+        """When it last went from holding no request to holding some."""
+        self.last_answer_at = 0.0
+        """When it last answered anything (a success or an error of any kind)."""
+        self.longest_gap: float | None = None
+        """The longest it went without an answer while holding requests, this call."""
+        self.progress_read = False
+        self.progress_seen: float | None = None
+        """Its engine's progress counters (None: unreadable), read once it had gone
+        quiet for half its stall window (``progress_read``)."""
+        self.probation_until = 0.0
+        """An evicted member gets its next test completion no sooner than this."""
+        self.failed_canaries = 0
         self.completed = 0
         self.errors = 0
         self.evictions = 0
@@ -116,7 +132,10 @@ class Member:
         self.failed_probes = 0
         self.backoff_until = 0.0
         self.overload_streak = 0
-        self.malformed_streak = 0
+        self.fault_streak = 0
+        self.fault_samples.clear()
+        self.failed_canaries = 0
+        self.progress_read = False
         self.was_down = False
         if rejoined:
             self.readmissions += 1
@@ -158,14 +177,37 @@ class Member:
         return self.failed_probes
 
     def note_answer(self) -> None:
-        """A good answer: the streaks of overloads and malformed answers end."""
+        """A good answer: the streaks of overloads and server faults end."""
         self.overload_streak = 0
-        self.malformed_streak = 0
+        if self.fault_streak:
+            self.fault_streak = 0
+            self.fault_samples.clear()
 
-    def note_malformed(self) -> int:
-        """A malformed or oversized answer; how many in a row."""
-        self.malformed_streak += 1
-        return self.malformed_streak
+    def note_fault(self, index: int = -1) -> int:
+        """An answer to sample ``index`` that was the server's fault; how many in a row."""
+        self.fault_streak += 1
+        self.fault_samples.append(index)
+        return self.fault_streak
+
+    def note_sent(self, now: float) -> None:
+        """Requests are about to be sent; if it held none, it is busy from ``now``."""
+        if not self.in_flight:
+            self.busy_since = now
+            self.progress_read = False
+
+    def note_arrival(self, now: float) -> None:
+        """An answer of any kind arrived at ``now``: the member is not hung."""
+        gap = now - max(self.busy_since, self.last_answer_at)
+        if self.longest_gap is None or gap > self.longest_gap:
+            self.longest_gap = gap
+        self.last_answer_at = now
+        self.progress_read = False
+
+    def quiet_for(self, now: float) -> float:
+        """Seconds it has held requests without answering any (0 when it holds none)."""
+        if not self.in_flight:
+            return 0.0
+        return now - max(self.busy_since, self.last_answer_at)
 
     def back_off(self, now: float, delay_for: Callable[[int], float]) -> float:
         """An overloaded answer: pause the member; the moment it may take work again."""

@@ -1,7 +1,12 @@
-"""What the pool does with a failed request: the failure taxonomy as a pure function."""
+"""What the pool does with a failed request, and when a member is hung or fit again.
+
+Pure functions: the failure taxonomy and the pool's thresholds, decided from numbers the
+pool hands in, tested with tables. The pool does the I/O and keeps the counts.
+"""
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
 from llm_annotator.errors import ErrorKind
@@ -13,19 +18,22 @@ class Action(Enum):
     EVICT = "evict"
     """The server is gone: evict it, requeue the sample (no error row)."""
     VERIFY = "verify"
-    """Evict if the server fails a health check, else requeue the sample.
+    """Hold the sample for a health check of the server: evict if it fails (the sample
+    counts as on the server when it fell), else requeue the sample.
 
-    A dropped connection is how a killed server looks, but also how a keep-alive
-    connection closed by a live server at the wrong moment looks; a connect timeout is
-    how a dead host looks, but also how thousands of connections opened at once by a
-    busy client can look. One health check (shared by every sample that doubts the
-    server) tells them apart within seconds."""
+    A dropped connection is how a killed server looks, but also how a live server that
+    cuts its answers off looks (:func:`fault_once_healthy`); a connect timeout is how a
+    dead host looks, but also how thousands of connections opened at once by a busy
+    client can look. One health check (shared by every sample that doubts the server)
+    tells them apart within seconds, before the sample can carry its harm further."""
     BACKOFF = "backoff"
     """The server is overloaded: pause it a little, requeue the sample elsewhere."""
-    RETRY = "retry"
-    """Transient: requeue the sample after a jittered delay, a bounded number of times."""
-    CHECK_HEALTH = "check_health"
-    """Slow or hung: evict if the server fails a health check, else an error row."""
+    SERVER_FAULT = "server_fault"
+    """The server's fault (garbage, a 5xx, a cut-off body): send the sample to another
+    member, count the failure against this one (a few in a row evict it)."""
+    TIMED_OUT = "timed_out"
+    """Past its deadline: the server's fault if the member has stopped answering
+    anything (:func:`timeout_action`), else the sample's (it asks too much)."""
     DISABLE = "disable"
     """Configuration error (auth, unknown model, TLS, a redirect to elsewhere): take
     the server out for good, requeue the sample."""
@@ -40,15 +48,15 @@ _ACTIONS = {
     ErrorKind.DISCONNECTED: Action.VERIFY,
     ErrorKind.ENGINE_DEAD: Action.EVICT,
     ErrorKind.OVERLOADED: Action.BACKOFF,
-    ErrorKind.SERVER_ERROR: Action.RETRY,
-    ErrorKind.READ_TIMEOUT: Action.CHECK_HEALTH,
+    ErrorKind.SERVER_ERROR: Action.SERVER_FAULT,
+    ErrorKind.READ_TIMEOUT: Action.TIMED_OUT,
     ErrorKind.AUTH: Action.DISABLE,
     ErrorKind.NOT_FOUND: Action.DISABLE,
     ErrorKind.REDIRECT: Action.DISABLE,
     ErrorKind.BAD_REQUEST: Action.ERROR_ROW,
     ErrorKind.HTTP_ERROR: Action.ERROR_ROW,
-    ErrorKind.MALFORMED: Action.ERROR_ROW,
-    ErrorKind.OVERSIZED: Action.ERROR_ROW,
+    ErrorKind.MALFORMED: Action.SERVER_FAULT,
+    ErrorKind.OVERSIZED: Action.SERVER_FAULT,
     ErrorKind.POISON: Action.ERROR_ROW,
 }
 
@@ -65,7 +73,152 @@ def action_for(kind: ErrorKind) -> Action:
     Examples:
         >>> action_for(ErrorKind.CONNECT)
         <Action.EVICT: 'evict'>
+        >>> action_for(ErrorKind.MALFORMED)
+        <Action.SERVER_FAULT: 'server_fault'>
         >>> action_for(ErrorKind.BAD_REQUEST)
         <Action.ERROR_ROW: 'error_row'>
     """
     return _ACTIONS[kind]
+
+
+def fault_once_healthy(kind: ErrorKind) -> bool:
+    """Whether a failure that :data:`Action.VERIFY` held for a health check is the
+    server's fault when the server passes the check.
+
+    A dropped connection on a server that still answers ``/health`` is the server's
+    (it cuts its answers off), so it counts against the member like garbage. A connect
+    timeout on such a server is more likely our own burst of new connections: the
+    sample is only tried again, a bounded number of times.
+
+    Examples:
+        >>> fault_once_healthy(ErrorKind.DISCONNECTED), fault_once_healthy(ErrorKind.CONNECT_TIMEOUT)
+        (True, False)
+    """  # noqa: E501
+    return kind is ErrorKind.DISCONNECTED
+
+
+def timeout_action(*, member_answering: bool) -> Action:
+    """What a request past its deadline means: if its member still answers other
+    requests, the sample asked for more than the deadline allows (an error row);
+    if the member answers nothing, the member is at fault.
+
+    Examples:
+        >>> timeout_action(member_answering=True)
+        <Action.ERROR_ROW: 'error_row'>
+        >>> timeout_action(member_answering=False)
+        <Action.SERVER_FAULT: 'server_fault'>
+    """
+    return Action.ERROR_ROW if member_answering else Action.SERVER_FAULT
+
+
+def evicts(fault_streak: int, max_server_faults: int) -> bool:
+    """Whether a member with ``fault_streak`` server faults in a row is evicted.
+
+    Examples:
+        >>> [evicts(n, 3) for n in (1, 2, 3)]
+        [False, False, True]
+    """
+    return fault_streak >= max_server_faults
+
+
+def gives_up_on_sample(faults: int, max_resends: int, *, pool_answered_since: bool) -> bool:
+    """Whether a sample that got ``faults`` server-fault answers becomes an error row.
+
+    It does once it has been sent again ``max_resends`` times and still failed, but
+    only if the pool has answered other samples since its first failure: then it is the
+    sample that breaks servers. While nothing is answered (a 5xx storm, every member
+    broken) it stays open: it is the servers, and a resumed job retries it.
+
+    Examples:
+        >>> gives_up_on_sample(3, 2, pool_answered_since=True)
+        True
+        >>> gives_up_on_sample(3, 2, pool_answered_since=False)
+        False
+        >>> gives_up_on_sample(2, 2, pool_answered_since=True)
+        False
+    """
+    return faults > max_resends and pool_answered_since
+
+
+def stall_window(
+    floor: float, *, own_gap: float | None, pool_gap: float | None, factor: float
+) -> tuple[float, bool]:
+    """How long a member may hold requests and answer none, and whether timing alone
+    may call it hung.
+
+    The window is ``factor`` times the longest gap between answers seen on the member
+    (``own_gap``), or on the pool before the member answered anything (``pool_gap``),
+    and never under ``floor``. With neither there is no evidence of how long an answer
+    takes here (the first answers of a call with long generations may take minutes), so
+    only the server's own metrics may call it hung.
+
+    Returns:
+        The window in seconds, and True if timing alone decides.
+
+    Examples:
+        >>> stall_window(30.0, own_gap=2.0, pool_gap=None, factor=3.0)
+        (30.0, True)
+        >>> stall_window(30.0, own_gap=20.0, pool_gap=1.0, factor=3.0)
+        (60.0, True)
+        >>> stall_window(30.0, own_gap=None, pool_gap=15.0, factor=3.0)
+        (45.0, True)
+        >>> stall_window(30.0, own_gap=None, pool_gap=None, factor=3.0)
+        (30.0, False)
+    """
+    basis = own_gap if own_gap is not None else pool_gap
+    if basis is None:
+        return floor, False
+    return max(floor, factor * basis), True
+
+
+def hung(
+    quiet: float,
+    window: float,
+    *,
+    timing_decides: bool,
+    progress_before: float | None,
+    progress_now: float | None,
+) -> bool | None:
+    """Whether a member quiet for ``quiet`` seconds while holding requests is hung.
+
+    ``progress_before`` and ``progress_now`` are the server's own progress counters
+    (tokens generated and requests finished, from ``/metrics``) read at half the window
+    and now; None where they could not be read.
+
+    Returns:
+        None while the window has not passed; False if the counters grew (a busy
+        server, slow for us, is never evicted) or nothing can tell; True if the
+        counters stood still, or if they cannot be read and timing decides.
+
+    Examples:
+        >>> hung(5.0, 30.0, timing_decides=True, progress_before=None, progress_now=None)
+        >>> hung(31.0, 30.0, timing_decides=True, progress_before=10.0, progress_now=10.0)
+        True
+        >>> hung(31.0, 30.0, timing_decides=True, progress_before=10.0, progress_now=12.0)
+        False
+        >>> hung(31.0, 30.0, timing_decides=True, progress_before=None, progress_now=None)
+        True
+        >>> hung(31.0, 30.0, timing_decides=False, progress_before=None, progress_now=None)
+        False
+    """
+    if quiet < window:
+        return None
+    if progress_before is not None and progress_now is not None:
+        return progress_now <= progress_before
+    return timing_decides
+
+
+def probation(evictions: int, failed_canaries: int, interval: float, cap: float) -> float:
+    """Seconds an evicted member waits before its next test completion: the probe
+    interval, doubled for every eviction after the first and every failed test.
+
+    Examples:
+        >>> [probation(n, 0, 3.0, 300.0) for n in (1, 2, 3)]
+        [3.0, 6.0, 12.0]
+        >>> probation(2, 10, 3.0, 300.0)
+        300.0
+    """
+    exponent = max(evictions - 1, 0) + failed_canaries
+    if exponent > 60:
+        return cap
+    return min(cap, interval * math.pow(2.0, exponent))

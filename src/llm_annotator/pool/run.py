@@ -44,8 +44,16 @@ class Run:
         """Open samples also sent to a second member near the end (first answer wins)."""
         self.started = clock.now()
         self.evicted_with: dict[int, list[str]] = {}
+        self.eviction_marks: dict[int, set[tuple[str, int]]] = {}
+        """Which evictions (member, its eviction count) each sample was counted in."""
         self.retries: Counter[int] = Counter()
         self.overloads: Counter[int] = Counter()
+        self.faults: Counter[int] = Counter()
+        """Server-fault answers per open sample."""
+        self.first_fault_at: dict[int, float] = {}
+        self.avoid: dict[int, str] = {}
+        """The member whose fault an open sample's last failure was: it goes elsewhere."""
+        self.last_success_at = float("-inf")
         self.exhausted: PoolExhaustedError | None = None
         self.failure: BaseException | None = None
         self.done = asyncio.Event()
@@ -84,15 +92,34 @@ class Run:
         """Record the result of sample ``index``; False if it already had one."""
         if self.open.pop(index, None) is None:
             return False
-        self.evicted_with.pop(index, None)
+        if self.evicted_with:
+            self.evicted_with.pop(index, None)
+            self.eviction_marks.pop(index, None)
         self.hedged.discard(index)
         self.retries.pop(index, None)
         self.overloads.pop(index, None)
+        if self.faults:
+            self.faults.pop(index, None)
+            self.first_fault_at.pop(index, None)
+            self.avoid.pop(index, None)
+        if response.ok:
+            self.last_success_at = self.clock.now()
         self.delivered += 1
         self.deliver(index, response)
         if self.source_done and not self.open:
             self.finish()
         return True
+
+    def note_fault(self, index: int, server: str) -> int:
+        """Count a server-fault answer to sample ``index`` from ``server``; how many."""
+        self.faults[index] += 1
+        self.first_fault_at.setdefault(index, self.clock.now())
+        self.avoid[index] = server
+        return self.faults[index]
+
+    def answered_since_first_fault(self, index: int) -> bool:
+        """Whether any sample succeeded after ``index`` first failed by a server's fault."""
+        return self.last_success_at > self.first_fault_at.get(index, float("inf"))
 
     def requeue(self, indices: list[int]) -> int:
         """Put the samples that are still open back at the front of the queue."""
@@ -102,13 +129,14 @@ class Run:
             self.notify()
         return len(open_)
 
-    def take(self, slots: int = 1) -> list[int] | None:
+    def take(self, slots: int = 1, avoid: str | None = None) -> list[int] | None:
         """Open samples from the front; None if there are none.
 
         A batch holds ``batch_size`` samples, except once the source is done: then at
         most an even share of the queue over ``slots`` (the batch slots taking work),
         so the last samples spread over every member instead of ending up in a few
-        full batches on the slowest.
+        full batches on the slowest. Samples whose last failure was the fault of the
+        member ``avoid`` are left at the front for another member.
         """
         if self.stopping:
             return None
@@ -117,10 +145,17 @@ class Run:
             size = max(1, min(size, -(-len(self.queue) // max(slots, 1))))
         batch: list[int] = []
         queue, open_ = self.queue, self.open
+        shunned = self.avoid if avoid is not None and self.avoid else None
+        skipped: list[int] = []
         while queue and len(batch) < size:
             index = queue.popleft()
             if index in open_:
-                batch.append(index)
+                if shunned is not None and shunned.get(index) == avoid:
+                    skipped.append(index)
+                else:
+                    batch.append(index)
+        if skipped:
+            queue.extendleft(reversed(skipped))
         return batch or None
 
     def finish(
