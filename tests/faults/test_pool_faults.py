@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -135,6 +136,102 @@ def test_sigstop_is_detected_and_sigcont_readmits(
     print(
         f"\nSIGSTOP: evicted {detected:.2f} s after the stop; "
         f"run {seconds:.1f} s, {without_fault:.1f} s without the fault"
+    )
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The pid of the engine core process in a vLLM server's process group."""
+    group = os.getpgid(server_pid)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == server_pid:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+            if os.getpgid(int(entry)) == group and b"EngineCore" in command:
+                return int(entry)
+        except OSError:
+            continue  # gone meanwhile
+    raise AssertionError(f"no EngineCore process in the group of {server_pid}")
+
+
+class HealthLog:
+    """Ask a server's /health every half second from a thread; keep what it answered."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.removesuffix("/v1") + "/health"
+        self.answers: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        for _ in range(2000):  # bounded: 1,000 s at most
+            if self.stop.wait(0.5):
+                return
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as answer:
+                    self.answers.append(str(answer.status))
+            except Exception as exc:  # what it said is the point, whatever it was
+                self.answers.append(type(exc).__name__)
+
+    def close(self) -> list[str]:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        return self.answers
+
+
+def test_a_hung_engine_behind_a_live_api_server_is_found_by_progress(
+    vllm_servers: LocalServers, start_vllm: Any
+) -> None:
+    """SIGSTOP on the engine core process only, a third of the way through: the API
+    server keeps answering /health 200, no request makes progress. The member is taken
+    for hung after its stall window (its /metrics counters stand still), its requests
+    are cancelled and answered elsewhere, every sample succeeds; after SIGCONT a test
+    completion re-admits it and it gets work again. No tail hedge: it would answer the
+    stuck samples elsewhere first, and the detection is what this measures."""
+    victim = start_vllm(1)
+    url = victim.base_urls[0]
+    urls = [*vllm_servers.base_urls, url]
+    engine = engine_core_pid(victim[0].pid)
+    n = 4 * N
+    settings: dict[str, Any] = {"batch_size": 128, "hedge_tail": False, "stall_window": 10.0}
+    with VLLMQueueAnnotator(urls, **settings) as pool:
+        _, without_fault = timed_run(pool, n)
+    health: list[HealthLog] = []
+
+    def stop_engine() -> None:
+        os.kill(engine, signal.SIGSTOP)
+        health.append(HealthLog(url))
+
+    try:
+        with VLLMQueueAnnotator(urls, **settings) as pool:
+            watch = Watch(pool, n // 3, stop_engine, url)
+            responses, seconds = timed_run(pool, n)
+            assert_exactly_one_success_each(responses, n)
+            detected = watch.seconds_to_eviction
+            said = health[0].close()
+            stats = pool.statistics().member(url)
+            assert stats.evictions == 1
+            assert (stats.last_error or "").startswith("hung:"), stats.last_error
+            assert "stood still" in (stats.last_error or "")
+            os.kill(engine, signal.SIGCONT)
+            again, _ = timed_run(pool)
+            after = pool.statistics().member(url)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGCONT)
+    assert_exactly_one_success_each(again)
+    assert "200" in said  # /health could not tell: progress did
+    assert after.readmissions == 1
+    assert Counter(r.server for r in again)[url] > 0
+    assert seconds <= without_fault + detected + 30  # + the requeued work, on 2 noisy cores
+    print(
+        f"\nengine SIGSTOP: evicted {detected:.2f} s after the stop ({stats.last_error}); "
+        f"/health meanwhile: {Counter(said)}; run {seconds:.1f} s, {without_fault:.1f} s "
+        f"without the fault"
     )
 
 
