@@ -17,8 +17,9 @@ from typing import Any
 
 import orjson
 import pytest
+import structlog
 
-from llm_annotator import PoolExhaustedError, VLLMQueueAnnotator
+from llm_annotator import OpenAIClient, PoolExhaustedError, VLLMQueueAnnotator
 from tests.misbehaving import Answer, RawServer, Request, completion_body, head, raw_server, whole
 
 SAMPLES = 300
@@ -221,3 +222,34 @@ def test_a_sample_that_breaks_every_member_is_still_bounded(
     assert responses[7].error_type == "server_error"
     assert len(sevens) == 3  # the first try and two resends
     assert stats.evictions == 0
+
+
+def test_a_slow_member_whose_engine_progresses_is_never_evicted(good: RawServer) -> None:
+    """A member that takes 3 s per answer, far past its stall window by the good
+    member's pace, while its /metrics counters grow: busy, not hung. It keeps its work."""
+    counter = {"tokens": 0}
+
+    async def metrics(writer: asyncio.StreamWriter, request: Request) -> None:
+        counter["tokens"] += 7
+        body = f'vllm:generation_tokens_total{{model_name="m"}} {counter["tokens"]}\n'.encode()
+        writer.write(head(200, length=len(body)) + body)
+        await writer.drain()
+
+    with raw_server(echo_after(3.0)) as slow:
+        slow.routes["/metrics"] = metrics
+        with structlog.testing.capture_logs() as logs:
+            responses, stats, _ = run_pool([slow.base_url, good.base_url], hedge_tail=False)
+    member = stats.member(slow.base_url)
+    assert all(r.ok for r in responses)
+    assert member.evictions == 0, member.last_error
+    assert member.completed > 0
+    assert any(e["event"] == "member_busy_not_hung" for e in logs)
+
+
+def test_clients_must_be_vllm_clients_and_a_closed_pool_takes_no_server() -> None:
+    with pytest.raises(TypeError, match="got OpenAIClient"):
+        VLLMQueueAnnotator(clients=[OpenAIClient(model="m", base_url="http://127.0.0.1:9/v1")])
+    pool = VLLMQueueAnnotator(["http://127.0.0.1:9/v1"])
+    pool.close()
+    with pytest.raises(RuntimeError, match="the pool is closed"):
+        pool.add_server("http://127.0.0.1:10/v1")
