@@ -342,8 +342,8 @@ def test_a_job_over_a_server_of_wrong_answers_stops_and_writes_no_final_row(
 ) -> None:
     """A job over a server whose every answer is malformed: the server is at fault, not
     the rows, so it is evicted, no test completion re-admits it, and the job stops after
-    all_down_timeout naming the defect, with no row written as final: the same call
-    later sends them all again."""
+    all_down_timeout naming the defect, with no row written as final: the same call on
+    a good server then answers them all."""
     rows = [{"text": f"row {i}"} for i in range(10)]
     with VLLMQueueAnnotator([wrong_counts], batch_size=4, all_down_timeout=1) as pool:
         with pytest.raises(PoolExhaustedError) as info:
@@ -358,6 +358,10 @@ def test_a_job_over_a_server_of_wrong_answers_stops_and_writes_no_final_row(
         for line in shard.read_text().splitlines()
     ]
     assert written == []
+    with raw_server(whole(completion_body("fine"))) as good:
+        with VLLMQueueAnnotator([good.base_url], batch_size=4) as pool:
+            result = pool.annotate(rows, "Label: {text}", tmp_path / "run", progress=False)
+    assert (result.num_rows, result.num_failed) == (10, 0)  # the same call, resumed
 
 
 async def test_a_redirect_on_model_discovery_names_the_location() -> None:
