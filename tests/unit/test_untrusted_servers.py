@@ -358,9 +358,11 @@ def test_a_job_over_a_server_of_wrong_answers_stops_and_writes_no_final_row(
         for line in shard.read_text().splitlines()
     ]
     assert written == []
-    with raw_server(whole(completion_body("fine"))) as good:
-        with VLLMQueueAnnotator([good.base_url], batch_size=4) as pool:
-            result = pool.annotate(rows, "Label: {text}", tmp_path / "run", progress=False)
+    with (
+        raw_server(whole(completion_body("fine"))) as good,
+        VLLMQueueAnnotator([good.base_url], batch_size=4) as pool,
+    ):
+        result = pool.annotate(rows, "Label: {text}", tmp_path / "run", progress=False)
     assert (result.num_rows, result.num_failed) == (10, 0)  # the same call, resumed
 
 
