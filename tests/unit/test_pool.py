@@ -577,7 +577,7 @@ def test_removed_member_that_fails_does_not_come_back(fake_servers: FakeServers)
     assert ("member_removed", leave.base_url) in events
     assert ("member_evicted", leave.base_url) in events  # it died while draining
     assert ("member_readmitted", leave.base_url) not in events
-    assert len(leave.requests) == 5  # only the batch it held before removal
+    assert 1 <= len(leave.requests) <= 5  # only (part of) the batch it held when removed
 
 
 def test_tail_hedge_rescues_samples_stuck_on_a_slow_member(fake_servers: FakeServers) -> None:

@@ -36,8 +36,13 @@ class PoolHealth(PoolCore):
             if self._members.get(member.url) is not member:
                 return
             started = self._clock.now()
-            if member.state is MemberState.EVICTED and started < member.probation_until:
-                await self._clock.sleep(member.probation_until - started)
+            if (
+                member.state is MemberState.EVICTED
+                and started < member.probation_until
+                and any(m.state is MemberState.HEALTHY for m in self._members.values())
+            ):
+                # With no member left healthy, waiting out a probation helps nobody.
+                await self._clock.sleep(min(member.probation_until - started, 1.0))
                 continue
             evictions = member.evictions
             problem = await member.client.acheck_health(self.config.health_check_timeout)
@@ -103,14 +108,17 @@ class PoolHealth(PoolCore):
             # /health says 200 for a hung engine or a server answering garbage: only
             # a real completion proves the member fit again.
             problem = await self._canary(member)
+            if member.state not in (MemberState.JOINING, MemberState.EVICTED):
+                return  # disabled or drained meanwhile
             if problem is not None:
                 member.failed_canaries += 1
                 member.last_error = f"test completion failed: {problem}"
                 member.probation_until = self._clock.now() + self._probation(member)
-                log.info("canary_failed", server=member.url, reason=problem)
+                log.info("canary_failed", server=member.url, reason=str(problem))
+                if problem.kind in CONFIGURATION_KINDS:
+                    self._disable(run, member, f"test completion: {problem}")
                 return
-            if member.state is not MemberState.EVICTED:
-                return  # disabled or drained meanwhile
+            run.last_success_at = self._clock.now()  # a server answers: not a storm
         if self._members.get(member.url) is not member:
             return  # removed meanwhile
         if member.admit():
@@ -119,7 +127,7 @@ class PoolHealth(PoolCore):
             log.info("member_joined", server=member.url, model=member.client.model)
         run.notify()
 
-    async def _canary(self, member: Member) -> str | None:
+    async def _canary(self, member: Member) -> ProviderError | None:
         """Send the one-token test completion; None if it succeeded, else what failed."""
         client = member.client
         params = client.encode_params(None, {"max_tokens": 1})
@@ -127,75 +135,97 @@ class PoolHealth(PoolCore):
             async with asyncio.timeout(default.CANARY_TIMEOUT):
                 result = await client.asend(CANARY_MESSAGES, params)
         except TimeoutError:
-            return f"no answer within {default.CANARY_TIMEOUT:g} s"
-        if isinstance(result, ProviderError):
-            return str(result)
-        return None
+            return ProviderError(
+                f"no answer within {default.CANARY_TIMEOUT:g} s",
+                kind=ErrorKind.READ_TIMEOUT,
+                server=member.url,
+            )
+        return result if isinstance(result, ProviderError) else None
 
     def _probation(self, member: Member) -> float:
+        """The wait before the member's next test completion: doubling with evictions in
+        a row (a member that served well since counts afresh) and failed tests, and at
+        most a quarter of ``all_down_timeout``, so a pool is never given up on while a
+        member that healed still waits out its probation."""
+        cap = min(default.MAX_PROBATION, self.config.all_down_timeout / 4)
         return probation(
-            member.evictions,
+            member.eviction_streak,
             member.failed_canaries,
             self.config.health_check_interval,
-            default.MAX_PROBATION,
+            max(cap, self.config.health_check_interval),
         )
 
     async def _watch_progress(self, run: Run, member: Member) -> None:
         """Evict a member that holds requests and answers none for its stall window,
         unless its engine's own counters show it working."""
-        config = self.config
-        if math.isinf(config.stall_window):
-            return
+        member.new_call()
         while not run.finished:
             if self._members.get(member.url) is not member:
                 return
             if member.state is MemberState.DISABLED:
                 return
+            floor = self.config.stall_window
+            if math.isinf(floor):
+                await self._clock.sleep(1.0)
+                continue
             window, timing_decides = stall_window(
-                config.stall_window,
+                floor,
                 own_gap=member.longest_gap,
                 pool_gap=self._pool_gap(member),
                 factor=default.STALL_FACTOR,
             )
             quiet = member.quiet_for(self._clock.now())
-            if member.state is MemberState.HEALTHY and quiet >= window / 2:
+            due = not member.progress_read or quiet >= window  # the first read, or the last
+            if member.state is MemberState.HEALTHY and quiet >= window / 2 and due:
                 await self._check_stall(run, member, window, timing_decides)
             await self._clock.sleep(max(0.05, min(1.0, window / 8)))
 
     async def _check_stall(
         self, run: Run, member: Member, window: float, timing_decides: bool
     ) -> None:
-        epoch = (member.busy_since, member.last_answer_at)
+        """Read the member's progress counters at half its stall window, and again once
+        the window has passed: then decide (:func:`~llm_annotator.pool.policy.hung`)."""
+        epoch = (member.busy_since, member.last_answer_at, member.watch_from)
         progress = await member.client.aengine_progress(self.config.health_check_timeout)
-        if epoch != (member.busy_since, member.last_answer_at) or not member.in_flight:
+        if epoch != (member.busy_since, member.last_answer_at, member.watch_from):
             return  # an answer came meanwhile
+        if not member.in_flight or member.state is not MemberState.HEALTHY:
+            return
         if not member.progress_read:
             member.progress_read, member.progress_seen = True, progress
+            return
+        before = member.progress_seen
+        if (before is None) != (progress is None):
+            # One of the two reads failed (a busy server may be slow to render its
+            # metrics): take this one as the new baseline and look again, rather than
+            # letting a single failed read evict a working server.
+            member.progress_seen = progress
+            member.watch_from = self._clock.now() - window / 2
             return
         quiet = member.quiet_for(self._clock.now())
         verdict = hung(
             quiet,
             window,
             timing_decides=timing_decides,
-            progress_before=member.progress_seen,
+            progress_before=before,
             progress_now=progress,
         )
         if verdict is None:
             return
         if not verdict:
             log.info(
-                "member_busy_not_hung",
+                "member_busy_not_hung" if progress is not None else "member_quiet_unproven",
                 server=member.url,
                 quiet_seconds=round(quiet, 1),
                 in_flight=len(member.in_flight),
                 engine_progress=progress,
             )
-            member.busy_since = self._clock.now()  # watch it again from now
+            member.watch_from = self._clock.now()  # watch it again from now
             member.progress_read = False
             return
         metrics = (
             "its engine's counters on /metrics stood still"
-            if progress is not None and member.progress_seen is not None
+            if progress is not None
             else "/metrics could not tell"
         )
         self._evict(
@@ -278,12 +308,14 @@ class PoolHealth(PoolCore):
         ``cause`` is the sample whose request revealed the failure: it counts as in
         flight, and goes back on the queue unless that makes it poison.
         """
-        evicting = member.state in (MemberState.HEALTHY, MemberState.DRAINING)
-        if cause is not None and not (evicting and self._note_eviction(run, member, cause)):
-            self._requeue_one(run, member, cause)
         draining = member.state is MemberState.DRAINING
         if not member.evict(reason):
+            if cause is not None:
+                self._requeue_one(run, member, cause)
             return
+        # Counted as on the member at this eviction (its number is now incremented).
+        if cause is not None and not self._note_eviction(run, member, cause):
+            self._requeue_one(run, member, cause)
         member.probation_until = self._clock.now() + self._probation(member)
         poisoned = self._cancel_in_flight(run, member)
         log.warning(

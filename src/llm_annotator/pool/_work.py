@@ -82,8 +82,9 @@ class PoolWork(PoolHealth):
         (one that takes work now); else None."""
         if not self._run or not self._run.avoid:
             return None
+        now = self._clock.now()
         for other in self._members.values():
-            if other is not member and other.state is MemberState.HEALTHY:
+            if other is not member and other.takes_work(now):
                 return member.url
         return None
 
@@ -130,7 +131,8 @@ class PoolWork(PoolHealth):
         client = member.client
         arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
         tasks: dict[asyncio.Task[Response | ProviderError], int] = {}
-        member.note_sent(self._clock.now())
+        sent_at = self._clock.now()
+        member.note_sent(sent_at)
         for index in batch:
             task = asyncio.ensure_future(client.asend(run.open[index], params))
             task.add_done_callback(arrived.put_nowait)  # one callback a task: O(batch)
@@ -144,7 +146,7 @@ class PoolWork(PoolHealth):
                     outcome = self._outcome(task, member)
                     if not _timed_out(outcome):  # an answer: the member is not hung
                         member.note_arrival(self._clock.now())
-                    self._settle(run, member, tasks[task], outcome)
+                    self._settle(run, member, tasks[task], outcome, sent_at)
         finally:
             for task in tasks:
                 if not task.done():
@@ -173,9 +175,15 @@ class PoolWork(PoolHealth):
         return member.client.redact(unexpected)
 
     def _settle(
-        self, run: Run, member: Member, index: int, result: Response | ProviderError
+        self,
+        run: Run,
+        member: Member,
+        index: int,
+        result: Response | ProviderError,
+        sent_at: float = float("inf"),
     ) -> None:
-        """Decide what one answer means for its sample and its member."""
+        """Decide what one answer means for its sample and its member (its request was
+        sent at ``sent_at``)."""
         if isinstance(result, Response):
             if run.store(index, result):
                 member.completed += 1
@@ -183,8 +191,8 @@ class PoolWork(PoolHealth):
             return
         action = action_for(result.kind)
         if action is Action.TIMED_OUT:
-            answering = self._clock.now() - member.last_answer_at < self.config.stall_window
-            action = timeout_action(member_answering=answering and member.completed > 0)
+            # Did the member answer anything else while this request was out?
+            action = timeout_action(member_answering=member.last_answer_at > sent_at)
         reason = str(result)
         if action is Action.EVICT:
             self._evict(run, member, reason, cause=index)
@@ -193,7 +201,7 @@ class PoolWork(PoolHealth):
                 self._requeue_one(run, member, index)  # already out; nothing to verify
             else:
                 member.suspects.add(index)
-                self._spawn(self._verify_then_settle(run, member, index, result))
+                self._spawn(self._verify_then_settle(run, member, index, result, sent_at))
         elif action is Action.BACKOFF:
             member.back_off(self._clock.now(), retry_delay)
             member.last_error = reason
@@ -210,17 +218,31 @@ class PoolWork(PoolHealth):
         else:
             self._error_row(run, member, index, result)
 
-    def _server_fault(self, run: Run, member: Member, index: int, error: ProviderError) -> None:
-        """The member failed the sample: count it against the member, send the sample
-        elsewhere (or end it, once it has failed on every try while others succeed)."""
+    def _server_fault(
+        self,
+        run: Run,
+        member: Member,
+        index: int,
+        error: ProviderError,
+        *,
+        counts: bool = True,
+    ) -> None:
+        """The member failed the sample: count it against the member (unless ``counts``
+        is False: one event already counted), send the sample elsewhere, or end it once
+        it has failed on every try while others succeed."""
         reason = str(error)
         member.last_error = reason
+        if index in run.hedged and self._in_flight_elsewhere(member, index):
+            return  # its other copy is still on its way
         faults = run.note_fault(index, member.url)
         if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
             # Sent before the member was evicted, answered after: it was on the member
             # when it broke, like the requests the eviction cancelled.
             if not self._note_eviction(run, member, index):
                 self._requeue_one(run, member, index)
+            return
+        if not counts:
+            self._requeue_one(run, member, index)
             return
         streak = member.note_fault(index)
         log.debug(
@@ -246,8 +268,15 @@ class PoolWork(PoolHealth):
             for sample in broke_on:
                 self._note_eviction(run, member, sample)
 
+    def _in_flight_elsewhere(self, member: Member, index: int) -> bool:
+        return any(
+            index in other.in_flight.values()
+            for other in self._members.values()
+            if other is not member
+        )
+
     async def _verify_then_settle(
-        self, run: Run, member: Member, index: int, error: ProviderError
+        self, run: Run, member: Member, index: int, error: ProviderError, sent_at: float
     ) -> None:
         healthy = await self._verify(member)
         if not healthy:
@@ -260,7 +289,13 @@ class PoolWork(PoolHealth):
         if not run.is_open(index):
             return
         if fault_once_healthy(error.kind):
-            self._server_fault(run, member, index, error)
+            # Requests dropped together (one reset of the server's connections) count as
+            # one fault of the member, not one each: a drop counts only if its request
+            # was sent after the last drop that counted.
+            fresh = sent_at > member.drop_counted_at
+            if fresh:
+                member.drop_counted_at = self._clock.now()
+            self._server_fault(run, member, index, error, counts=fresh)
             return
         # A connect timeout on a healthy server: try again, a bounded number of times,
         # so a sample that always breaks its connection ends.

@@ -10,6 +10,9 @@ from typing import Any
 
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
 
+SERVED_WELL = 20
+"""Good answers after an admission that clear a member's record of evictions in a row."""
+
 
 class MemberState(Enum):
     """Where a member is in its life; :class:`Member` draws the transitions."""
@@ -97,6 +100,14 @@ class Member:
         self.progress_seen: float | None = None
         """Its engine's progress counters (None: unreadable), read once it had gone
         quiet for half its stall window (``progress_read``)."""
+        self.watch_from = 0.0
+        """The hung-check looks at quiet time from here (moved on when a check found
+        the engine busy)."""
+        self.eviction_streak = 0
+        """Evictions since the member last served well (probation doubles with it)."""
+        self.served_since_admit = 0
+        self.drop_counted_at = float("-inf")
+        """When a dropped connection was last counted as its fault."""
         self.probation_until = 0.0
         """An evicted member gets its next test completion no sooner than this."""
         self.failed_canaries = 0
@@ -135,6 +146,7 @@ class Member:
         self.fault_streak = 0
         self.fault_samples.clear()
         self.failed_canaries = 0
+        self.served_since_admit = 0
         self.progress_read = False
         self.was_down = False
         if rejoined:
@@ -156,6 +168,7 @@ class Member:
             return False
         self._move(MemberState.EVICTED)
         self.evictions += 1
+        self.eviction_streak += 1
         self.failed_probes = 0
         self.last_error = reason
         return True
@@ -177,7 +190,11 @@ class Member:
         return self.failed_probes
 
     def note_answer(self) -> None:
-        """A good answer: the streaks of overloads and server faults end."""
+        """A good answer: the streaks of overloads and server faults end; after
+        :data:`SERVED_WELL` of them since it was admitted, its evictions count afresh."""
+        self.served_since_admit += 1
+        if self.served_since_admit == SERVED_WELL:
+            self.eviction_streak = 0
         self.overload_streak = 0
         if self.fault_streak:
             self.fault_streak = 0
@@ -207,7 +224,13 @@ class Member:
         """Seconds it has held requests without answering any (0 when it holds none)."""
         if not self.in_flight:
             return 0.0
-        return now - max(self.busy_since, self.last_answer_at)
+        return now - max(self.busy_since, self.last_answer_at, self.watch_from)
+
+    def new_call(self) -> None:
+        """A call starts: what it showed of its pace in earlier calls no longer counts."""
+        self.longest_gap = None
+        self.busy_since = self.last_answer_at = self.watch_from = 0.0
+        self.progress_read = False
 
     def back_off(self, now: float, delay_for: Callable[[int], float]) -> float:
         """An overloaded answer: pause the member; the moment it may take work again."""

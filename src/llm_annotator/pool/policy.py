@@ -127,7 +127,10 @@ def gives_up_on_sample(faults: int, max_resends: int, *, pool_answered_since: bo
     It does once it has been sent again ``max_resends`` times and still failed, but
     only if the pool has answered other samples since its first failure: then it is the
     sample that breaks servers. While nothing is answered (a 5xx storm, every member
-    broken) it stays open: it is the servers, and a resumed job retries it.
+    broken) it stays open: it is the servers, and a resumed job retries it. (So a sample
+    is always sent again at least once: at its first failure nothing has been answered
+    since yet, even with ``max_resends=0``.) A successful test completion of a member
+    counts as an answer.
 
     Examples:
         >>> gives_up_on_sample(3, 2, pool_answered_since=True)
