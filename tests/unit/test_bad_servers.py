@@ -79,6 +79,30 @@ def good() -> Iterator[RawServer]:
         yield server
 
 
+def growing_metrics() -> Answer:
+    """A ``/metrics`` page whose generated-token counter grows at every read: a busy
+    engine."""
+    tokens = {"count": 0}
+
+    async def metrics(writer: asyncio.StreamWriter, request: Request) -> None:
+        tokens["count"] += 7
+        body = f'vllm:generation_tokens_total{{model_name="m"}} {tokens["count"]}\n'.encode()
+        writer.write(head(200, length=len(body)) + body)
+        await writer.drain()
+
+    return metrics
+
+
+def requests_for(content: str, *servers: RawServer) -> list[Request]:
+    """The chat requests the servers got whose last message is ``content``."""
+    return [
+        r
+        for s in servers
+        for r in s.chat_requests
+        if orjson.loads(r.body)["messages"][-1]["content"] == content
+    ]
+
+
 def conversations(samples: int = SAMPLES) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": f"sample {i}"}] for i in range(samples)]
 
@@ -216,12 +240,7 @@ def test_a_sample_that_breaks_every_member_is_still_bounded(
         responses, stats, _ = run_pool(
             [one.base_url, two.base_url], hedge_tail=False, max_sample_retries=2
         )
-        sevens = [
-            r
-            for s in (one, two)
-            for r in s.chat_requests
-            if orjson.loads(r.body)["messages"][-1]["content"] == "sample 7"
-        ]
+        sevens = requests_for("sample 7", one, two)
     assert [i for i, r in enumerate(responses) if not r.ok] == [7]
     assert responses[7].error_type == "server_error"
     assert len(sevens) == 3  # the first try and two resends
@@ -231,13 +250,7 @@ def test_a_sample_that_breaks_every_member_is_still_bounded(
 def test_a_slow_member_whose_engine_progresses_is_never_evicted(good: RawServer) -> None:
     """A member that takes 3 s per answer, far past its stall window by the good
     member's pace, while its /metrics counters grow: busy, not hung. It keeps its work."""
-    counter = {"tokens": 0}
-
-    async def metrics(writer: asyncio.StreamWriter, request: Request) -> None:
-        counter["tokens"] += 7
-        body = f'vllm:generation_tokens_total{{model_name="m"}} {counter["tokens"]}\n'.encode()
-        writer.write(head(200, length=len(body)) + body)
-        await writer.drain()
+    metrics = growing_metrics()
 
     with raw_server(echo_after(3.0)) as slow:
         slow.routes["/metrics"] = metrics
@@ -286,13 +299,7 @@ def test_a_timeout_while_the_member_answers_others_is_the_samples() -> None:
     """One sample takes longer than ``timeout`` while the rest of its batch is answered
     (and the engine's counters grow, so the member is busy, not hung): an error row
     (read_timeout) after one request, no member counted against."""
-    tokens = {"count": 0}
-
-    async def metrics(writer: asyncio.StreamWriter, request: Request) -> None:
-        tokens["count"] += 7
-        body = f"vllm:generation_tokens_total {tokens['count']}\n".encode()
-        writer.write(head(200, length=len(body)) + body)
-        await writer.drain()
+    metrics = growing_metrics()
 
     async def slow_for_seven(writer: asyncio.StreamWriter, request: Request) -> None:
         if orjson.loads(request.body)["messages"][-1]["content"] == "sample 7":
@@ -304,12 +311,7 @@ def test_a_timeout_while_the_member_answers_others_is_the_samples() -> None:
         responses, stats, _ = run_pool(
             [one.base_url, two.base_url], hedge_tail=False, samples=20, timeout=1.0
         )
-        sevens = [
-            r
-            for s in (one, two)
-            for r in s.chat_requests
-            if orjson.loads(r.body)["messages"][-1]["content"] == "sample 7"
-        ]
+        sevens = requests_for("sample 7", one, two)
     assert [i for i, r in enumerate(responses) if not r.ok] == [7]
     assert responses[7].error_type == "read_timeout"
     assert len(sevens) == 1
