@@ -19,7 +19,13 @@ import orjson
 import pytest
 import structlog
 
-from llm_annotator import OpenAIClient, PoolExhaustedError, VLLMQueueAnnotator
+from llm_annotator import (
+    ErrorKind,
+    OpenAIClient,
+    PoolExhaustedError,
+    ProviderError,
+    VLLMQueueAnnotator,
+)
 from tests.misbehaving import Answer, RawServer, Request, completion_body, head, raw_server, whole
 
 SAMPLES = 300
@@ -216,6 +222,8 @@ def test_a_5xx_storm_is_not_a_result(good: RawServer) -> None:
     assert info.value.responses == [None] * SAMPLES
     assert all(m.evictions == 1 and m.errors == 0 for m in stats.members)
     assert "Internal Server Error" in str(info.value)
+    for url in (one.base_url, two.base_url):
+        assert f"{url}: {url}" not in str(info.value)  # each server named once
     assert waited < 10
     responses, _, _ = run_pool([good.base_url], hedge_tail=False)
     assert all(r.ok for r in responses)
@@ -316,3 +324,48 @@ def test_a_timeout_while_the_member_answers_others_is_the_samples() -> None:
     assert responses[7].error_type == "read_timeout"
     assert len(sevens) == 1
     assert stats.evictions == 0
+
+
+@pytest.mark.parametrize(("status", "kind"), [(401, "auth"), (404, "not_found")])
+def test_a_member_that_starts_refusing_mid_call_is_disabled(
+    status: int, kind: str, good: RawServer
+) -> None:
+    """A member whose key is revoked (401) or whose model is unloaded (404) in the middle
+    of a call: disabled for good, its samples answered by the other member, no error
+    rows."""
+    served = {"count": 0}
+
+    async def then_refuse(writer: asyncio.StreamWriter, request: Request) -> None:
+        served["count"] += 1
+        if served["count"] > 30:
+            body = orjson.dumps({"error": {"message": "no longer", "type": kind}})
+            await whole(body, status)(writer, request)
+            return
+        await echo_after(ANSWER_SECONDS)(writer, request)
+
+    with raw_server(then_refuse) as turning:
+        responses, stats, _ = run_pool([turning.base_url, good.base_url], hedge_tail=False)
+    member = stats.member(turning.base_url)
+    assert [r.text for r in responses] == [f"echo sample {i}" for i in range(SAMPLES)]
+    assert member.state == "disabled" and member.errors == 0
+    assert 0 < member.completed <= 30
+    assert f"HTTP {status}" in (member.last_error or "")
+
+
+def test_on_error_raise_raises_the_first_error_row_after_the_call(good: RawServer) -> None:
+    """``on_error="raise"``: the call finishes, then raises the first sample-fault error
+    as a ProviderError of its kind; a server fault on the way raises nothing."""
+
+    async def bad_request_for_three(writer: asyncio.StreamWriter, request: Request) -> None:
+        if orjson.loads(request.body)["messages"][-1]["content"] == "sample 3":
+            body = orjson.dumps({"error": {"message": "prompt too long"}})
+            await whole(body, 400)(writer, request)
+            return
+        await echo_after(0.0)(writer, request)
+
+    with raw_server(bad_request_for_three) as server:
+        with pytest.raises(ProviderError) as info:
+            run_pool([server.base_url], hedge_tail=False, samples=20, on_error="raise")
+        assert len(requests_for("sample 3", server)) == 1
+    assert info.value.kind is ErrorKind.BAD_REQUEST
+    assert "prompt too long" in str(info.value)

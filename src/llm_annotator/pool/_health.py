@@ -276,8 +276,7 @@ class PoolHealth(PoolCore):
     @staticmethod
     def _unusable(run: Run, members: list[Member]) -> ServersUnusableError:
         """Every member is disabled: settings to fix, not a server to wait for."""
-        servers = {m.url: m.last_error or m.state.value for m in members}
-        listing = "; ".join(f"{url}: {said}" for url, said in servers.items())
+        servers, listing = _what_servers_said(members)
         done = (
             f"{run.delivered} of {run.admitted} samples taken were done before. "
             if run.delivered
@@ -290,8 +289,7 @@ class PoolHealth(PoolCore):
         )
 
     def _exhausted(self, run: Run, members: list[Member], waited: float) -> PoolExhaustedError:
-        servers = {m.url: m.last_error or m.state.value for m in members}
-        listing = "; ".join(f"{url}: {said}" for url, said in servers.items())
+        servers, listing = _what_servers_said(members)
         return PoolExhaustedError(
             f"no server of the pool could take work for {waited:.0f} s "
             f"(all_down_timeout={self.config.all_down_timeout:g}); {run.delivered} of "
@@ -384,3 +382,11 @@ class PoolHealth(PoolCore):
 
     def _requeue_one(self, run: Run, member: Member, index: int) -> None:
         member.requeued += run.requeue([index])
+
+
+def _what_servers_said(members: list[Member]) -> tuple[dict[str, str], str]:
+    """Each member's last error (or state), by URL, and the same as one line of text;
+    an error that begins with its server's URL is not given the URL twice."""
+    servers = {m.url: m.last_error or m.state.value for m in members}
+    listing = "; ".join(f"{url}: {said.removeprefix(url + ': ')}" for url, said in servers.items())
+    return servers, listing
