@@ -200,7 +200,7 @@ def test_a_key_quoted_back_never_reaches_any_output(
             shown = [
                 repr(pool),
                 str(pool.statistics()),
-                repr(pool._members[server.base_url].client),
+                repr(pool._state.members[server.base_url].client),
             ]
     assert quoted, "the server never saw the key, so nothing was planted"
     assert done.returncode == (3 if servers_fault else 0), done.stderr[-3000:]  # 3: exhausted

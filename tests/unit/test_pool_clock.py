@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from llm_annotator import PoolExhaustedError, Response, VLLMQueueAnnotator
+from llm_annotator.pool.effects import Effects
 from tests.unit.fake_clock import ClockedClient, FakeClock, overloaded
 
 
@@ -29,7 +30,9 @@ def run(coro: Any) -> Any:
     return result
 
 
-def test_a_hung_member_is_evicted_after_three_failed_probes_and_its_work_moves() -> None:
+def test_a_hung_member_is_evicted_after_three_failed_probes_and_its_work_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A member that stops answering /health (and its requests) at t=5 s is evicted
     after 3 failed probes (3 s apart, 4 s each): at about t=5+3x(3..4) s by the default
     settings, and every sample still completes on the other member."""
@@ -44,16 +47,16 @@ def test_a_hung_member_is_evicted_after_three_failed_probes_and_its_work_moves()
         latency=0.5,
     )
     evicted_at: list[float] = []
+    original = Effects.evict
+
+    def evict(self: Effects, *args: Any, **kwargs: Any) -> None:
+        evicted_at.append(clock.now())
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Effects, "evict", evict)
 
     async def scenario() -> list[Response]:
         async with VLLMQueueAnnotator(clients=[good, bad], batch_size=4, clock=clock) as pool:
-            original = pool._evict
-
-            def evict(*args: Any, **kwargs: Any) -> None:
-                evicted_at.append(clock.now())
-                original(*args, **kwargs)
-
-            pool._evict = evict  # type: ignore[method-assign]
             return await pool.abatch_generate(messages=prompts(2000))
 
     responses = run(scenario())

@@ -4,34 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Unpack
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import structlog
 
 from llm_annotator import _constants as default
-from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_setting
-from llm_annotator.clients._transport import unverified_context as _unverified_context
-from llm_annotator.clients.base import Client
-from llm_annotator.clients.openai_client import check_api_key
+from llm_annotator.clients._transport import Verify, normalize_base_url
+from llm_annotator.clients.base import Client, Messages
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
-from llm_annotator.errors import (
-    ConfigurationError,
-    PoolExhaustedError,
-    ProviderError,
-    ServersUnusableError,
-)
-from llm_annotator.pool._calls import PoolCalls
+from llm_annotator.errors import ConfigurationError
+from llm_annotator.pool.calls import Calls
 from llm_annotator.pool.clock import SYSTEM_CLOCK, Clock
 from llm_annotator.pool.config import FromConfig, PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
+from llm_annotator.pool.dispatch import Dispatcher
+from llm_annotator.pool.effects import Effects
+from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
-from llm_annotator.pool.policy import CONFIGURATION_KINDS
-from llm_annotator.pool.run import Run
+from llm_annotator.pool.membership import Membership
+from llm_annotator.pool.stall import StallWatch
+from llm_annotator.pool.state import ClientFactory, PoolState
 from llm_annotator.pool.statistics import PoolStatistics
-from llm_annotator.response import OnError
+from llm_annotator.response import OnError, Response
 
 if TYPE_CHECKING:
     from llm_annotator.jobs.annotate import AnnotationResult, JobArgs
@@ -39,7 +35,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
+K = TypeVar("K")
+
+
+class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
     """Feed one work queue of conversations to many vLLM servers, surviving their failures.
 
     The conversations of a call are cut into batches of ``batch_size``. Every member
@@ -192,28 +191,18 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             max_server_faults=max_server_faults,
             stall_window=stall_window,
         )
-        self._api_key, self._api_keys = _api_keys(api_key)
-        tls = ssl_setting(verify)  # a bad CA bundle fails here, once, naming the setting
-        if tls is False:
-            log.warning(
-                "tls_verification_disabled",
-                detail="verify=False: no server's certificate is checked",
-            )
-            tls = _unverified_context()  # the same, without a warning per client
-        self._tls_verify = tls
-        self._clock = clock
-        self._members: dict[str, Member] = {}
+        clients_built = ClientFactory.build(self.config, api_key, verify)
+        state = PoolState(self.config, clock, clients_built, discovery)
         for url in base_urls or ():
-            self._add_member(Member(self._new_client(url)))
+            state.add(Member(clients_built(url)))
         for client in clients or ():
             if not isinstance(client, VLLMOnlineClient):
                 raise TypeError(
                     "clients must be VLLMOnlineClient instances (the pool needs their "
                     f"health checks and metrics), got {type(client).__name__}"
                 )
-            self._add_member(Member(client))
-        self._discovery = discovery
-        unknown = [url for url in self._api_keys if url not in self._members]
+            state.add(Member(client))
+        unknown = [url for url in clients_built.api_keys if url not in state.members]
         if unknown and discovery is None:
             log.warning(
                 "api_key_for_unknown_server",
@@ -222,33 +211,26 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             )
         if discovery is not None:
             for url in discovery.initial_urls():
-                if normalize_base_url(url) not in self._members:
-                    self._add_member(Member(self._new_client(url)))
-        elif not self._members:
+                if normalize_base_url(url) not in state.members:
+                    state.add(Member(clients_built(url)))
+        elif not state.members:
             raise ConfigurationError(
                 "VLLMQueueAnnotator needs at least one server: give base_urls, clients "
                 "or a discovery"
             )
-        self._run: Run | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._params: dict[str, bytes] = {}
-        self._options: tuple[VLLMOnlineRuntimeOptions | None, dict[str, Any] | None] = (None, None)
-        self._verifying: dict[str, asyncio.Task[bool]] = {}
-        self._removed: list[Member] = []
-        self._closed = False
+        self._state = state
+        effects = Effects(state)
+        self._health = HealthMonitor(state, effects)
+        dispatcher = Dispatcher(state, effects, self._health, StallWatch(state, effects))
+        self._membership = Membership(state, dispatcher)
+        self._calls = Calls(state, dispatcher, self._health, self._membership)
 
     # -- membership --------------------------------------------------------------------
-
-    def _add_member(self, member: Member) -> None:
-        if member.url in self._members:
-            raise ConfigurationError(f"server {member.url} is in the pool twice")
-        self._members[member.url] = member
 
     @property
     def base_urls(self) -> list[str]:
         """The members' base URLs, in the order they joined."""
-        return list(self._members)
+        return self._membership.base_urls
 
     def add_server(self, base_url: str) -> None:
         """Add a server; during a call it is probed and takes work once healthy.
@@ -256,14 +238,11 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         Safe to call from another thread while a call runs.
 
         Raises:
-            ValueError: If the server is already in the pool.
+            ValueError: If the server is already in the pool (a ConfigurationError).
             ConfigurationError: If the URL is not an http(s) URL.
             RuntimeError: If the pool is closed.
         """
-        if self._closed:
-            raise RuntimeError(f"cannot add {base_url}: the pool is closed")
-        member = Member(self._new_client(base_url))
-        self._in_loop(lambda: self._join(member))
+        self._membership.add_server(base_url)
 
     def remove_server(self, base_url: str) -> None:
         """Remove a server; during a call it takes no new work and leaves once its
@@ -274,51 +253,64 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         Raises:
             KeyError: If the server is not in the pool.
         """
-        url = normalize_base_url(base_url)
-        if url not in self._members:
-            raise KeyError(f"server {url} is not in the pool")
-        self._in_loop(lambda: self._drain(url))
+        self._membership.remove_server(base_url)
 
-    def _in_loop(self, action: Callable[[], None]) -> None:
-        loop = self._loop
-        if self._run is not None and loop is not None and loop.is_running():
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is not loop:
-                done = threading.Event()
-                failure: list[BaseException] = []
+    # -- calls -------------------------------------------------------------------------
 
-                def call() -> None:
-                    try:
-                        action()
-                    except BaseException as exc:  # handed to the caller's thread
-                        failure.append(exc)
-                    finally:
-                        done.set()
+    async def agenerate(
+        self,
+        *,
+        messages: Messages,
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+    ) -> Response:
+        """Async twin of :meth:`generate`: a batch of one."""
+        responses = await self.abatch_generate(
+            messages=[messages], options=options, gen_kwargs=gen_kwargs
+        )
+        return responses[0]
 
-                loop.call_soon_threadsafe(call)
-                done.wait(timeout=10)
-                if failure:
-                    raise failure[0]
-                return
-        action()
+    async def abatch_generate(
+        self,
+        *,
+        messages: list[Messages],
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+    ) -> list[Response]:
+        """Async twin of :meth:`batch_generate`."""
+        return await self._calls.abatch_generate(messages, options, gen_kwargs)
 
-    def _join(self, member: Member) -> None:
-        self._add_member(member)
-        log.info("member_added", server=member.url)
-        if self._run is not None:
-            self._attach(self._run, member)
+    def astream(
+        self,
+        samples: Iterable[tuple[K, Messages]] | AsyncIterable[tuple[K, Messages]],
+        *,
+        options: VLLMOnlineRuntimeOptions | None = None,
+        gen_kwargs: dict[str, Any] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> AsyncGenerator[tuple[K, Response], None]:
+        """Generate for a stream of ``(key, conversation)`` pairs, yielding
+        ``(key, Response)`` as each completes, in completion order.
 
-    def _drain(self, url: str) -> None:
-        member = self._members[url]
-        log.info("member_removed", server=url, in_flight=len(member.in_flight))
-        if self._run is None or not member.in_flight:
-            self._forget(member)
-        else:
-            member.drain()
-            self._run.notify()
+        Samples are read from ``samples`` only as fast as the pool works through them
+        (a bounded window of open samples), so a stream of any length runs in bounded
+        memory. Every key comes back exactly once, unless the stream is stopped.
+        A consumer that may stop reading early should close the stream
+        (``async with contextlib.aclosing(pool.astream(...)) as stream``), which
+        cancels the work in flight and frees the pool for its next call at once.
+
+        Args:
+            samples: The work, as a sync or async iterable of pairs. Keys are the
+                caller's; they are handed back untouched.
+            options: Generation options for every sample.
+            gen_kwargs: Raw request parameters that override ``options``.
+            stop: When set, no new work is taken: the requests in flight finish and
+                are yielded, then the stream ends. Samples not yet sent are dropped.
+
+        Raises:
+            PoolExhaustedError: Every server stayed down for ``all_down_timeout``
+                (after everything completed before was yielded).
+        """
+        return self._calls.astream(samples, options, gen_kwargs, stop)
 
     # -- annotation jobs ------------------------------------------------------------------
 
@@ -375,60 +367,24 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
             ServersUnusableError: Every server refused for a reason waiting cannot fix
                 (a wrong or missing API key, a TLS failure, a redirect, no such route).
         """
-        config = self.config
-        if config.model is not None:
-            return config.model
-        deadline = self._clock.now() + (config.all_down_timeout if timeout is None else timeout)
-        said: dict[str, str] = {}
-        while True:
-            if self._discovery is not None:
-                await self._discovery.refresh(self)
-            members = list(self._members.values())
-            answers = await asyncio.gather(
-                *(m.client.alist_models() for m in members), return_exceptions=True
-            )
-            for member, answer in zip(members, answers, strict=True):
-                if isinstance(answer, list) and answer:
-                    return str(answer[0])
-                if isinstance(answer, ProviderError):
-                    said[member.url] = answer.message
-                else:
-                    said[member.url] = (
-                        str(answer) if isinstance(answer, BaseException) else "no model"
-                    )
-            broken = [
-                a for a in answers if isinstance(a, ProviderError) and a.kind in CONFIGURATION_KINDS
-            ]
-            if members and len(broken) == len(members):
-                listing = "; ".join(str(error) for error in broken)
-                raise ServersUnusableError(
-                    f"no server of the pool can be used, and waiting will not help: {listing}",
-                    servers=said,
-                )
-            left = deadline - self._clock.now()
-            if left <= 0:
-                listing = "; ".join(f"{url}: {text}" for url, text in said.items())
-                raise PoolExhaustedError(
-                    f"no server of the pool listed a model on /v1/models in time: {listing}",
-                    servers=said,
-                )
-            await self._clock.sleep(min(2.0, left))
+        return await self._health.resolve_model(self._membership, timeout)
 
     async def ais_healthy(self, timeout: float = default.HEALTH_TIMEOUT) -> bool:
         """Whether at least one member answers /health."""
-        checks = [m.client.ais_healthy(timeout) for m in self._members.values()]
+        checks = [m.client.ais_healthy(timeout) for m in self._state.members.values()]
         return any(await asyncio.gather(*checks))
 
     async def aclose(self) -> None:
         """Close every member's connections; no server can be added after this."""
-        self._closed = True
-        members = [*self._members.values(), *self._removed]
+        state = self._state
+        state.closed = True
+        members = [*state.members.values(), *state.removed]
         await asyncio.gather(*(m.client.aclose() for m in members))
 
     def statistics(self) -> PoolStatistics:
         """A frozen snapshot of the pool's counters."""
-        members = tuple(m.statistics() for m in list(self._members.values()))
-        run = self._run
+        members = tuple(m.statistics() for m in list(self._state.members.values()))
+        run = self._state.run
         return PoolStatistics(
             members=members,
             healthy=sum(m.state == MemberState.HEALTHY.value for m in members),
@@ -437,26 +393,9 @@ class VLLMQueueAnnotator(PoolCalls, Client[VLLMOnlineRuntimeOptions]):
         )
 
     def __repr__(self) -> str:
-        states = Counter(m.state.value for m in list(self._members.values()))
+        states = Counter(m.state.value for m in list(self._state.members.values()))
         parts = " ".join(
             f"{state.value}={states[state.value]}" for state in MemberState if states[state.value]
         )
         stats = self.statistics()
         return f"<VLLMQueueAnnotator {parts} in_flight={stats.in_flight} queued={stats.queued}>"
-
-
-def _api_keys(api_key: str | Mapping[str, str] | None) -> tuple[str | None, dict[str, str]]:
-    """The default key and the per-server keys (by normalised base URL) of ``api_key``."""
-    if api_key is None or isinstance(api_key, str):
-        check_api_key(api_key)
-        return api_key, {}
-    if not isinstance(api_key, Mapping):
-        raise ConfigurationError(
-            "api_key must be a string, a mapping from base URL to key, or None, "
-            f"got {type(api_key).__name__}"
-        )
-    keys: dict[str, str] = {}
-    for url, key in api_key.items():
-        check_api_key(key, where=f"api_key[{url!r}]")
-        keys[normalize_base_url(url)] = key
-    return None, keys

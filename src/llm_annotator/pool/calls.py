@@ -14,7 +14,7 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import structlog
 
@@ -22,45 +22,40 @@ from llm_annotator._gc import fewer_full_collections
 from llm_annotator.clients.base import Messages
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
-from llm_annotator.pool._work import PoolWork
 from llm_annotator.pool.discovery import PoolLike
+from llm_annotator.pool.dispatch import Dispatcher
+from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import MemberState
 from llm_annotator.pool.run import Deliver, Run
-from llm_annotator.response import OnError, Response
+from llm_annotator.pool.state import PoolState
+from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
 
 K = TypeVar("K")
 
 
-class PoolCalls(PoolWork):
-    """``abatch_generate`` and ``astream``: a call's life on the pool."""
+class Calls:
+    """``abatch_generate`` and ``astream``: a call's life on the pool.
 
-    on_error: OnError
+    ``pool`` is what a discovery adds servers to and removes them from.
+    """
 
-    # -- the call ----------------------------------------------------------------------
-
-    async def agenerate(
-        self,
-        *,
-        messages: Messages,
-        options: VLLMOnlineRuntimeOptions | None = None,
-        gen_kwargs: dict[str, Any] | None = None,
-    ) -> Response:
-        """Async twin of :meth:`generate`: a batch of one."""
-        responses = await self.abatch_generate(
-            messages=[messages], options=options, gen_kwargs=gen_kwargs
-        )
-        return responses[0]
+    def __init__(
+        self, state: PoolState, dispatcher: Dispatcher, health: HealthMonitor, pool: PoolLike
+    ) -> None:
+        self._state = state
+        self._dispatcher = dispatcher
+        self._health = health
+        self._pool = pool
 
     async def abatch_generate(
         self,
-        *,
         messages: list[Messages],
-        options: VLLMOnlineRuntimeOptions | None = None,
-        gen_kwargs: dict[str, Any] | None = None,
+        options: VLLMOnlineRuntimeOptions | None,
+        gen_kwargs: dict[str, Any] | None,
     ) -> list[Response]:
-        """Async twin of :meth:`batch_generate`."""
+        """The responses to ``messages``, in order (see the pool's method)."""
         if not messages:
             return []
         results: list[Response | None] = [None] * len(messages)
@@ -72,46 +67,24 @@ class PoolCalls(PoolWork):
         for index, conversation in enumerate(messages):
             run.admit(index, conversation)
         run.close_source()
-        started = self._clock.now()
+        started = self._state.clock.now()
         try:
             await self._drive(run)
         except PoolExhaustedError as exc:
             exc.responses = list(results)
             raise
         done: list[Response] = [r for r in results if r is not None]
-        self._report(done, self._clock.now() - started)
+        self._report(done, self._state.clock.now() - started)
         return done
 
     async def astream(
         self,
         samples: Iterable[tuple[K, Messages]] | AsyncIterable[tuple[K, Messages]],
-        *,
-        options: VLLMOnlineRuntimeOptions | None = None,
-        gen_kwargs: dict[str, Any] | None = None,
-        stop: asyncio.Event | None = None,
+        options: VLLMOnlineRuntimeOptions | None,
+        gen_kwargs: dict[str, Any] | None,
+        stop: asyncio.Event | None,
     ) -> AsyncGenerator[tuple[K, Response], None]:
-        """Generate for a stream of ``(key, conversation)`` pairs, yielding
-        ``(key, Response)`` as each completes, in completion order.
-
-        Samples are read from ``samples`` only as fast as the pool works through them
-        (a bounded window of open samples), so a stream of any length runs in bounded
-        memory. Every key comes back exactly once, unless the stream is stopped.
-        A consumer that may stop reading early should close the stream
-        (``async with contextlib.aclosing(pool.astream(...)) as stream``), which
-        cancels the work in flight and frees the pool for its next call at once.
-
-        Args:
-            samples: The work, as a sync or async iterable of pairs. Keys are the
-                caller's; they are handed back untouched.
-            options: Generation options for every sample.
-            gen_kwargs: Raw request parameters that override ``options``.
-            stop: When set, no new work is taken: the requests in flight finish and
-                are yielded, then the stream ends. Samples not yet sent are dropped.
-
-        Raises:
-            PoolExhaustedError: Every server stayed down for ``all_down_timeout``
-                (after everything completed before was yielded).
-        """
+        """``(key, Response)`` for each sample as it completes (see the pool's method)."""
         outbox: deque[tuple[K, Response]] = deque()
         keys: dict[int, K] = {}
         arrived = asyncio.Event()
@@ -121,9 +94,11 @@ class PoolCalls(PoolWork):
             outbox.append((keys.pop(index), response))
             arrived.set()
 
+        config = self._state.config
+
         def has_room(run: Run) -> bool:
-            slots = self.config.max_concurrent_batches_per_client * max(1, len(self._members))
-            return len(run.open) + len(outbox) < 2 * self.config.batch_size * slots
+            slots = config.max_concurrent_batches_per_client * max(1, len(self._state.members))
+            return len(run.open) + len(outbox) < 2 * config.batch_size * slots
 
         run = self._begin(deliver, options, gen_kwargs)
         run.stop = stop
@@ -157,12 +132,13 @@ class PoolCalls(PoolWork):
         gen_kwargs: dict[str, Any] | None,
     ) -> Run:
         """Check the options and claim the pool for one call."""
-        if self._run is not None:
+        state = self._state
+        if state.run is not None:
             raise RuntimeError("VLLMQueueAnnotator runs one call at a time")
-        self._prototype().encode_params(options, gen_kwargs)  # ValueError before anything
-        run = Run(self.config.batch_size, deliver, self._clock)
-        self._run, self._loop = run, asyncio.get_running_loop()
-        self._params, self._options = {}, (options, gen_kwargs)
+        state.prototype().encode_params(options, gen_kwargs)  # ValueError before anything
+        run = Run(state.config.batch_size, deliver, state.clock)
+        state.run, state.loop = run, asyncio.get_running_loop()
+        state.params, state.options = {}, (options, gen_kwargs)
         return run
 
     async def _drive(self, run: Run, extra: Sequence[Coroutine[Any, Any, None]] = ()) -> None:
@@ -170,39 +146,33 @@ class PoolCalls(PoolWork):
         log.info(
             "run_started",
             samples=run.admitted if run.source_done else None,
-            servers=len(self._members),
-            batch_size=self.config.batch_size,
-            batches_per_server=self.config.max_concurrent_batches_per_client,
+            servers=len(self._state.members),
+            batch_size=self._state.config.batch_size,
+            batches_per_server=self._state.config.max_concurrent_batches_per_client,
         )
         try:
             with fewer_full_collections():
                 async with asyncio.TaskGroup() as group:
-                    self._group = group
-                    for member in list(self._members.values()):
-                        self._attach(run, member)
-                    self._spawn(self._watch_all_down(run))
-                    if self._discovery is not None:
-                        self._spawn(self._discovery.run(cast("PoolLike", self), run.done))
+                    self._state.open_tasks(group)
+                    for member in list(self._state.members.values()):
+                        self._dispatcher.attach(run, member)
+                    self._state.spawn(self._health.watch_all_down(run))
+                    if self._state.discovery is not None:
+                        self._state.spawn(self._state.discovery.run(self._pool, run.done))
                     for coro in extra:
-                        self._spawn(coro)
+                        self._state.spawn(coro)
                     await run.done.wait()
-                    for task in list(self._tasks):
-                        task.cancel()
+                    self._state.cancel_tasks()
         finally:
             for coro in extra:
                 coro.close()  # never started if the group failed early
-            for task in list(self._tasks):
-                task.cancel()
-            self._tasks.clear()
-            for check in self._verifying.values():
-                check.cancel()
-            self._verifying.clear()
-            for member in list(self._members.values()):
+            self._state.cancel_tasks()
+            for member in list(self._state.members.values()):
                 member.in_flight.clear()
                 member.suspects.clear()
                 if member.state is MemberState.DRAINING:
-                    self._forget(member)
-            self._run = None
+                    self._state.forget(member)
+            self._state.run = None
         if run.failure is not None:
             raise run.failure
         if run.exhausted is not None:
@@ -241,11 +211,11 @@ class PoolCalls(PoolWork):
     async def _watch_stop(self, run: Run, stop: asyncio.Event) -> None:
         """Once ``stop`` is set, take no new work and end when nothing is in flight."""
         await stop.wait()
-        in_flight = sum(len(m.in_flight) for m in self._members.values())
+        in_flight = sum(len(m.in_flight) for m in self._state.members.values())
         log.info("run_stopping", in_flight=in_flight, open=len(run.open))
         run.notify()
         while not run.finished:
-            if not any(m.in_flight or m.suspects for m in self._members.values()):
+            if not any(m.in_flight or m.suspects for m in self._state.members.values()):
                 run.finish()
                 return
             await run.wait_for_change(0.1)
@@ -261,13 +231,13 @@ class PoolCalls(PoolWork):
         )
         if not failed:
             return
-        if self.config.on_error == "raise":
+        if self._state.config.on_error == "raise":
             first = failed[0]
             raise ProviderError(
                 first.error or "request failed",
                 kind=ErrorKind(first.error_type or ErrorKind.HTTP_ERROR.value),
             )
-        if self.config.on_error == "warn":
+        if self._state.config.on_error == "warn":
             log.warning(
                 "requests_failed",
                 failed=len(failed),

@@ -1,4 +1,4 @@
-"""Work: batch slots, settling each answer by whose fault a failure is, the tail."""
+"""Dispatch: the members' batch slots, settling each answer, and the tail."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import structlog
 
 from llm_annotator.clients._retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
-from llm_annotator.pool._health import PoolHealth
+from llm_annotator.pool.effects import Effects
+from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
 from llm_annotator.pool.policy import (
     Action,
@@ -19,6 +20,8 @@ from llm_annotator.pool.policy import (
     timeout_action,
 )
 from llm_annotator.pool.run import Run
+from llm_annotator.pool.stall import StallWatch
+from llm_annotator.pool.state import PoolState
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
@@ -27,40 +30,41 @@ _MAX_OVERLOAD_REQUEUES = 50
 """Overload answers (429, 503) one sample may get before it becomes an error row."""
 
 
-class PoolWork(PoolHealth):
+class Dispatcher:
     """Members' batch slots: take a batch, send it, settle every answer."""
 
-    def _attach(self, run: Run, member: Member) -> None:
+    def __init__(
+        self, state: PoolState, effects: Effects, health: HealthMonitor, stall: StallWatch
+    ) -> None:
+        self._state = state
+        self._effects = effects
+        self._health = health
+        self._stall = stall
+
+    def attach(self, run: Run, member: Member) -> None:
         """Start a member's probe loop and batch slots for this call."""
         if member.state is MemberState.DISABLED:
             return
-        self._spawn(self._probe_loop(run, member))
-        self._spawn(self._watch_progress(run, member))
-        for _ in range(self.config.max_concurrent_batches_per_client):
-            self._spawn(self._slot(run, member))
-
-    def _params_for(self, member: Member) -> bytes:
-        params = self._params.get(member.url)
-        if params is None:
-            params = member.client.encode_params(*self._options)
-            self._params[member.url] = params
-        return params
+        self._state.spawn(self._health.probe_loop(run, member))
+        self._state.spawn(self._stall.watch(run, member))
+        for _ in range(self._state.config.max_concurrent_batches_per_client):
+            self._state.spawn(self._slot(run, member))
 
     # -- work --------------------------------------------------------------------------
 
     async def _slot(self, run: Run, member: Member) -> None:
         """One of a member's batch slots: take a batch whenever the member can work."""
         while not run.finished:
-            if member.state is MemberState.DISABLED or self._members.get(member.url) is not member:
+            if member.state is MemberState.DISABLED or not self._state.is_member(member):
                 return
             if member.state is MemberState.DRAINING:
                 if not member.in_flight:
-                    self._forget(member)
+                    self._state.forget(member)
                     run.notify()
                     return
                 await run.wait_for_change(1.0)
                 continue
-            now = self._clock.now()
+            now = self._state.clock.now()
             if not member.takes_work(now):
                 # Not healthy: every change of state notifies, so a long wait is fine.
                 # Backing off: wake when the pause ends.
@@ -70,7 +74,7 @@ class PoolWork(PoolHealth):
                 continue
             batch = run.take(self._working_slots(), self._shunned_by(member))
             tail = run.source_done and not run.queue and not run.stopping
-            if batch is None and self.config.hedge_tail and tail:
+            if batch is None and self._state.config.hedge_tail and tail:
                 batch = self._hedge(run, member)
             if batch is None:
                 await run.wait_for_change(1.0)
@@ -80,27 +84,27 @@ class PoolWork(PoolHealth):
     def _shunned_by(self, member: Member) -> str | None:
         """``member``'s URL if samples that failed there should wait for another member
         (one that takes work now); else None."""
-        if not self._run or not self._run.avoid:
+        if not self._state.run or not self._state.run.avoid:
             return None
-        now = self._clock.now()
-        for other in self._members.values():
+        now = self._state.clock.now()
+        for other in self._state.members.values():
             if other is not member and other.takes_work(now):
                 return member.url
         return None
 
     def _working_slots(self) -> int:
-        healthy = sum(m.state is MemberState.HEALTHY for m in self._members.values())
-        return max(1, healthy) * self.config.max_concurrent_batches_per_client
+        healthy = sum(m.state is MemberState.HEALTHY for m in self._state.members.values())
+        return max(1, healthy) * self._state.config.max_concurrent_batches_per_client
 
     def _hedge(self, run: Run, member: Member) -> list[int] | None:
         """Samples in flight on the members expected to finish last, not yet hedged."""
-        elapsed = max(self._clock.now() - run.started, 1e-3)
+        elapsed = max(self._state.clock.now() - run.started, 1e-3)
 
         def expected_end(other: Member) -> float:
             rate = max(other.completed / elapsed, 1e-3)
             return len(other.in_flight) / rate
 
-        others = [m for m in self._members.values() if m is not member and m.in_flight]
+        others = [m for m in self._state.members.values() if m is not member and m.in_flight]
         suspects = run.evicted_with
         failed_here = {i for i, url in run.avoid.items() if url == member.url}
         batch: list[int] = []
@@ -114,9 +118,9 @@ class PoolWork(PoolHealth):
                     and index not in failed_here
                 ):
                     batch.append(index)
-                    if len(batch) == self.config.batch_size:
+                    if len(batch) == self._state.config.batch_size:
                         break
-            if len(batch) == self.config.batch_size:
+            if len(batch) == self._state.config.batch_size:
                 break
         if not batch:
             return None
@@ -127,11 +131,11 @@ class PoolWork(PoolHealth):
 
     async def _run_batch(self, run: Run, member: Member, batch: list[int]) -> None:
         """Send a batch at once; settle each answer as it arrives; requeue what is left."""
-        params = self._params_for(member)
+        params = self._state.params_for(member)
         client = member.client
         arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
         tasks: dict[asyncio.Task[Response | ProviderError], int] = {}
-        sent_at = self._clock.now()
+        sent_at = self._state.clock.now()
         member.note_sent(sent_at)
         for index in batch:
             task = asyncio.ensure_future(client.asend(run.open[index], params))
@@ -145,7 +149,7 @@ class PoolWork(PoolHealth):
                 if not task.cancelled():
                     outcome = self._outcome(task, member)
                     if not _timed_out(outcome):  # an answer: the member is not hung
-                        member.note_arrival(self._clock.now())
+                        member.note_arrival(self._state.clock.now())
                     self._settle(run, member, tasks[task], outcome, sent_at)
         finally:
             for task in tasks:
@@ -195,28 +199,28 @@ class PoolWork(PoolHealth):
             action = timeout_action(member_answering=member.last_answer_at > sent_at)
         reason = str(result)
         if action is Action.EVICT:
-            self._evict(run, member, reason, cause=index)
+            self._effects.evict(run, member, reason, cause=index)
         elif action is Action.VERIFY:
             if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
-                self._requeue_one(run, member, index)  # already out; nothing to verify
+                self._effects.requeue(run, member, index)  # already out; nothing to verify
             else:
                 member.suspects.add(index)
-                self._spawn(self._verify_then_settle(run, member, index, result, sent_at))
+                self._state.spawn(self._verify_then_settle(run, member, index, result, sent_at))
         elif action is Action.BACKOFF:
-            member.back_off(self._clock.now(), retry_delay)
+            member.back_off(self._state.clock.now(), retry_delay)
             member.last_error = reason
             run.overloads[index] += 1
             if run.overloads[index] > _MAX_OVERLOAD_REQUEUES:
-                self._error_row(run, member, index, result)
+                self._effects.error_row(run, member, index, result)
             else:
-                self._requeue_one(run, member, index)
+                self._effects.requeue(run, member, index)
         elif action is Action.SERVER_FAULT:
             self._server_fault(run, member, index, result)
         elif action is Action.DISABLE:
-            self._requeue_one(run, member, index)
-            self._disable(run, member, reason)
+            self._effects.requeue(run, member, index)
+            self._effects.disable(run, member, reason)
         else:
-            self._error_row(run, member, index, result)
+            self._effects.error_row(run, member, index, result)
 
     def _server_fault(
         self,
@@ -238,11 +242,11 @@ class PoolWork(PoolHealth):
         if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
             # Sent before the member was evicted, answered after: it was on the member
             # when it broke, like the requests the eviction cancelled.
-            if not self._note_eviction(run, member, index):
-                self._requeue_one(run, member, index)
+            if not self._effects.note_eviction(run, member, index):
+                self._effects.requeue(run, member, index)
             return
         if not counts:
-            self._requeue_one(run, member, index)
+            self._effects.requeue(run, member, index)
             return
         streak = member.note_fault(index)
         log.debug(
@@ -254,36 +258,36 @@ class PoolWork(PoolHealth):
         )
         if gives_up_on_sample(
             faults,
-            self.config.max_sample_retries,
+            self._state.config.max_sample_retries,
             pool_answered_since=run.answered_since_first_fault(index),
         ):
-            self._error_row(run, member, index, error)
+            self._effects.error_row(run, member, index, error)
         else:
-            self._requeue_one(run, member, index)
-        if evicts(streak, self.config.max_server_faults):
+            self._effects.requeue(run, member, index)
+        if evicts(streak, self._state.config.max_server_faults):
             broke_on = list(member.fault_samples)
-            self._evict(
+            self._effects.evict(
                 run, member, f"{streak} answers in a row were the server's fault; last: {reason}"
             )
             for sample in broke_on:
-                self._note_eviction(run, member, sample)
+                self._effects.note_eviction(run, member, sample)
 
     def _in_flight_elsewhere(self, member: Member, index: int) -> bool:
         return any(
             index in other.in_flight.values()
-            for other in self._members.values()
+            for other in self._state.members.values()
             if other is not member
         )
 
     async def _verify_then_settle(
         self, run: Run, member: Member, index: int, error: ProviderError, sent_at: float
     ) -> None:
-        healthy = await self._verify(member)
+        healthy = await self._health.verify(member)
         if not healthy:
             # Counts the eviction for every suspect of this member, this one included.
-            self._evict(run, member, f"{error} and then failed a health check")
+            self._effects.evict(run, member, f"{error} and then failed a health check")
             member.suspects.discard(index)
-            self._requeue_one(run, member, index)
+            self._effects.requeue(run, member, index)
             return
         member.suspects.discard(index)
         if not run.is_open(index):
@@ -294,28 +298,16 @@ class PoolWork(PoolHealth):
             # was sent after the last drop that counted.
             fresh = sent_at > member.drop_counted_at
             if fresh:
-                member.drop_counted_at = self._clock.now()
+                member.drop_counted_at = self._state.clock.now()
             self._server_fault(run, member, index, error, counts=fresh)
             return
         # A connect timeout on a healthy server: try again, a bounded number of times,
         # so a sample that always breaks its connection ends.
         run.retries[index] += 1
-        if run.retries[index] > self.config.max_sample_retries:
-            self._error_row(run, member, index, error)
+        if run.retries[index] > self._state.config.max_sample_retries:
+            self._effects.error_row(run, member, index, error)
         else:
-            self._requeue_one(run, member, index)
-
-    def _error_row(self, run: Run, member: Member, index: int, error: ProviderError) -> None:
-        response = Response(
-            error=str(error),
-            error_type=error.kind.value,
-            server=member.url,
-            model=member.client.model,
-            provider=member.client.provider,
-        )
-        if run.store(index, response):
-            member.errors += 1
-            member.last_error = str(error)
+            self._effects.requeue(run, member, index)
 
 
 def _timed_out(outcome: Response | ProviderError) -> bool:

@@ -1,0 +1,117 @@
+"""Membership: servers joining and leaving the pool, from any thread, during a call."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from llm_annotator.clients._transport import normalize_base_url
+from llm_annotator.pool.dispatch import Dispatcher
+from llm_annotator.pool.member import Member
+from llm_annotator.pool.state import PoolState
+
+log = structlog.get_logger(__name__)
+
+_CROSS_THREAD_WAIT = 10.0
+"""Seconds a change asked for from another thread waits for the pool's loop."""
+
+
+class Membership:
+    """Adds and removes the pool's servers; what :class:`ServerDiscovery` talks to.
+
+    A change asked for from another thread while a call runs is carried out on the
+    call's event loop, and its error (a duplicate server, a bad URL) is raised in the
+    caller's thread.
+    """
+
+    def __init__(self, state: PoolState, dispatcher: Dispatcher) -> None:
+        self._state = state
+        self._dispatcher = dispatcher
+
+    @property
+    def base_urls(self) -> list[str]:
+        """The members' base URLs, in the order they joined."""
+        return list(self._state.members)
+
+    def add_server(self, base_url: str) -> None:
+        """Add a server; during a call it is probed and takes work once healthy.
+
+        Raises:
+            ConfigurationError: If the server is already in the pool, or the URL is not
+                an http(s) URL.
+            RuntimeError: If the pool is closed.
+        """
+        if self._state.closed:
+            raise RuntimeError(f"cannot add {base_url}: the pool is closed")
+        member = Member(self._state.new_client(base_url))
+        self._in_loop(lambda: self._join(member))
+
+    def remove_server(self, base_url: str) -> None:
+        """Remove a server; during a call it takes no new work and leaves once its
+        requests in flight have finished.
+
+        Raises:
+            KeyError: If the server is not in the pool.
+        """
+        url = normalize_base_url(base_url)
+        if url not in self._state.members:
+            raise KeyError(f"server {url} is not in the pool")
+        self._in_loop(lambda: self._drain(url))
+
+    def _in_loop(self, action: Callable[[], None]) -> None:
+        loop = self._state.loop
+        if self._state.run is not None and loop is not None and loop.is_running():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                _call_in(loop, action)
+                return
+        action()
+
+    def _join(self, member: Member) -> None:
+        self._state.add(member)
+        log.info("member_added", server=member.url)
+        run = self._state.run
+        if run is not None:
+            self._dispatcher.attach(run, member)
+
+    def _drain(self, url: str) -> None:
+        member = self._state.members[url]
+        log.info("member_removed", server=url, in_flight=len(member.in_flight))
+        run = self._state.run
+        if run is None or not member.in_flight:
+            self._state.forget(member)
+        else:
+            member.drain()
+            run.notify()
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, action: Callable[[], None]) -> None:
+    """Run ``action`` on ``loop`` (another thread's) and wait; raise what it raised."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            action()
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    loop.call_soon_threadsafe(call)
+    if not done.wait(timeout=_CROSS_THREAD_WAIT):
+        # Still queued on the loop: it is carried out when the loop gets to it.
+        log.warning(
+            "membership_change_pending",
+            waited_seconds=_CROSS_THREAD_WAIT,
+            detail="the pool's event loop is busy; the change is made when it gets to it",
+        )
+        return
+    if failure:
+        raise failure[0]
