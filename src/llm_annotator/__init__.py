@@ -15,6 +15,7 @@ from llm_annotator.clients.vllm_online_client import (
 from llm_annotator.errors import (
     ConfigurationError,
     DisconnectedError,
+    DuplicateServerError,
     ErrorKind,
     FingerprintMismatchError,
     InputError,
@@ -59,6 +60,7 @@ __all__ = [
     "DirectorySource",
     "DisconnectedError",
     "DnsSource",
+    "DuplicateServerError",
     "ErrorKind",
     "FileSource",
     "FingerprintMismatchError",

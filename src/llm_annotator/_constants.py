@@ -83,6 +83,11 @@ connection at the wrong moment, and a second failure may already be in flight; n
 twenty: a member answering garbage spoils a few of its samples' first tries before it
 goes, and each of those is sent again elsewhere."""
 
+MAX_OVERLOAD_REQUEUES = 50
+"""Overload answers (429, 503) one sample may get before it becomes an error row: enough
+to outlast the backoff of a busy pool for minutes, few enough that a sample every server
+refuses ends."""
+
 STALL_WINDOW = 30.0
 """The least time a pool member may hold requests and answer none before it is taken
 for hung (its ``/health`` may still say 200). The window grows with the longest gap

@@ -5,6 +5,7 @@ them::
 
     LLMAnnotatorError
     ├── ConfigurationError          a setting that cannot work (bad URL, unknown model)
+    │   └── DuplicateServerError    (pool) a server given when it is a member already
     ├── ProviderError               one request failed; carries server, kind, status
     │   ├── TransportError          no HTTP answer at all
     │   │   ├── ServerConnectError  refused, connect timeout, DNS failure: server gone
@@ -131,6 +132,10 @@ class LLMAnnotatorError(Exception):
 
 class ConfigurationError(LLMAnnotatorError, ValueError):
     """A setting that cannot work; the message names the setting and the fix."""
+
+
+class DuplicateServerError(ConfigurationError):
+    """A server was given to the pool when it is a member already."""
 
 
 class ProviderError(LLMAnnotatorError):

@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 from llm_annotator import VLLMQueueAnnotator
-from llm_annotator.errors import ConfigurationError
+from llm_annotator.errors import ConfigurationError, DuplicateServerError
 from llm_annotator.pool.discovery import (
     Changes,
     DirectorySource,
@@ -276,7 +276,7 @@ class Pool:
 
     def add_server(self, base_url: str) -> None:
         if base_url in self.members:
-            raise ValueError(f"{base_url} is in the pool")
+            raise DuplicateServerError(f"{base_url} is in the pool")
         self.members.append(base_url)
 
     def remove_server(self, base_url: str) -> None:

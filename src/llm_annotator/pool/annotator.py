@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 import structlog
 
 from llm_annotator import _constants as default
-from llm_annotator.clients._transport import Verify, normalize_base_url
+from llm_annotator.clients._transport import Verify
 from llm_annotator.clients.base import Client, Messages
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ConfigurationError
@@ -22,7 +22,7 @@ from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.dispatch import Dispatcher
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
-from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.member import MemberState
 from llm_annotator.pool.membership import Membership
 from llm_annotator.pool.stall import StallWatch
 from llm_annotator.pool.state import ClientFactory, PoolState
@@ -193,36 +193,12 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         )
         clients_built = ClientFactory.build(self.config, api_key, verify)
         state = PoolState(self.config, clock, clients_built, discovery)
-        for url in base_urls or ():
-            state.add(Member(clients_built(url)))
-        for client in clients or ():
-            if not isinstance(client, VLLMOnlineClient):
-                raise TypeError(
-                    "clients must be VLLMOnlineClient instances (the pool needs their "
-                    f"health checks and metrics), got {type(client).__name__}"
-                )
-            state.add(Member(client))
-        unknown = [url for url in clients_built.api_keys if url not in state.members]
-        if unknown and discovery is None:
-            log.warning(
-                "api_key_for_unknown_server",
-                servers=unknown,
-                detail="api_key names servers that are not in the pool; their keys are unused",
-            )
-        if discovery is not None:
-            for url in discovery.initial_urls():
-                if normalize_base_url(url) not in state.members:
-                    state.add(Member(clients_built(url)))
-        elif not state.members:
-            raise ConfigurationError(
-                "VLLMQueueAnnotator needs at least one server: give base_urls, clients "
-                "or a discovery"
-            )
         self._state = state
         effects = Effects(state)
         self._health = HealthMonitor(state, effects)
         dispatcher = Dispatcher(state, effects, self._health, StallWatch(state, effects))
         self._membership = Membership(state, dispatcher)
+        self._membership.populate(base_urls or (), clients or ())
         self._calls = Calls(state, dispatcher, self._health, self._membership)
 
     # -- membership --------------------------------------------------------------------
@@ -383,14 +359,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
 
     def statistics(self) -> PoolStatistics:
         """A frozen snapshot of the pool's counters."""
-        members = tuple(m.statistics() for m in list(self._state.members.values()))
-        run = self._state.run
-        return PoolStatistics(
-            members=members,
-            healthy=sum(m.state == MemberState.HEALTHY.value for m in members),
-            queued=run.queued if run is not None else 0,
-            in_flight=sum(m.in_flight for m in members),
-        )
+        return self._state.statistics()
 
     def __repr__(self) -> str:
         states = Counter(m.state.value for m in list(self._state.members.values()))

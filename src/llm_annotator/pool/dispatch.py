@@ -8,26 +8,17 @@ import structlog
 
 from llm_annotator.clients._retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
+from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
-from llm_annotator.pool.policy import (
-    Action,
-    action_for,
-    evicts,
-    fault_once_healthy,
-    gives_up_on_sample,
-    timeout_action,
-)
 from llm_annotator.pool.run import Run
+from llm_annotator.pool.scheduler import Effect, Failure, Limits
 from llm_annotator.pool.stall import StallWatch
 from llm_annotator.pool.state import PoolState
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
-
-_MAX_OVERLOAD_REQUEUES = 50
-"""Overload answers (429, 503) one sample may get before it becomes an error row."""
 
 
 class Dispatcher:
@@ -40,6 +31,11 @@ class Dispatcher:
         self._effects = effects
         self._health = health
         self._stall = stall
+        config = state.config
+        self._limits = Limits(
+            max_sample_retries=config.max_sample_retries,
+            max_server_faults=config.max_server_faults,
+        )
 
     def attach(self, run: Run, member: Member) -> None:
         """Start a member's probe loop and batch slots for this call."""
@@ -187,90 +183,92 @@ class Dispatcher:
         sent_at: float = float("inf"),
     ) -> None:
         """Decide what one answer means for its sample and its member (its request was
-        sent at ``sent_at``)."""
+        sent at ``sent_at``), and carry it out."""
         if isinstance(result, Response):
             if run.store(index, result):
                 member.completed += 1
             member.note_answer()
             return
-        action = action_for(result.kind)
-        if action is Action.TIMED_OUT:
-            # Did the member answer anything else while this request was out?
-            action = timeout_action(member_answering=member.last_answer_at > sent_at)
-        reason = str(result)
-        if action is Action.EVICT:
-            self._effects.evict(run, member, reason, cause=index)
-        elif action is Action.VERIFY:
-            if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
-                self._effects.requeue(run, member, index)  # already out; nothing to verify
-            else:
-                member.suspects.add(index)
-                self._state.spawn(self._verify_then_settle(run, member, index, result, sent_at))
-        elif action is Action.BACKOFF:
-            member.back_off(self._state.clock.now(), retry_delay)
-            member.last_error = reason
-            run.overloads[index] += 1
-            if run.overloads[index] > _MAX_OVERLOAD_REQUEUES:
-                self._effects.error_row(run, member, index, result)
-            else:
-                self._effects.requeue(run, member, index)
-        elif action is Action.SERVER_FAULT:
-            self._server_fault(run, member, index, result)
-        elif action is Action.DISABLE:
-            self._effects.requeue(run, member, index)
-            self._effects.disable(run, member, reason)
-        else:
-            self._effects.error_row(run, member, index, result)
+        failure = self._failure(run, member, index, result.kind, sent_at)
+        effects = scheduler.settle(failure, self._limits)
+        self._carry_out(effects, run, member, index, result, sent_at, str(result))
 
-    def _server_fault(
+    def _failure(
+        self, run: Run, member: Member, index: int, kind: ErrorKind, sent_at: float
+    ) -> Failure:
+        """What is known of ``member`` and sample ``index`` when its request failed."""
+        first_fault = run.first_fault_at.get(index, self._state.clock.now())
+        return Failure(
+            kind=kind,
+            member_working=member.state in (MemberState.HEALTHY, MemberState.DRAINING),
+            answered_since_sent=member.last_answer_at > sent_at,
+            overloads=run.overloads[index] + 1,
+            retries=run.retries[index] + 1,
+            sample_faults=run.faults[index] + 1,
+            pool_answered_since_first_fault=run.last_success_at > first_fault,
+            fault_streak=member.fault_streak + 1,
+            hedged_copy_in_flight=index in run.hedged and self._in_flight_elsewhere(member, index),
+            fresh_drop=sent_at > member.drop_counted_at,
+            still_open=run.is_open(index),
+        )
+
+    def _carry_out(
         self,
+        effects: tuple[Effect, ...],
         run: Run,
         member: Member,
         index: int,
         error: ProviderError,
-        *,
-        counts: bool = True,
+        sent_at: float,
+        reason: str,
     ) -> None:
-        """The member failed the sample: count it against the member (unless ``counts``
-        is False: one event already counted), send the sample elsewhere, or end it once
-        it has failed on every try while others succeed."""
-        reason = str(error)
-        member.last_error = reason
-        if index in run.hedged and self._in_flight_elsewhere(member, index):
-            return  # its other copy is still on its way
-        faults = run.note_fault(index, member.url)
-        if member.state not in (MemberState.HEALTHY, MemberState.DRAINING):
-            # Sent before the member was evicted, answered after: it was on the member
-            # when it broke, like the requests the eviction cancelled.
-            if not self._effects.note_eviction(run, member, index):
-                self._effects.requeue(run, member, index)
-            return
-        if not counts:
-            self._effects.requeue(run, member, index)
-            return
-        streak = member.note_fault(index)
-        log.debug(
-            "server_fault",
-            server=member.url,
-            kind=error.kind.value,
-            streak=streak,
-            sample_faults=faults,
-        )
-        if gives_up_on_sample(
-            faults,
-            self._state.config.max_sample_retries,
-            pool_answered_since=run.answered_since_first_fault(index),
-        ):
-            self._effects.error_row(run, member, index, error)
-        else:
-            self._effects.requeue(run, member, index)
-        if evicts(streak, self._state.config.max_server_faults):
-            broke_on = list(member.fault_samples)
-            self._effects.evict(
-                run, member, f"{streak} answers in a row were the server's fault; last: {reason}"
-            )
-            for sample in broke_on:
-                self._effects.note_eviction(run, member, sample)
+        """Do what the scheduler decided, in its order."""
+        do = self._effects
+        for effect in effects:
+            if effect is Effect.BLAME:
+                member.last_error = str(error)
+            elif effect is Effect.REQUEUE:
+                do.requeue(run, member, index)
+            elif effect is Effect.ERROR_ROW:
+                do.error_row(run, member, index, error)
+            elif effect is Effect.EVICT:
+                do.evict(run, member, reason, cause=index)
+            elif effect is Effect.DISABLE:
+                do.disable(run, member, reason)
+            elif effect is Effect.VERIFY:
+                member.suspects.add(index)
+                self._state.spawn(self._verify_then_settle(run, member, index, error, sent_at))
+            elif effect is Effect.BACK_OFF:
+                member.back_off(self._state.clock.now(), retry_delay)
+                member.last_error = reason
+                run.overloads[index] += 1
+            elif effect is Effect.COUNT_SAMPLE_FAULT:
+                run.note_fault(index, member.url)
+            elif effect is Effect.COUNT_FAULT:
+                streak = member.note_fault(index)
+                log.debug(
+                    "server_fault",
+                    server=member.url,
+                    kind=error.kind.value,
+                    streak=streak,
+                    sample_faults=run.faults[index],
+                )
+            elif effect is Effect.EVICT_FOR_FAULTS:
+                broke_on = list(member.fault_samples)
+                do.evict(
+                    run,
+                    member,
+                    f"{member.fault_streak} answers in a row were the server's fault; "
+                    f"last: {error}",
+                )
+                for sample in broke_on:
+                    do.note_eviction(run, member, sample)
+            elif effect is Effect.COUNT_EVICTION:
+                do.note_eviction_or_requeue(run, member, index)
+            elif effect is Effect.COUNT_DROP:
+                member.drop_counted_at = self._state.clock.now()
+            elif effect is Effect.COUNT_RETRY:
+                run.retries[index] += 1
 
     def _in_flight_elsewhere(self, member: Member, index: int) -> bool:
         return any(
@@ -282,32 +280,13 @@ class Dispatcher:
     async def _verify_then_settle(
         self, run: Run, member: Member, index: int, error: ProviderError, sent_at: float
     ) -> None:
+        """Wait for the member's shared health check, then settle the held sample."""
         healthy = await self._health.verify(member)
-        if not healthy:
-            # Counts the eviction for every suspect of this member, this one included.
-            self._effects.evict(run, member, f"{error} and then failed a health check")
-            member.suspects.discard(index)
-            self._effects.requeue(run, member, index)
-            return
         member.suspects.discard(index)
-        if not run.is_open(index):
-            return
-        if fault_once_healthy(error.kind):
-            # Requests dropped together (one reset of the server's connections) count as
-            # one fault of the member, not one each: a drop counts only if its request
-            # was sent after the last drop that counted.
-            fresh = sent_at > member.drop_counted_at
-            if fresh:
-                member.drop_counted_at = self._state.clock.now()
-            self._server_fault(run, member, index, error, counts=fresh)
-            return
-        # A connect timeout on a healthy server: try again, a bounded number of times,
-        # so a sample that always breaks its connection ends.
-        run.retries[index] += 1
-        if run.retries[index] > self._state.config.max_sample_retries:
-            self._effects.error_row(run, member, index, error)
-        else:
-            self._effects.requeue(run, member, index)
+        failure = self._failure(run, member, index, error.kind, sent_at)
+        effects = scheduler.after_check(failure, healthy, self._limits)
+        reason = f"{error} and then failed a health check"
+        self._carry_out(effects, run, member, index, error, sent_at, reason)
 
 
 def _timed_out(outcome: Response | ProviderError) -> bool:

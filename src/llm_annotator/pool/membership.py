@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 
 from llm_annotator.clients._transport import normalize_base_url
+from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
+from llm_annotator.errors import ConfigurationError
 from llm_annotator.pool.dispatch import Dispatcher
 from llm_annotator.pool.member import Member
 from llm_annotator.pool.state import PoolState
@@ -30,6 +32,42 @@ class Membership:
     def __init__(self, state: PoolState, dispatcher: Dispatcher) -> None:
         self._state = state
         self._dispatcher = dispatcher
+
+    def populate(self, base_urls: Iterable[str], clients: Iterable[VLLMOnlineClient]) -> None:
+        """The pool's first members: ``base_urls``, ``clients``, and what its discovery
+        lists now.
+
+        Raises:
+            ConfigurationError: If there is no server and no discovery, or a server is
+                given twice.
+            TypeError: If one of ``clients`` is not a :class:`VLLMOnlineClient`.
+        """
+        state = self._state
+        for url in base_urls:
+            state.add(Member(state.new_client(url)))
+        for client in clients:
+            if not isinstance(client, VLLMOnlineClient):
+                raise TypeError(
+                    "clients must be VLLMOnlineClient instances (the pool needs their "
+                    f"health checks and metrics), got {type(client).__name__}"
+                )
+            state.add(Member(client))
+        unknown = [url for url in state.new_client.api_keys if url not in state.members]
+        if unknown and state.discovery is None:
+            log.warning(
+                "api_key_for_unknown_server",
+                servers=unknown,
+                detail="api_key names servers that are not in the pool; their keys are unused",
+            )
+        if state.discovery is not None:
+            for url in state.discovery.initial_urls():
+                if normalize_base_url(url) not in state.members:
+                    state.add(Member(state.new_client(url)))
+        elif not state.members:
+            raise ConfigurationError(
+                "VLLMQueueAnnotator needs at least one server: give base_urls, clients "
+                "or a discovery"
+            )
 
     @property
     def base_urls(self) -> list[str]:

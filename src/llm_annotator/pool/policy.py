@@ -58,6 +58,10 @@ _ACTIONS = {
     ErrorKind.MALFORMED: Action.SERVER_FAULT,
     ErrorKind.OVERSIZED: Action.SERVER_FAULT,
     ErrorKind.POISON: Action.ERROR_ROW,
+    # Kinds of the job's own error rows (no client answers them): the sample's.
+    ErrorKind.INPUT: Action.ERROR_ROW,
+    ErrorKind.INVALID_OUTPUT: Action.ERROR_ROW,
+    ErrorKind.TRUNCATED: Action.ERROR_ROW,
 }
 
 

@@ -30,12 +30,13 @@ from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_set
 from llm_annotator.clients._transport import unverified_context as _unverified_context
 from llm_annotator.clients.openai_client import check_api_key
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
-from llm_annotator.errors import ConfigurationError
+from llm_annotator.errors import ConfigurationError, DuplicateServerError
 from llm_annotator.pool.clock import Clock
 from llm_annotator.pool.config import PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
-from llm_annotator.pool.member import Member
+from llm_annotator.pool.member import Member, MemberState
 from llm_annotator.pool.run import Run
+from llm_annotator.pool.statistics import PoolStatistics
 
 log = structlog.get_logger(__name__)
 
@@ -131,10 +132,11 @@ class PoolState:
         """Make ``member`` part of the pool.
 
         Raises:
-            ConfigurationError: If its server is in the pool already.
+            DuplicateServerError: If its server is in the pool already (a
+                ConfigurationError).
         """
         if member.url in self.members:
-            raise ConfigurationError(f"server {member.url} is in the pool twice")
+            raise DuplicateServerError(f"server {member.url} is in the pool twice")
         self.members[member.url] = member
 
     def forget(self, member: Member) -> None:
@@ -152,6 +154,17 @@ class PoolState:
         for member in self.members.values():
             return member.client
         return self.new_client("http://127.0.0.1:9/v1")
+
+    def statistics(self) -> PoolStatistics:
+        """A frozen snapshot of the pool's counters."""
+        members = tuple(m.statistics() for m in list(self.members.values()))
+        run = self.run
+        return PoolStatistics(
+            members=members,
+            healthy=sum(m.state == MemberState.HEALTHY.value for m in members),
+            queued=run.queued if run is not None else 0,
+            in_flight=sum(m.in_flight for m in members),
+        )
 
     def params_for(self, member: Member) -> bytes:
         """The current call's encoded request parameters for ``member``'s server."""

@@ -1,0 +1,207 @@
+"""What one failed request means for its sample and its member, decided without I/O.
+
+The dispatcher gathers what it knows when a request fails (:class:`Failure`: the kind
+of failure, the member's state, the sample's counts so far) and carries out, in order,
+the :class:`Effect` values that :func:`settle` returns; after the shared health check
+that a :data:`Effect.VERIFY` asks for, it does the same with :func:`after_check`. No
+asyncio, no clock and no member object here: the decisions are tables, tested as such.
+The failure-kind table itself is :func:`~llm_annotator.pool.policy.action_for`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from llm_annotator import _constants as default
+from llm_annotator.errors import ErrorKind
+from llm_annotator.pool.policy import (
+    Action,
+    action_for,
+    evicts,
+    fault_once_healthy,
+    gives_up_on_sample,
+    timeout_action,
+)
+
+
+class Effect(Enum):
+    """One step the dispatcher carries out for a failed request of a sample."""
+
+    BLAME = "blame"
+    """Record the error as the member's last (it is the member's fault)."""
+    REQUEUE = "requeue"
+    """Put the sample back on the queue (no error row)."""
+    VERIFY = "verify"
+    """Hold the sample for the member's shared health check, then :func:`after_check`."""
+    EVICT = "evict"
+    """Evict the member; the sample counts as on it when it fell (requeued unless that
+    makes it poison)."""
+    DISABLE = "disable"
+    """Take the member out for good (its settings are wrong)."""
+    BACK_OFF = "back_off"
+    """Pause the overloaded member and count the overload against the sample."""
+    ERROR_ROW = "error_row"
+    """End the sample with this error as its Response."""
+    COUNT_SAMPLE_FAULT = "count_sample_fault"
+    """Count a server-fault answer against the sample (it then avoids this member)."""
+    COUNT_FAULT = "count_fault"
+    """Count the answer against the member's streak of server faults."""
+    EVICT_FOR_FAULTS = "evict_for_faults"
+    """Evict the member for its streak; every sample of the streak counts as on it."""
+    COUNT_EVICTION = "count_eviction"
+    """The member was evicted after the request was sent: the sample counts as on it
+    when it broke (requeued unless that makes it poison)."""
+    COUNT_DROP = "count_drop"
+    """Remember when a dropped connection was last counted against the member."""
+    COUNT_RETRY = "count_retry"
+    """Count a retry of the sample after a connect timeout on a healthy member."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The pool's thresholds that the decisions use."""
+
+    max_sample_retries: int = default.MAX_SAMPLE_RETRIES
+    max_server_faults: int = default.MAX_SERVER_FAULTS
+    max_overload_requeues: int = default.MAX_OVERLOAD_REQUEUES
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What the dispatcher knows when a request of one sample failed.
+
+    Counts include this failure, as if it were counted.
+
+    Attributes:
+        kind: How the request failed.
+        member_working: The member is HEALTHY or DRAINING (not evicted or disabled
+            since the request was sent).
+        answered_since_sent: The member answered another request after this one was
+            sent (so it is not hung).
+        overloads: Overload answers the sample got, this one included.
+        retries: Retries of the sample after connect timeouts, this one included.
+        sample_faults: Server-fault answers the sample got, this one included.
+        pool_answered_since_first_fault: Some sample succeeded after this sample's
+            first server-fault answer.
+        fault_streak: The member's server faults in a row, this one included.
+        hedged_copy_in_flight: A hedged copy of the sample is still in flight on
+            another member.
+        fresh_drop: The request was sent after the member's last counted dropped
+            connection (so this drop is a new event, not the same reset).
+        still_open: The sample has no Response yet (for :func:`after_check`).
+    """
+
+    kind: ErrorKind
+    member_working: bool = True
+    answered_since_sent: bool = False
+    overloads: int = 1
+    retries: int = 1
+    sample_faults: int = 1
+    pool_answered_since_first_fault: bool = False
+    fault_streak: int = 1
+    hedged_copy_in_flight: bool = False
+    fresh_drop: bool = True
+    still_open: bool = True
+
+
+def settle(failure: Failure, limits: Limits = DEFAULT_LIMITS) -> tuple[Effect, ...]:
+    """The steps for a request that failed, by whose fault it is.
+
+    Examples:
+        >>> settle(Failure(ErrorKind.CONNECT))
+        (<Effect.EVICT: 'evict'>,)
+        >>> settle(Failure(ErrorKind.BAD_REQUEST))
+        (<Effect.ERROR_ROW: 'error_row'>,)
+        >>> settle(Failure(ErrorKind.AUTH))
+        (<Effect.REQUEUE: 'requeue'>, <Effect.DISABLE: 'disable'>)
+    """
+    action = action_for(failure.kind)
+    if action is Action.TIMED_OUT:
+        action = timeout_action(member_answering=failure.answered_since_sent)
+    if action is Action.EVICT:
+        return (Effect.EVICT,)
+    if action is Action.VERIFY:
+        # An evicted member has nothing left to verify.
+        return (Effect.VERIFY,) if failure.member_working else (Effect.REQUEUE,)
+    if action is Action.BACKOFF:
+        ends = failure.overloads > limits.max_overload_requeues
+        return (Effect.BACK_OFF, Effect.ERROR_ROW if ends else Effect.REQUEUE)
+    if action is Action.SERVER_FAULT:
+        return server_fault(failure, limits)
+    if action is Action.DISABLE:
+        return (Effect.REQUEUE, Effect.DISABLE)
+    return (Effect.ERROR_ROW,)
+
+
+def server_fault(
+    failure: Failure,
+    limits: Limits = DEFAULT_LIMITS,
+    *,
+    counts: bool = True,
+) -> tuple[Effect, ...]:
+    """The steps for an answer that was the member's fault: the sample goes elsewhere
+    (or ends, once it has failed on every try while others succeed), and the member is
+    evicted after ``max_server_faults`` in a row. ``counts`` is False for an event
+    counted already (one reset that dropped many requests).
+
+    Examples:
+        >>> [e.value for e in server_fault(Failure(ErrorKind.MALFORMED))]
+        ['blame', 'count_sample_fault', 'count_fault', 'requeue']
+        >>> server_fault(Failure(ErrorKind.MALFORMED, hedged_copy_in_flight=True))
+        (<Effect.BLAME: 'blame'>,)
+    """
+    if failure.hedged_copy_in_flight:
+        return (Effect.BLAME,)  # its other copy is still on its way
+    if not failure.member_working:
+        # Sent before the member was evicted, answered after: it was on the member
+        # when it broke, like the requests the eviction cancelled.
+        return (Effect.BLAME, Effect.COUNT_SAMPLE_FAULT, Effect.COUNT_EVICTION)
+    if not counts:
+        return (Effect.BLAME, Effect.COUNT_SAMPLE_FAULT, Effect.REQUEUE)
+    gives_up = gives_up_on_sample(
+        failure.sample_faults,
+        limits.max_sample_retries,
+        pool_answered_since=failure.pool_answered_since_first_fault,
+    )
+    effects = [
+        Effect.BLAME,
+        Effect.COUNT_SAMPLE_FAULT,
+        Effect.COUNT_FAULT,
+        Effect.ERROR_ROW if gives_up else Effect.REQUEUE,
+    ]
+    if evicts(failure.fault_streak, limits.max_server_faults):
+        effects.append(Effect.EVICT_FOR_FAULTS)
+    return tuple(effects)
+
+
+def after_check(
+    failure: Failure,
+    healthy: bool,
+    limits: Limits = DEFAULT_LIMITS,
+) -> tuple[Effect, ...]:
+    """The steps once the member's shared health check has answered ``healthy``.
+
+    A member that fails it is evicted. On a healthy member, a dropped connection is
+    the member's fault (it cuts answers off), counted once per reset; a connect timeout
+    is more likely our own burst of connections: the sample is tried again, a bounded
+    number of times, so a sample that always breaks its connection ends.
+
+    Examples:
+        >>> after_check(Failure(ErrorKind.DISCONNECTED), healthy=False)
+        (<Effect.EVICT: 'evict'>,)
+        >>> after_check(Failure(ErrorKind.CONNECT_TIMEOUT, retries=1), healthy=True)
+        (<Effect.COUNT_RETRY: 'count_retry'>, <Effect.REQUEUE: 'requeue'>)
+    """
+    if not healthy:
+        return (Effect.EVICT,)
+    if not failure.still_open:
+        return ()
+    if fault_once_healthy(failure.kind):
+        drop = (Effect.COUNT_DROP,) if failure.fresh_drop else ()
+        return drop + server_fault(failure, limits, counts=failure.fresh_drop)
+    ends = failure.retries > limits.max_sample_retries
+    return (Effect.COUNT_RETRY, Effect.ERROR_ROW if ends else Effect.REQUEUE)
