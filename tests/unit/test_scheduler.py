@@ -12,7 +12,15 @@ from dataclasses import replace
 import pytest
 
 from llm_annotator import ErrorKind
-from llm_annotator.pool.scheduler import Effect, Failure, Limits, after_check, settle
+from llm_annotator.pool.scheduler import (
+    Effect,
+    Failure,
+    Holder,
+    Limits,
+    after_check,
+    pick_hedges,
+    settle,
+)
 
 E = Effect
 LIMITS = Limits(max_sample_retries=2, max_server_faults=3, max_overload_requeues=50)
@@ -125,3 +133,24 @@ def test_every_kind_has_a_decision() -> None:
         for answered in (False, True):
             effects = settle(Failure(kind, answered_since_sent=answered), LIMITS)
             assert keeps & set(effects), (kind, effects)
+
+
+@pytest.mark.parametrize(
+    ("holders", "limit", "skip", "picked"),
+    [
+        # The member expected to finish last gives first: 4 held at 1 answer per 10 s.
+        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 3, set(), [2, 3, 4]),
+        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 9, set(), [2, 3, 4, 5, 1]),
+        # Suspects, hedged ones and closed ones are skipped, wherever they are.
+        ([Holder(10, [1]), Holder(1, [2, 3])], 9, {2, 1}, [3]),
+        # A member that has answered nothing yet is expected to finish last.
+        ([Holder(50, [1, 2]), Holder(0, [3])], 1, set(), [3]),
+        # Nothing to hedge.
+        ([], 4, set(), []),
+        ([Holder(1, [1])], 4, {1}, []),
+    ],
+)
+def test_what_an_idle_member_hedges(
+    holders: list[Holder], limit: int, skip: set[int], picked: list[int]
+) -> None:
+    assert pick_hedges(holders, elapsed=10.0, limit=limit, skip=skip) == picked

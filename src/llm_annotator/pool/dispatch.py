@@ -13,7 +13,7 @@ from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
 from llm_annotator.pool.run import Run
-from llm_annotator.pool.scheduler import Effect, Failure, Limits
+from llm_annotator.pool.scheduler import Effect, Failure, Holder, Limits
 from llm_annotator.pool.stall import StallWatch
 from llm_annotator.pool.state import PoolState
 from llm_annotator.response import Response
@@ -94,30 +94,18 @@ class Dispatcher:
 
     def _hedge(self, run: Run, member: Member) -> list[int] | None:
         """Samples in flight on the members expected to finish last, not yet hedged."""
-        elapsed = max(self._state.clock.now() - run.started, 1e-3)
-
-        def expected_end(other: Member) -> float:
-            rate = max(other.completed / elapsed, 1e-3)
-            return len(other.in_flight) / rate
-
-        others = [m for m in self._state.members.values() if m is not member and m.in_flight]
-        suspects = run.evicted_with
+        holders = [
+            Holder(m.completed, list(m.in_flight.values()))
+            for m in self._state.members.values()
+            if m is not member and m.in_flight
+        ]
         failed_here = {i for i, url in run.avoid.items() if url == member.url}
-        batch: list[int] = []
-        for other in sorted(others, key=expected_end, reverse=True):
-            for index in list(other.in_flight.values()):
-                # A sample that was on an evicted member may be what kills servers.
-                if (
-                    index in run.open
-                    and index not in run.hedged
-                    and index not in suspects
-                    and index not in failed_here
-                ):
-                    batch.append(index)
-                    if len(batch) == self._state.config.batch_size:
-                        break
-            if len(batch) == self._state.config.batch_size:
-                break
+        batch = scheduler.pick_hedges(
+            holders,
+            elapsed=self._state.clock.now() - run.started,
+            limit=self._state.config.batch_size,
+            skip=_Skip(run, failed_here),
+        )
         if not batch:
             return None
         run.hedged.update(batch)
@@ -291,3 +279,23 @@ class Dispatcher:
 
 def _timed_out(outcome: Response | ProviderError) -> bool:
     return isinstance(outcome, ProviderError) and outcome.kind is ErrorKind.READ_TIMEOUT
+
+
+class _Skip:
+    """The samples an idle member must not hedge: closed, hedged already, on an evicted
+    member before, or failed on that member (a view, nothing is copied)."""
+
+    __slots__ = ("_failed_here", "_run")
+
+    def __init__(self, run: Run, failed_here: set[int]) -> None:
+        self._run = run
+        self._failed_here = failed_here
+
+    def __contains__(self, index: object) -> bool:
+        run = self._run
+        return (
+            index not in run.open
+            or index in run.hedged
+            or index in run.evicted_with
+            or index in self._failed_here
+        )

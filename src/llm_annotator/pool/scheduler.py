@@ -10,6 +10,7 @@ The failure-kind table itself is :func:`~llm_annotator.pool.policy.action_for`.
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -205,3 +206,51 @@ def after_check(
         return drop + server_fault(failure, limits, counts=failure.fresh_drop)
     ends = failure.retries > limits.max_sample_retries
     return (Effect.COUNT_RETRY, Effect.ERROR_ROW if ends else Effect.REQUEUE)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Another member, as the tail hedge sees it.
+
+    Attributes:
+        completed: Answers it has given this call.
+        in_flight: The samples it holds, in the order they were sent.
+    """
+
+    completed: int
+    in_flight: Sequence[int]
+
+
+def pick_hedges(
+    holders: Iterable[Holder],
+    *,
+    elapsed: float,
+    limit: int,
+    skip: Container[int],
+) -> list[int]:
+    """Up to ``limit`` samples an idle member sends again near the end of a call.
+
+    The samples come first from the members expected to finish last (what they hold,
+    over the rate at which they have answered in ``elapsed`` seconds). A sample in
+    ``skip`` is never hedged: one closed or hedged already, one that was on an evicted
+    member (it may be what kills servers), or one that failed on the idle member.
+
+    Examples:
+        >>> slow, fast = Holder(completed=1, in_flight=[1, 2]), Holder(10, [3])
+        >>> pick_hedges([fast, slow], elapsed=10.0, limit=2, skip={2})
+        [1, 3]
+    """
+    rate_floor = 1e-3
+    elapsed = max(elapsed, rate_floor)
+
+    def expected_end(holder: Holder) -> float:
+        return len(holder.in_flight) / max(holder.completed / elapsed, rate_floor)
+
+    picked: list[int] = []
+    for holder in sorted(holders, key=expected_end, reverse=True):
+        for index in holder.in_flight:
+            if index not in skip:
+                picked.append(index)
+                if len(picked) == limit:
+                    return picked
+    return picked
