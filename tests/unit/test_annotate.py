@@ -194,6 +194,46 @@ def test_bad_rows_become_error_rows_and_the_rest_goes_on(
     assert len(fake_server.requests) == 2
 
 
+def test_only_the_job_writes_the_store_and_many_bad_rows_stay_bounded(
+    fake_server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """10,000 rows of which all but every 1,000th lack the template's field: every row
+    gets its record, the good ones answered, and every record is written by the job's
+    own task (never from inside the pool's input reader), with at most a bounded
+    number of error records waiting for it at any time."""
+    from llm_annotator.jobs import annotate as job_module
+    from llm_annotator.jobs.store import ResultStore
+
+    records = [{"text": f"t{i}"} if i % 1000 == 0 else {"other": i} for i in range(10_000)]
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    writers: set[asyncio.Task[Any] | None] = set()
+    waiting: list[int] = []
+    original_append = ResultStore.append
+    original_put = job_module._Job._put_ready
+
+    def append(self: ResultStore, record: dict[str, Any]) -> None:
+        writers.add(asyncio.current_task())
+        original_append(self, record)
+
+    async def put_ready(self: Any, record: dict[str, Any]) -> None:
+        waiting.append(len(self.ready))
+        await original_put(self, record)
+
+    monkeypatch.setattr(ResultStore, "append", append)
+    monkeypatch.setattr(job_module._Job, "_put_ready", put_ready)
+
+    async def job() -> tuple[Any, asyncio.Task[Any] | None]:
+        async with pool_of([fake_server]) as pool:
+            result = await pool.aannotate(data, TEMPLATE, tmp_path / "run", progress=False)
+        return result, asyncio.current_task()
+
+    result, job_task = asyncio.run(job())
+    assert (result.num_rows, result.num_succeeded, result.num_failed) == (10_000, 10, 9_990)
+    assert len(fake_server.requests) == 10
+    assert writers == {job_task}
+    assert max(waiting) < job_module._READY_LIMIT
+
+
 def test_problems_found_before_the_run_send_nothing(
     fake_server: FakeServer, tmp_path: Path
 ) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
@@ -421,8 +421,24 @@ class Annotator:
         )
 
 
+_READY_LIMIT = 4096
+"""Records of rows that need no request (unreadable rows, templates that fail) held
+for the consumer at most; the input waits beyond that."""
+
+
 class _Job:
-    """The moving parts of one run: rows out to the model, records into the store."""
+    """The moving parts of one run: rows out to the model, records into the store.
+
+    Three parts, each with one job:
+
+    - the *requests* (:meth:`_requests`, read by the client's stream) only produce: a
+      row that needs no request (unreadable, or its template fails) becomes a record
+      put in :attr:`ready`; the others become requests, regenerations first;
+    - the *pump* (:meth:`_pump`) moves the stream's answers into :attr:`answers`;
+    - the *consumer* (:meth:`_consume`, the job's own task) is the only writer of the
+      store: it concludes every answer (a record, or a regeneration put on the job's
+      queue :attr:`retries`) and writes the ready records.
+    """
 
     def __init__(
         self,
@@ -447,7 +463,15 @@ class _Job:
         self.regenerate = regenerate
         self.progress = progress
         self.retries: deque[_Item] = deque()
+        """Regenerations, owned by the job: the requests send them first."""
         self.retry_ready = asyncio.Event()
+        self.ready: deque[dict[str, Any]] = deque()
+        """Error records of rows that were never sent, for the consumer to write."""
+        self.answers: deque[tuple[_Item, Response]] = deque()
+        self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._stream_over = False
+        self._failure: Exception | None = None
         self.out = 0
         """Items handed to the model and not yet concluded."""
         self.sent = 0
@@ -458,20 +482,50 @@ class _Job:
         self, options: Any, gen_kwargs: dict[str, Any] | None, interrupt: Interrupt
     ) -> None:
         annotator = self.annotator
-        store = self.store
-        flushed = synced = time.monotonic()
         results = stream(
             annotator.client,
-            self._items(),
+            self._requests(),
             options=options,
             gen_kwargs=gen_kwargs,
             stop=interrupt.stop,
             batch_size=annotator.batch_size,
             max_concurrent_batches=annotator.max_concurrent_batches,
         )
-        async with contextlib.aclosing(results):
-            async for item, response in results:
-                self._conclude(item, response)
+        pump = asyncio.ensure_future(self._pump(results))
+        try:
+            await self._consume()
+        finally:
+            if not pump.done():
+                pump.cancel()  # closes the stream: the work in flight is cancelled
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+
+    async def _pump(self, results: AsyncGenerator[tuple[_Item, Response], None]) -> None:
+        """Move the stream's answers to the consumer; hand it the stream's failure."""
+        try:
+            async with contextlib.aclosing(results):
+                async for pair in results:
+                    self.answers.append(pair)
+                    self._wake.set()
+        except Exception as exc:  # PoolExhaustedError, a failed input: the job's to raise
+            self._failure = exc
+        finally:
+            self._stream_over = True
+            self._wake.set()
+
+    async def _consume(self) -> None:
+        """Write every record, in the job's task, until the stream is over."""
+        annotator, store = self.annotator, self.store
+        answers, ready = self.answers, self.ready
+        flushed = synced = time.monotonic()
+        while True:
+            while ready or answers:
+                while ready:
+                    self._write(ready.popleft(), failed=True)
+                self._drained.set()
+                while answers:
+                    item, response = answers.popleft()
+                    self._conclude(item, response)
                 now = time.monotonic()
                 if now - flushed >= annotator.flush_interval:
                     store.flush()
@@ -479,9 +533,16 @@ class _Job:
                     if now - synced >= annotator.sync_interval:
                         await asyncio.to_thread(store.sync)
                         synced = time.monotonic()
+            if self._stream_over:
+                if self._failure is not None:
+                    raise self._failure
+                return
+            self._wake.clear()
+            await self._wake.wait()
 
-    async def _items(self) -> AsyncIterator[tuple[_Item, Messages]]:
-        """Rows not done yet, as prompts; regenerations go first."""
+    async def _requests(self) -> AsyncIterator[tuple[_Item, Messages]]:
+        """Rows not done yet, as prompts; regenerations go first. Rows that need no
+        request become records for the consumer (never written here)."""
         store, retries = self.store, self.retries
         scanned = 0
         for row in self.source:
@@ -494,12 +555,12 @@ class _Job:
             if store.is_done(row.id):
                 continue
             if row.error is not None:
-                self._write(self.builder.error_record(row.id, {}, row.error), failed=True)
+                await self._put_ready(self.builder.error_record(row.id, {}, row.error))
                 continue
             try:
                 prompt = self.template.render(row.values, row.where)
             except PromptError as exc:
-                self._write(self.builder.error_record(row.id, row.values, str(exc)), failed=True)
+                await self._put_ready(self.builder.error_record(row.id, row.values, str(exc)))
                 continue
             messages = build_messages(prompt, self.system_message)
             self.out += 1
@@ -513,6 +574,14 @@ class _Job:
                 return
             self.retry_ready.clear()
             await self.retry_ready.wait()
+
+    async def _put_ready(self, record: dict[str, Any]) -> None:
+        """Hand a record to the consumer; wait while it has many to write."""
+        self.ready.append(record)
+        self._wake.set()
+        if len(self.ready) >= _READY_LIMIT:
+            self._drained.clear()
+            await self._drained.wait()
 
     def _conclude(self, item: _Item, response: Response) -> None:
         """Write the row's record, or send it again for a better answer."""
