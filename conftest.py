@@ -6,7 +6,7 @@ import pytest
 import structlog
 
 # Run with the vLLM environment's python, not imported by the test run.
-collect_ignore = ["src/llm_annotator/_tiny_model.py"]
+collect_ignore = ["src/llm_annotator/local/_tiny_model_script.py"]
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_annotator import cli, local
-from llm_annotator.cli import build_parser
+from llm_annotator.cli import build_parser, serve_local
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.local import (
     COMPLETE_STAMP,
@@ -33,6 +32,7 @@ from llm_annotator.local import (
     find_vllm_python,
     pick_free_ports,
 )
+from llm_annotator.local import servers as local
 
 FakeServer = Callable[..., LocalServer]
 
@@ -578,7 +578,7 @@ def test_watch_withdraws_a_server_that_exits(fake_server: FakeServer, tmp_path: 
     server.wait_healthy(timeout=30.0)
     os.killpg(server.pid, signal.SIGKILL)  # not through the handle: a crash
     assert url_file.exists()
-    cli._watch([server])
+    serve_local._watch([server])
     assert not url_file.exists()
 
 

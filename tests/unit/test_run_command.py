@@ -32,7 +32,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def settings(*argv: str) -> dict[str, Any]:
-    from llm_annotator._run_command import settings_from
+    from llm_annotator.cli.run import settings_from
 
     return settings_from(parse(*argv))
 

@@ -8,7 +8,10 @@ is the path they take.
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -18,6 +21,7 @@ from typing import TextIO
 import orjson
 import pyarrow.parquet as pq
 
+from llm_annotator.cli._signals import Interrupted, signals_interrupt
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.local import start_local_servers
@@ -114,3 +118,43 @@ def run_demo(
         print(f"  errors: {report['by_error_type']}", file=out)
     print(f"\nannotations: {result.output_path}\nreport:      {result.report_path}", file=out)
     return 0 if result.num_succeeded == len(rows) else 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    # SIGTERM as SIGINT: the servers the demo started are stopped on the way out, not
+    # left running (the job inside installs its own handlers while it runs).
+    with signals_interrupt():
+        try:
+            return run_demo(
+                num_servers=args.num_servers,
+                num_rows=args.rows,
+                out=sys.stdout,
+                base_urls=args.servers,
+                output_dir=args.output_dir,
+            )
+        except Interrupted as interrupted:
+            print(
+                f"llm-annotator demo: stopped by {signal.Signals(interrupted.signum).name}",
+                file=sys.stderr,
+            )
+            return 128 + interrupted.signum
+
+
+def add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="annotate a built-in dataset with local vLLM servers on the tiny model",
+        description=(
+            "Start local vLLM servers on the tiny model (or use --servers), send a built-in "
+            "dataset through the pool, and print a sample of the answers and the figures."
+        ),
+    )
+    parser.add_argument("--num-servers", type=int, default=2, help="default: 2")
+    parser.add_argument("--rows", type=int, default=2000, help="rows to annotate (default 2000)")
+    parser.add_argument(
+        "--servers", nargs="+", default=[], metavar="URL", help="use running servers instead"
+    )
+    parser.add_argument(
+        "--output-dir", default=None, help="run directory (default: a new temporary one)"
+    )
+    parser.set_defaults(handler=_demo)

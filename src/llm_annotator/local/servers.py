@@ -1,30 +1,4 @@
-"""Start and stop vLLM servers on this machine, for tests, benchmarks and small runs.
-
-:func:`start_local_servers` launches one or more OpenAI-compatible vLLM servers, each
-in its own process group, waits until every one answers ``/health``, and hands back a
-:class:`LocalServers`. Without a model it serves a tiny Llama with random weights that
-:func:`ensure_tiny_model` writes locally, so nothing is downloaded::
-
-    with start_local_servers(2) as servers:
-        print(servers.base_urls)  # ['http://127.0.0.1:41234/v1', ...]
-
-vLLM runs under its own Python (see :func:`find_vllm_python`), usually the cached
-environment that ``scripts/vllm-env.sh`` builds, because its pinned CPU build of torch
-need not fit beside this package.
-
-The defaults suit CPUs and the tiny model. On a machine with GPUs, ``gpus_per_server=K``
-pins server *i* to GPUs *iK* .. *iK+K-1* (``CUDA_VISIBLE_DEVICES``) with tensor
-parallelism over them, and ``servers_dir`` announces each healthy server in a ``*.url``
-file for ``llm-annotator run --servers-dir``::
-
-    start_local_servers(4, "Qwen/Qwen3-8B", gpus_per_server=2, dtype="auto",
-                        enforce_eager=False, servers_dir="servers", max_model_len=None)
-
-Each :class:`LocalServer` can be killed, paused and resumed, which is how the
-integration tests make servers fail. A server is stopped when its handle is garbage
-collected or this interpreter exits, so none outlives the process that started it
-(unless that process is killed with SIGKILL: then ``kill -- -PID`` ends its group).
-"""
+"""Start, watch and stop a group of local vLLM servers (see :mod:`llm_annotator.local`)."""
 
 from __future__ import annotations
 
@@ -45,14 +19,14 @@ from typing import Self
 
 import structlog
 
-from llm_annotator._server_process import (
+from llm_annotator.errors import ConfigurationError, LocalServerError
+from llm_annotator.local.process import (
     HEALTH_POLL_INTERVAL,
     HEALTH_PROBE_TIMEOUT,
     LocalServer,
     pick_free_ports,
     signal_group,
 )
-from llm_annotator.errors import ConfigurationError, LocalServerError
 
 __all__ = [
     "LocalServer",
@@ -79,7 +53,7 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """The module that runs vLLM's OpenAI-compatible server (the ``vllm`` command fails)."""
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_TINY_MODEL_SCRIPT = Path(__file__).with_name("_tiny_model.py")
+_TINY_MODEL_SCRIPT = Path(__file__).with_name("_tiny_model_script.py")
 _DEFAULT_OMP_THREADS = 1
 """One unpinned compute thread per server. vLLM's default pins every server's threads to
 the first core; on a 2-core machine with two tiny-model servers that meant 31 s to start
@@ -158,7 +132,7 @@ def ensure_tiny_model(directory: str | Path | None = None, *, python: str | None
     """Write the tiny test model into ``directory`` unless it is already there.
 
     The model (a two-layer Llama config, a locally trained tokenizer and a chat
-    template, no weights) is written by ``_tiny_model.py`` under the vLLM Python, into a
+    template, no weights) is written by ``_tiny_model_script.py`` under the vLLM Python, into a
     temporary folder that is renamed into place when complete, so an interrupted run
     never leaves half a model behind. Serve it with ``--load-format dummy``, which
     :func:`start_local_servers` adds by itself.

@@ -8,7 +8,7 @@ This file is a standalone script: it needs only the standard library and the
 ``tokenizers`` package, and it imports nothing from ``llm_annotator``, because it runs
 under the Python that has vLLM installed, which need not have this package::
 
-    VLLM_PYTHON path/to/_tiny_model.py OUTDIR
+    VLLM_PYTHON path/to/_tiny_model_script.py OUTDIR
 
 :func:`llm_annotator.local.ensure_tiny_model` runs it that way.
 """
@@ -261,7 +261,7 @@ def main(argv: list[str]) -> int:
         The process exit status.
     """
     if len(argv) != 1:
-        print("usage: _tiny_model.py OUTDIR", file=sys.stderr)
+        print("usage: _tiny_model_script.py OUTDIR", file=sys.stderr)
         return 2
     write_model(Path(argv[0]))
     return 0
