@@ -6,6 +6,7 @@ command, model and addresses overridden through its environment variables.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -96,7 +97,7 @@ def _end_jobs(cluster: SlurmCluster, *jobs: str) -> None:
     """Cancel jobs and wait (bounded) until they are gone, so no server outlives a test."""
     cluster.cancel(*jobs)
     for job in jobs:
-        poll(lambda job=job: cluster.is_finished(job), STOP_TIMEOUT)
+        poll(functools.partial(cluster.is_finished, job), STOP_TIMEOUT)
 
 
 @pytest.mark.timeout(STARTUP_TIMEOUT + 3 * STOP_TIMEOUT + 120)

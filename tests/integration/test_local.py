@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -228,7 +229,7 @@ def test_start_up_timeout_stops_the_servers(start_vllm: StartVLLM) -> None:
     launched: list[LocalServer] = []
     original = LocalServer.launch
 
-    def recording_launch(*args: object, **kwargs: object) -> LocalServer:
+    def recording_launch(*args: Any, **kwargs: Any) -> LocalServer:
         server = original(*args, **kwargs)
         launched.append(server)
         return server

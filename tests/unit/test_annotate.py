@@ -26,7 +26,7 @@ from llm_annotator.jobs.annotate import Annotator
 from tests.unit.conftest import FakeServer, completion, echo, error
 
 FakeServers = Callable[[int], list[FakeServer]]
-FAST = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
+FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
 TEMPLATE = "Label: {text}"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -72,6 +73,7 @@ def test_openai_client_keeps_openai_api_key(
     """OpenAIClient, for OpenAI-compatible services, still reads OPENAI_API_KEY."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-openai")
     monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    client: OpenAIClient[Any]
     with OpenAIClient(model="m", base_url=servers[0].base_url) as client:
         client.generate(messages=MESSAGES)
     assert keys_seen(servers[0]) == {"Bearer sk-openai"}

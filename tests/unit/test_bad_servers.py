@@ -272,8 +272,9 @@ def test_a_slow_member_whose_engine_progresses_is_never_evicted(good: RawServer)
 
 
 def test_clients_must_be_vllm_clients_and_a_closed_pool_takes_no_server() -> None:
+    not_a_vllm_client: Any = OpenAIClient(model="m", base_url="http://127.0.0.1:9/v1")
     with pytest.raises(TypeError, match="got OpenAIClient"):
-        VLLMQueueAnnotator(clients=[OpenAIClient(model="m", base_url="http://127.0.0.1:9/v1")])
+        VLLMQueueAnnotator(clients=[not_a_vllm_client])
     pool = VLLMQueueAnnotator(["http://127.0.0.1:9/v1"])
     pool.close()
     with pytest.raises(RuntimeError, match="the pool is closed"):

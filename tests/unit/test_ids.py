@@ -48,7 +48,8 @@ def test_dense_positions_live_in_the_bitmap() -> None:
 def test_strs_negative_and_far_ints_are_hashed() -> None:
     """Ids the bitmap cannot hold cheaply are kept as hashes and still found."""
     ids = IdSet()
-    for row_id in ["a", "b", -1, 10**15]:
+    row_ids: list[int | str] = ["a", "b", -1, 10**15]
+    for row_id in row_ids:
         assert ids.add(row_id) is True
     assert hashed(ids) == 4
     assert bitmap_bytes(ids) == 0

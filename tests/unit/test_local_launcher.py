@@ -8,6 +8,7 @@ vLLM command line, reports it and its GPUs, and answers ``/health`` on ``--port`
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -202,7 +203,7 @@ def _fake_venv(cache: Path, name: str, *, complete: bool = True) -> Path:
 def no_vllm_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No vLLM importable, no override: discovery looks only in a fresh cache."""
     monkeypatch.delenv("LLM_ANNOTATOR_VLLM_PYTHON", raising=False)
-    monkeypatch.setattr(local.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     cache = tmp_path / "cache"
     cache.mkdir()
     monkeypatch.setenv("LLM_ANNOTATOR_CACHE", str(cache))
@@ -231,7 +232,7 @@ def test_find_vllm_python_uses_this_python_when_it_has_vllm(
     no_vllm_here: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """If this interpreter can import vllm, it is the answer."""
-    monkeypatch.setattr(local.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     assert find_vllm_python() == sys.executable
 
 

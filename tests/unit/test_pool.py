@@ -24,7 +24,7 @@ from tests.unit.conftest import FakeServer, completion, echo, error, sleep_forev
 
 FakeServers = Callable[[int], list[FakeServer]]
 
-FAST = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
+FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
 
 
 def conversations(n: int) -> list[list[dict[str, str]]]:
@@ -411,7 +411,7 @@ def test_pool_needs_distinct_servers() -> None:
     with pytest.raises(ValueError, match="at least one server"):
         VLLMQueueAnnotator([])
     with pytest.raises(ValueError, match="list of URLs"):
-        VLLMQueueAnnotator("http://127.0.0.1:1/v1")  # type: ignore[arg-type]
+        VLLMQueueAnnotator("http://127.0.0.1:1/v1")
     with pytest.raises(ValueError, match="twice"):
         VLLMQueueAnnotator(["http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1/"])
 
@@ -462,7 +462,7 @@ def test_run_delivers_each_sample_once_and_ends_when_the_source_is_done() -> Non
         run.stop.set()
         assert run.take() is None
         assert run.store(3, Response(text="d"))
-        assert run.finished
+        assert run.done.is_set()  # finished (mypy took run.finished for False above)
         assert delivered == [0, 1, 2, 3]
         assert run.requeue([0, 1]) == 0  # delivered samples never go back on the queue
 

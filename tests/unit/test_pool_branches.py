@@ -184,12 +184,13 @@ def test_membership_changes_from_another_thread_raise_there(fake_servers: FakeSe
             deadline = time.monotonic() + 10
             while not first.requests and time.monotonic() < deadline:
                 time.sleep(0.01)  # bounded: until the call runs
-            for name, change in (
+            changes: tuple[tuple[str, Callable[[], None]], ...] = (
                 ("duplicate", lambda: pool.add_server(first.base_url)),
                 ("scheme", lambda: pool.add_server("ftp://127.0.0.1:1/v1")),
                 ("unknown", lambda: pool.remove_server("http://127.0.0.1:9/v1")),
                 ("late", lambda: pool.add_server(late.base_url)),
-            ):
+            )
+            for name, change in changes:
                 try:
                     change()
                     raised[name] = None

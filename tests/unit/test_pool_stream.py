@@ -46,7 +46,7 @@ def test_stream_yields_every_key_once_and_reads_the_source_lazily(
     pulled_at_first_result: list[int] = []
 
     async def scenario(pool: VLLMQueueAnnotator) -> list[tuple[str, str | None]]:
-        seen = []
+        seen: list[tuple[str, str | None]] = []
         async for key, response in pool.astream(pairs(2000, pulled)):
             if not seen:
                 pulled_at_first_result.append(len(pulled))

@@ -82,12 +82,11 @@ completions = st.fixed_dictionaries(
 
 
 def check(body: bytes) -> None:
+    failure: MalformedResponseError | None = None
     try:
         response = parse_completion(body, server="http://s:1/v1", provider="p")
     except MalformedResponseError as error:
         failure = error
-    else:
-        failure = None
     if failure is not None:
         assert failure.kind is ErrorKind.MALFORMED
         assert str(failure).startswith("http://s:1/v1: ")

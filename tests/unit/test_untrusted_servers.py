@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -122,7 +123,7 @@ def huge_without_length(*, chunked: bool, size: int = 200 * 2**20) -> object:
 async def test_an_announced_oversized_answer_is_refused_before_reading() -> None:
     """A Content-Length over max_response_bytes is an oversized error at once, naming
     the cap and the server; the body is not read."""
-    with raw_server(announced_huge) as server:  # type: ignore[arg-type]
+    with raw_server(announced_huge) as server:
         response, seconds = await ask(server.base_url)
     assert response.error_type == ErrorKind.OVERSIZED
     assert seconds < 1.0
@@ -382,14 +383,15 @@ def test_a_deadline_must_be_finite_and_positive(setting: str, value: float) -> N
     """An infinite or NaN deadline would crash every request later: refused at once."""
     from llm_annotator import ConfigurationError
 
+    settings: dict[str, Any] = {setting: value}
     with pytest.raises(ConfigurationError, match=setting):
-        VLLMOnlineClient(base_url="http://127.0.0.1:1/v1", **{setting: value})
+        VLLMOnlineClient(base_url="http://127.0.0.1:1/v1", **settings)
 
 
 async def test_a_callers_cancellation_stays_a_cancellation() -> None:
     """Only the deadline's own cancellation becomes read_timeout: a request cancelled by
     its caller (a pool evicting the server) ends as cancelled, at once."""
-    with raw_server(silent) as server:  # type: ignore[arg-type]
+    with raw_server(silent) as server:
         async with client(server.base_url, timeout=DEADLINE) as c:
             request = asyncio.ensure_future(c.agenerate(messages=MESSAGES))
             await asyncio.sleep(0.3)
