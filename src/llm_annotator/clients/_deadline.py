@@ -47,6 +47,11 @@ class Deadlines:
             return True
         return False
 
+    def close(self) -> None:
+        """Stop sweeping (the transport is closed: no request is left to watch)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
     async def _sweep(self) -> None:
         try:
             while self._open:

@@ -436,6 +436,9 @@ class HttpTransport:
         """Close every session this transport opened, on whichever loop it lives."""
         sessions, self._sessions = self._sessions, {}
         here = asyncio.get_running_loop()
+        deadlines = self._deadlines.pop(here, None)
+        if deadlines is not None:
+            deadlines.close()
         for loop, session in sessions.items():
             if session.closed:
                 continue
