@@ -60,6 +60,9 @@ class FakeServer:
     health_status: int = 200
     health_delay: float = 0.0
     models: list[str] = field(default_factory=lambda: ["fake-model"])
+    models_failures: list[int] = field(default_factory=list)
+    """Statuses that ``/v1/models`` answers first, one a request, before the list."""
+    models_asked: int = 0
 
 
 @contextlib.contextmanager
@@ -84,6 +87,9 @@ def running_fake_server() -> Iterator[FakeServer]:
             server.in_flight -= 1
 
     async def models(_: web.Request) -> web.Response:
+        server.models_asked += 1
+        if server.models_failures:
+            return error(server.models_failures.pop(0), "not now", "ServiceUnavailableError")
         data = {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models]}
         return web.Response(body=orjson.dumps(data), content_type="application/json")
 

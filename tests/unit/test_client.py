@@ -370,3 +370,39 @@ def test_provider_error_survives_pickling() -> None:
         400,
         "s: HTTP 400: bad",
     )
+
+
+@pytest.mark.parametrize(
+    ("failures", "max_retries", "found"),
+    [
+        ([503, 503], 2, True),  # a server still starting: asked again, found
+        ([503, 503, 503], 2, False),  # past max_retries: the last error is raised
+        ([401], 5, False),  # a refused key is not asked again
+    ],
+)
+def test_model_discovery_retries_what_may_heal(
+    fake_server: FakeServer, failures: list[int], max_retries: int, found: bool
+) -> None:
+    """``/v1/models`` is asked again after a transient failure, as a request would be
+    (``max_retries`` times, with backoff), and not after one that waiting cannot fix."""
+    fake_server.models_failures = list(failures)
+
+    async def resolve() -> str:
+        async with VLLMOnlineClient(
+            base_url=fake_server.base_url, max_retries=max_retries
+        ) as client:
+            client._sleep = _no_wait
+            return await client.aresolve_model()
+
+    if found:
+        assert asyncio.run(resolve()) == "fake-model"
+        assert fake_server.models_asked == len(failures) + 1
+    else:
+        with pytest.raises(ProviderError) as raised:
+            asyncio.run(resolve())
+        assert raised.value.status_code == failures[-1]
+        assert fake_server.models_asked == min(len(failures), max_retries + 1)
+
+
+async def _no_wait(seconds: float) -> None:
+    return None

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Generic
 
 import orjson
 import structlog
+import tenacity
 
 from llm_annotator._constants import (
     CONNECT_TIMEOUT,
@@ -250,12 +251,24 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
     async def aresolve_model(self) -> str:
         """The model to ask for: the configured one, or the first the server lists.
 
+        ``/v1/models`` is asked again after a transient failure (a server still
+        starting, a dropped connection, a 503), as often and as patiently as a request
+        would be (``max_retries``, the same backoff).
+
         Raises:
             ProviderError: If the server cannot be asked, or serves no model.
         """
         if self.model is not None:
             return self.model
-        models = await self.alist_models()
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(self.max_retries + 1),
+            wait=lambda state: retry_delay(state.attempt_number - 1),
+            retry=tenacity.retry_if_exception(_transient),
+            sleep=self._sleep,
+            before_sleep=self._note_model_retry,
+            reraise=True,
+        )
+        models: list[str] = await retrying(self.alist_models)
         if not models:
             raise ProviderError(
                 "/models lists no model; pass model= explicitly",
@@ -265,6 +278,15 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         self.model = models[0]
         log.info("model_discovered", server=self.base_url, model=self.model)
         return self.model
+
+    def _note_model_retry(self, state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        log.info(
+            "model_discovery_retry",
+            server=self.base_url,
+            attempt=state.attempt_number,
+            error=str(error),
+        )
 
     def _transport_timeout(self) -> float:
         return min(self.timeout, 30.0)
@@ -430,3 +452,8 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
 
 
 __all__ = ["OpenAIClient", "check_api_key", "check_client_settings", "check_single_choice"]
+
+
+def _transient(error: BaseException) -> bool:
+    """A failure that asking again may cure (see ``ErrorKind.retryable``)."""
+    return isinstance(error, ProviderError) and error.kind.retryable

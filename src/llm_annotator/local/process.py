@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import structlog
+import tenacity
 
 from llm_annotator.errors import LocalServerError
 
@@ -320,20 +321,7 @@ class LocalServer:
             LocalServerError: The process exited, or the timeout passed; the message
                 holds the last lines of the log.
         """
-        start = time.monotonic()
-        deadline = start + timeout
-        while True:
-            if not self.is_running():
-                raise self.failure(f"exited with status {self.returncode} during start-up")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self.failure(f"did not become healthy within {timeout:g} s")
-            if self.is_healthy(min(HEALTH_PROBE_TIMEOUT, remaining)):
-                waited = time.monotonic() - start
-                log.info("local_server_healthy", server=self.base_url, waited_s=waited)
-                self.announce()
-                return waited
-            time.sleep(min(HEALTH_POLL_INTERVAL, max(deadline - time.monotonic(), 0.0)))
+        return wait_all_healthy([self], timeout)
 
     def announce(self) -> None:
         """Write the base URL into :attr:`url_file`, whole (a temporary file renamed).
@@ -445,3 +433,44 @@ class LocalServer:
         else:
             state = "paused" if self._paused else "running"
         return f"<LocalServer {self.model!r} {self.base_url} pid={self.pid} {state}>"
+
+
+def wait_all_healthy(servers: Sequence[LocalServer], timeout: float) -> float:
+    """Wait until every server answers ``/health`` with 200, announcing each as it
+    does; return the seconds waited.
+
+    Raises:
+        LocalServerError: A server exited, or ``timeout`` passed with some not healthy
+            (the message holds the last lines of the first one's log).
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    pending = list(servers)
+
+    def probe_round() -> bool:
+        for server in list(pending):
+            if not server.is_running():
+                raise server.failure(f"exited with status {server.returncode} during start-up")
+            remaining = deadline - time.monotonic()
+            if server.is_healthy(max(min(HEALTH_PROBE_TIMEOUT, remaining), 0.01)):
+                pending.remove(server)
+                log.info(
+                    "local_server_healthy",
+                    server=server.base_url,
+                    waited_s=round(time.monotonic() - start, 2),
+                )
+                server.announce()
+        return not pending
+
+    def too_late(state: tenacity.RetryCallState) -> bool:
+        others = f" (with {len(pending) - 1} other servers)" if len(pending) > 1 else ""
+        raise pending[0].failure(f"did not become healthy within {timeout:g} s{others}")
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_delay(timeout),
+        wait=tenacity.wait_fixed(HEALTH_POLL_INTERVAL),
+        retry=tenacity.retry_if_result(lambda done: not done),
+        retry_error_callback=too_late,
+    )
+    retrying(probe_round)
+    return time.monotonic() - start

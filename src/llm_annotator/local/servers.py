@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,10 @@ import structlog
 
 from llm_annotator.errors import ConfigurationError, LocalServerError
 from llm_annotator.local.process import (
-    HEALTH_POLL_INTERVAL,
-    HEALTH_PROBE_TIMEOUT,
     LocalServer,
     pick_free_ports,
     signal_group,
+    wait_all_healthy,
 )
 
 __all__ = [
@@ -447,31 +445,8 @@ def _launch_all(
 
 def _wait_all(servers: Sequence[LocalServer], timeout: float) -> None:
     """Wait until every server is healthy; on any failure stop them all and raise."""
-    start = time.monotonic()
-    deadline = start + timeout
-    pending = list(servers)
     try:
-        while pending:
-            for server in list(pending):
-                if not server.is_running():
-                    raise server.failure(f"exited with status {server.returncode} during start-up")
-                remaining = deadline - time.monotonic()
-                if server.is_healthy(max(min(HEALTH_PROBE_TIMEOUT, remaining), 0.01)):
-                    pending.remove(server)
-                    log.info(
-                        "local_server_healthy",
-                        server=server.base_url,
-                        waited_s=round(time.monotonic() - start, 2),
-                    )
-                    server.announce()
-            if not pending:
-                break
-            if time.monotonic() >= deadline:
-                raise pending[0].failure(
-                    f"did not become healthy within {timeout:g} s"
-                    + (f" (with {len(pending) - 1} other servers)" if len(pending) > 1 else "")
-                )
-            time.sleep(HEALTH_POLL_INTERVAL)
+        wait_all_healthy(servers, timeout)
     except BaseException:
         for server in servers:
             if server.is_running():
