@@ -66,8 +66,9 @@ class FakeServer:
 
 
 @contextlib.contextmanager
-def running_fake_server() -> Iterator[FakeServer]:
-    """Start a fake server on a free loopback port, in its own thread and event loop.
+def running_fake_server(host: str = "127.0.0.1", port: int = 0) -> Iterator[FakeServer]:
+    """Start a fake server on a loopback address (a free port unless ``port`` is given),
+    in its own thread and event loop.
 
     Its own loop lets both the async API (on the test's loop) and the sync API (on the
     package's background loop) talk to it without blocking it.
@@ -106,9 +107,9 @@ def running_fake_server() -> Iterator[FakeServer]:
 
     async def start() -> str:
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, host, port)
         await site.start()
-        return f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        return f"http://{host}:{runner.addresses[0][1]}/v1"
 
     with threaded_loop("fake-server", runner.cleanup) as loop:
         server.base_url = loop.call(start())

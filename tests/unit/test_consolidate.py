@@ -146,6 +146,35 @@ def test_nested_values_are_structs_when_consistent_json_when_not(tmp_path: Path)
     assert table["empty"].to_pylist() == ["{}", "{}"]
 
 
+@pytest.mark.parametrize(("row_group", "chunk"), [(8, 2), (5, 2), (3, 7)])
+def test_many_row_groups_whatever_the_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row_group: int, chunk: int
+) -> None:
+    """Consolidation over several row groups, with a chunk size that divides the row
+    group, one that does not, and one larger than it: every row once, in id order,
+    the same in Parquet and JSONL, and the summary counts every group."""
+    monkeypatch.setattr(consolidate_module, "_ROW_GROUP", row_group)
+    monkeypatch.setattr(consolidate_module, "_CHUNK", chunk)
+    records: list[dict[str, Any]] = [
+        {"id": i, "label": f"l{i}", "finish_reason": "stop"}
+        if i % 4
+        else {"id": i, "error": "x", "error_type": "bad_request"}
+        for i in range(23)
+    ]
+    write_shard(tmp_path, 1, records[::2])
+    write_shard(tmp_path, 2, records[1::2])
+    result = consolidate(tmp_path, jsonl=True)
+    table = pq.ParquetFile(tmp_path / "annotations.parquet")
+    assert table.metadata.num_row_groups == -(-23 // row_group)
+    assert [r["id"] for r in rows(tmp_path)] == list(range(23))
+    assert [r["label"] for r in rows(tmp_path)] == [r.get("label") for r in records]
+    assert result.jsonl_path is not None
+    lines = result.jsonl_path.read_bytes().splitlines()
+    assert [orjson.loads(line)["id"] for line in lines] == list(range(23))
+    assert (result.num_rows, result.num_succeeded, result.num_failed) == (23, 17, 6)
+    assert result.by_finish_reason == {"stop": 17}
+
+
 def test_jsonl_has_the_same_rows_with_original_values(tmp_path: Path) -> None:
     """annotations.jsonl: rows sorted by id, keys in column order, values as written."""
     write_shard(

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +26,7 @@ from llm_annotator.pool.discovery import (
     parse_dns_target,
     plan_changes,
 )
-from tests.unit.conftest import FakeServer
+from tests.unit.conftest import FakeServer, running_fake_server
 from tests.unit.test_pool import FAST, conversations, delayed_echo, index_of
 
 FakeServers = Callable[[int], list[FakeServer]]
@@ -496,29 +496,24 @@ def completed_by(pool: VLLMQueueAnnotator, url: str) -> int:
     return 0
 
 
-def loopback_ipv6_works(port: int) -> bool:
-    """Whether this host reaches 127.0.0.1 through its IPv4-mapped IPv6 address."""
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.settimeout(2)
-            probe.connect(("::ffff:127.0.0.1", port))
-    except OSError:
-        return False
-    return True
+@pytest.fixture
+def neighbour(fake_server: FakeServer) -> Iterator[FakeServer]:
+    """A second fake server on ``fake_server``'s port at another loopback address (all
+    of 127/8 is loopback on Linux): two addresses of one name."""
+    port = urlsplit(fake_server.base_url).port
+    assert port is not None
+    with running_fake_server("127.0.0.2", port) as server:
+        yield server
 
 
 async def test_dns_name_follows_its_addresses_and_survives_failures(
-    fake_server: FakeServer, monkeypatch: pytest.MonkeyPatch
+    fake_server: FakeServer, neighbour: FakeServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Servers behind a DNS name join as addresses appear and drain as they go; a failed
     resolution keeps the servers known (logged once)."""
     port = urlsplit(fake_server.base_url).port
-    assert port is not None
-    if not loopback_ipv6_works(port):
-        pytest.skip("no IPv6 loopback here")
-    # Two addresses of one fake server: its IPv4 and IPv4-mapped IPv6 addresses.
-    mapped = f"http://[::ffff:127.0.0.1]:{port}/v1"
-    fake_server.handler = delayed_echo(0.04)
+    second = neighbour.base_url
+    fake_server.handler = neighbour.handler = delayed_echo(0.04)
     real_getaddrinfo = socket.getaddrinfo
     answer: dict[str, Any] = {"addresses": ["127.0.0.1"], "error": None, "calls": 0}
 
@@ -538,23 +533,23 @@ async def test_dns_name_follows_its_addresses_and_survives_failures(
         assert urls == [fake_server.base_url]
         async with pool_for(urls) as pool, discovering(discovery, pool), calling(pool, n) as call:
             await until(lambda: len(fake_server.requests) >= 10)
-            answer["addresses"] = ["127.0.0.1", "::ffff:127.0.0.1"]
-            await until(lambda: completed_by(pool, mapped) >= 10)
+            answer["addresses"] = ["127.0.0.1", "127.0.0.2"]
+            await until(lambda: completed_by(pool, second) >= 10)
 
             answer["error"] = socket.gaierror(socket.EAI_AGAIN, "temporary failure")
             failed_from = answer["calls"]
             await until(lambda: answer["calls"] >= failed_from + 3)
-            assert pool.base_urls == [fake_server.base_url, mapped]
+            assert pool.base_urls == [fake_server.base_url, second]
 
             answer["error"], answer["addresses"] = None, ["127.0.0.1"]
             await until(lambda: pool.base_urls == [fake_server.base_url])
             assert not call.done()
             responses = await asyncio.wait_for(call, 30)
-    assert_each_sample_sent_once_and_answered(responses, [fake_server], n)
-    assert Counter(r.server for r in responses)[mapped] >= 10
+    assert_each_sample_sent_once_and_answered(responses, [fake_server, neighbour], n)
+    assert Counter(r.server for r in responses)[second] >= 10
     events = [e["event"] for e in logs]
     assert events.count("discovery_source_failed") == 1
-    assert [e["server"] for e in logs if e["event"] == "server_withdrawn"] == [mapped]
+    assert [e["server"] for e in logs if e["event"] == "server_withdrawn"] == [second]
 
 
 def test_a_pool_built_on_discovery_alone_waits_for_its_first_server(

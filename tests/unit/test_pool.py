@@ -18,6 +18,7 @@ from llm_annotator import (
     PoolStatistics,
     VLLMQueueAnnotator,
 )
+from llm_annotator.clients._protocol import parse_completion
 from llm_annotator.pool.run import Run
 from llm_annotator.response import Response
 from tests.unit.conftest import FakeServer, completion, echo, error, sleep_forever
@@ -416,9 +417,14 @@ def test_pool_needs_distinct_servers() -> None:
         VLLMQueueAnnotator(["http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1/"])
 
 
-def test_completion_helper_unused_guard() -> None:
-    """The fake's completion body is a valid chat completion (guards the fakes)."""
-    assert completion("x").status == 200
+def test_the_fakes_completion_is_a_chat_completion() -> None:
+    """The fake servers' answer parses as the client parses a real one (guards the
+    fakes: a broken body would make every pool test here test garbage handling)."""
+    answer = completion("x", prompt_tokens=5, completion_tokens=2)
+    assert isinstance(answer.body, bytes)
+    parsed = parse_completion(answer.body, server="http://fake:1/v1", provider="vllm_online")
+    assert (parsed.text, parsed.finish_reason) == ("x", "stop")
+    assert (parsed.num_prompt_tokens, parsed.num_output_tokens) == (5, 2)
 
 
 def test_requeued_samples_travel_in_full_batches() -> None:

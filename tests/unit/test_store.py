@@ -12,7 +12,8 @@ import orjson
 import pytest
 import structlog
 
-from llm_annotator.errors import FingerprintMismatchError, JobError
+from llm_annotator.errors import FingerprintMismatchError, JobError, OutputWriteError
+from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.store import ResultStore, shard_paths
 
 SETTINGS = {"prompt_template": "Classify: {text}", "model": "m"}
@@ -180,6 +181,42 @@ def test_corrupt_middle_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
     assert shard.read_bytes() == content
     warnings = [log for log in logs if log["event"] == "shard_line_skipped"]
     assert [(w["shard"], w["line"]) for w in warnings] == [(str(shard), 2)]
+
+
+@pytest.mark.parametrize(
+    "bad", [{"id": None}, {"id": 1.5}, {"id": True}, {"no_id": 1}, [1, 2], "text", 7]
+)
+def test_a_json_line_without_a_valid_id_is_skipped(tmp_path: Path, bad: Any) -> None:
+    """A line that is JSON but not a record with an int or str id is skipped like a
+    corrupt one (its row runs again); the records around it count."""
+    content = line({"id": 0}) + orjson.dumps(bad) + b"\n" + line({"id": 2})
+    write_shard(tmp_path, 1, [content])
+    with structlog.testing.capture_logs() as logs, ResultStore.open(tmp_path, SETTINGS) as store:
+        assert (store.is_done(0), store.is_done(2), store.num_done) == (True, True, 2)
+    assert [log["line"] for log in logs if log["event"] == "shard_line_skipped"] == [2]
+
+
+def test_files_in_shards_that_are_not_shards_are_left_alone(tmp_path: Path) -> None:
+    """Other files and folders under shards/ (an editor's backup, a copied folder with a
+    shard's name) are neither read nor touched."""
+    write_shard(tmp_path, 1, [line({"id": 0})])
+    shards = tmp_path / "shards"
+    (shards / "notes.txt").write_bytes(line({"id": 5}))
+    (shards / "part-20240101T000000000000Z-1-000002.jsonl.bak").write_bytes(line({"id": 6}))
+    (shards / "part-20240101T000000000000Z-1-000003.jsonl").mkdir()
+    with ResultStore.open(tmp_path, SETTINGS) as store:
+        assert store.num_done == 1
+        assert not store.is_done(5) and not store.is_done(6)
+    assert (shards / "notes.txt").read_bytes() == line({"id": 5})
+    assert consolidate(tmp_path).num_rows == 1
+
+
+def test_a_directory_that_cannot_be_made_is_a_clear_error(tmp_path: Path) -> None:
+    """An output directory under a file: an OutputWriteError naming the path, not a
+    traceback from deep inside."""
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(OutputWriteError, match="a-file"):
+        ResultStore.open(tmp_path / "a-file" / "run", SETTINGS)
 
 
 def test_an_id_is_written_once_per_store(tmp_path: Path) -> None:

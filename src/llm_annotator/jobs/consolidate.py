@@ -146,11 +146,13 @@ def _consolidate(directory: Path, *, jsonl: bool, column_order: Sequence[str]) -
         _Reader(shards) as reader,
     ):
         for start in range(0, len(winners), _ROW_GROUP):  # one row group at a time
+            end = min(start + _ROW_GROUP, len(winners))
             chunks = []
-            for at in range(start, min(start + _ROW_GROUP, len(winners)), _CHUNK):
-                records = reader.records(keys.slice(at, _CHUNK))  # few dicts at a time
+            for at in range(start, end, _CHUNK):
+                size = min(_CHUNK, end - at)  # a chunk never runs into the next group
+                records = reader.records(keys.slice(at, size))  # few dicts at a time
                 columns = {
-                    name: ids.slice(at, _CHUNK)
+                    name: ids.slice(at, size)
                     if name == "id"
                     else _column(records, name, schema.field(name).type, name in loaded.stringified)
                     for name in names
@@ -158,7 +160,7 @@ def _consolidate(directory: Path, *, jsonl: bool, column_order: Sequence[str]) -
                 chunks.append(pa.table(columns, schema=schema))
             part = pa.concat_tables(chunks)
             writer.write_table(part, row_group_size=_ROW_GROUP)
-            summary.add(part, keys["ok"].slice(start, _ROW_GROUP))
+            summary.add(part, keys["ok"].slice(start, end - start))
     jsonl_path = None
     if jsonl:
         jsonl_path = directory / JSONL_FILE
