@@ -101,7 +101,12 @@ class ErrorKind(StrEnum):
 
     @property
     def server_gone(self) -> bool:
-        """Whether this failure means the server itself is dead or unreachable."""
+        """Whether this failure is how a dead or unreachable server looks.
+
+        A connect timeout and a dropped connection look so, but a live server can
+        cause them too (a burst of new connections, an answer cut off): the pool
+        checks those with a health check before it evicts (``pool.policy``).
+        """
         return self in _SERVER_GONE
 
     @property

@@ -370,3 +370,5 @@ def test_on_error_raise_raises_the_first_error_row_after_the_call(good: RawServe
         assert len(requests_for("sample 3", server)) == 1
     assert info.value.kind is ErrorKind.BAD_REQUEST
     assert "prompt too long" in str(info.value)
+    assert info.value.server == server.base_url
+    assert str(info.value).count(server.base_url) == 1  # named once

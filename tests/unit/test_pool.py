@@ -165,26 +165,6 @@ def test_bad_samples_are_error_rows_and_never_evict(fake_servers: FakeServers) -
     assert len(server.requests) == 100  # never retried
 
 
-def test_overloaded_member_backs_off_and_samples_succeed(fake_servers: FakeServers) -> None:
-    """503 busy answers are retried (here or elsewhere) until they succeed."""
-    (server,) = fake_servers(1)
-    busy = {"left": 30}
-
-    async def sometimes_busy(request: dict[str, Any]) -> web.StreamResponse:
-        if busy["left"] > 0:
-            busy["left"] -= 1
-            return error(503, "The engine is currently busy", "ServiceUnavailableError")
-        return await echo(request)
-
-    server.handler = sometimes_busy
-    with VLLMQueueAnnotator([server.base_url], batch_size=10, **FAST) as pool:
-        responses = pool.batch_generate(messages=conversations(50))
-        stats = pool.statistics()
-    assert_all_answered_in_order(responses, 50)
-    assert stats.evictions == 0
-    assert len(server.requests) == 80
-
-
 def test_transient_server_errors_are_retried_then_kept(fake_servers: FakeServers) -> None:
     """A sample that always gets a plain 500 ends as an error row after its retries."""
     (server,) = fake_servers(1)

@@ -115,3 +115,28 @@ def test_an_overloaded_member_backs_off_longer_each_time() -> None:
     print("busy member pauses:", [round(g, 2) for g in early])
     assert len(early) >= 3
     assert early[2] > early[0]  # the pause grows
+
+
+def test_overloaded_answers_are_retried_until_they_succeed() -> None:
+    """A lone member that answers its first 30 requests 503 is backed off, never
+    evicted, and every sample succeeds: 50 samples cost exactly 80 requests."""
+    clock = FakeClock()
+    busy = {"left": 30}
+
+    def sometimes_busy(prompt: str, now: float) -> Response | Any:
+        if busy["left"] > 0:
+            busy["left"] -= 1
+            return overloaded("http://busy:1/v1")
+        return Response(text=prompt, server="busy")
+
+    member = ClockedClient("http://busy:1/v1", clock, answer=sometimes_busy)
+
+    async def scenario() -> tuple[list[Response], Any]:
+        async with VLLMQueueAnnotator(clients=[member], batch_size=10, clock=clock) as pool:
+            responses = await pool.abatch_generate(messages=prompts(50))
+            return responses, pool.statistics()
+
+    responses, stats = run(scenario())
+    assert [r.text for r in responses] == [f"sample {i}" for i in range(50)]
+    assert stats.evictions == 0
+    assert len(member.sent) == 80

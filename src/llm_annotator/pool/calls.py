@@ -233,9 +233,13 @@ class Calls:
             return
         if self._state.config.on_error == "raise":
             first = failed[0]
+            said = first.error or "request failed"
+            if first.server:
+                said = said.removeprefix(f"{first.server}: ")  # the error names it again
             raise ProviderError(
-                first.error or "request failed",
+                said,
                 kind=ErrorKind(first.error_type or ErrorKind.HTTP_ERROR.value),
+                server=first.server,
             )
         if self._state.config.on_error == "warn":
             log.warning(

@@ -151,10 +151,18 @@ class Dispatcher:
     def _outcome(
         task: asyncio.Task[Response | ProviderError], member: Member
     ) -> Response | ProviderError:
-        """The task's result; an unexpected exception becomes an error for the sample."""
+        """The task's result; an unexpected exception (a bug, not a server's answer) is
+        logged with its traceback and becomes an error row, so that no sample is lost
+        to it and the bug is seen."""
         error = task.exception()
         if error is None:
             return task.result()
+        log.error(
+            "client_raised",
+            server=member.url,
+            error=f"{type(error).__name__}: {error}",
+            exc_info=error,
+        )
         unexpected = ProviderError(
             f"unexpected {type(error).__name__} in the client: {error}",
             kind=ErrorKind.HTTP_ERROR,

@@ -12,8 +12,12 @@ from llm_annotator.pool.member import MemberStatistics
 class PoolStatistics:
     """A snapshot of the pool's counters, totals and per member (cumulative over calls).
 
+    Only the current members count: a server removed (by hand or by a discovery) takes
+    its counters with it.
+
     Attributes:
-        members: One :class:`MemberStatistics` per server, in the order they joined.
+        members: One :class:`MemberStatistics` per current member, in the order they
+            joined.
         healthy: Members taking work now.
         queued: Samples waiting in the queue now.
         in_flight: Requests in flight now.
