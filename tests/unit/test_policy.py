@@ -12,7 +12,7 @@ from llm_annotator.clients._protocol import (
     parse_completion,
     status_error,
 )
-from llm_annotator.clients._retry import retry_delay, should_retry
+from llm_annotator.clients.retry import retry_delay, should_retry
 from llm_annotator.errors import MalformedResponseError
 from llm_annotator.pool.policy import (
     Action,

@@ -20,7 +20,8 @@ from typing import Any
 import structlog
 
 from llm_annotator import _constants as default
-from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_setting
+from llm_annotator.clients.tls import Verify, ssl_setting
+from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import (
     ConfigurationError,

@@ -12,16 +12,15 @@ exceptions, and where an API key quoted back by a server is cut out of every mes
 from __future__ import annotations
 
 import asyncio
-import os
-import ssl
 import weakref
-from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
 
 from llm_annotator._constants import KEEPALIVE_TIMEOUT, MAX_CONNECTIONS, MAX_RESPONSE_BYTES
 from llm_annotator.clients._deadline import Deadlines
+from llm_annotator.clients.tls import Verify, ssl_setting, unverified_context
+from llm_annotator.clients.urls import normalize_base_url, server_root
 from llm_annotator.errors import (
     ConfigurationError,
     DisconnectedError,
@@ -35,99 +34,19 @@ from llm_annotator.errors import (
 
 log = structlog.get_logger(__name__)
 
-Verify = bool | str | os.PathLike[str] | ssl.SSLContext
-"""How to check a server's TLS certificate: ``True`` (the system's trusted CAs), a
-path to a CA bundle (a PEM file, or a directory of them), a ready
-:class:`ssl.SSLContext`, or ``False`` (no check at all)."""
+__all__ = [
+    "REDACTED",
+    "HttpTransport",
+    "Verify",
+    "check_key_text",
+    "live_transports",
+    "normalize_base_url",
+    "server_root",
+    "ssl_setting",
+    "unverified_context",
+]
 
 REDACTED = "[redacted]"
-
-
-def normalize_base_url(base_url: str) -> str:
-    """Check a base URL and drop its trailing slash.
-
-    Raises:
-        ConfigurationError: If the URL is not an http(s) URL with a host.
-
-    Examples:
-        >>> normalize_base_url("http://127.0.0.1:8000/v1/")
-        'http://127.0.0.1:8000/v1'
-        >>> normalize_base_url("127.0.0.1:8000")
-        Traceback (most recent call last):
-        ...
-        llm_annotator.errors.ConfigurationError: base_url '127.0.0.1:8000' is not an http(s) URL with a host; write it like 'http://127.0.0.1:8000/v1'
-    """  # noqa: E501
-    if not isinstance(base_url, str):
-        raise ConfigurationError(f"base_url must be a string, got {type(base_url).__name__}")
-    url = base_url.strip().rstrip("/")
-    try:
-        parts = urlsplit(url)
-        port_ok = parts.port is None or 0 < parts.port < 65536
-    except ValueError:
-        port_ok = False
-        parts = urlsplit("")
-    if "@" in parts.netloc:
-        # A password in the URL would show in every log line, error and result row.
-        shown = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
-        raise ConfigurationError(
-            f"base_url {shown!r} holds credentials; give the URL without them and the key "
-            "as api_key (VLLM_API_KEY, or --api-key-file on the command line)"
-        )
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-        raise ConfigurationError(
-            f"base_url {base_url!r} is not an http(s) URL with a host; "
-            "write it like 'http://127.0.0.1:8000/v1'"
-        )
-    return url
-
-
-def server_root(base_url: str) -> str:
-    """The server's root URL: the base URL without a trailing ``/v1``.
-
-    Examples:
-        >>> server_root("http://127.0.0.1:8000/v1")
-        'http://127.0.0.1:8000'
-        >>> server_root("http://127.0.0.1:8000")
-        'http://127.0.0.1:8000'
-    """
-    url = normalize_base_url(base_url)
-    return url.removesuffix("/v1")
-
-
-def ssl_setting(verify: Verify) -> ssl.SSLContext | bool:
-    """What aiohttp's connector takes for ``verify``: True, False or a context.
-
-    Raises:
-        ConfigurationError: If ``verify`` is a path that holds no readable CA bundle, or
-            not one of the accepted types.
-
-    Examples:
-        >>> ssl_setting(True), ssl_setting(False)
-        (True, False)
-        >>> ssl_setting("/no/such/ca.pem")
-        Traceback (most recent call last):
-        ...
-        llm_annotator.errors.ConfigurationError: verify='/no/such/ca.pem': no CA bundle there ...
-    """
-    if isinstance(verify, bool):
-        return verify
-    if isinstance(verify, ssl.SSLContext):
-        return verify
-    if isinstance(verify, str | os.PathLike):
-        path = os.fspath(verify)
-        try:
-            if os.path.isdir(path):
-                return ssl.create_default_context(capath=path)
-            return ssl.create_default_context(cafile=path)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigurationError(
-                f"verify={path!r}: no CA bundle there ({exc}); give the path of a PEM file "
-                "with the certificate authority that signed the servers' certificates"
-            ) from None
-    raise ConfigurationError(
-        "verify must be True, False, a CA bundle path or an ssl.SSLContext, "
-        f"got {type(verify).__name__}"
-    )
 
 
 def check_key_text(api_key: str | None) -> None:
@@ -153,14 +72,6 @@ def check_key_text(api_key: str | None) -> None:
             "the API key holds a space, a control or a non-ASCII character (a trailing "
             "newline from a file or secret?); give the key alone"
         )
-
-
-def unverified_context() -> ssl.SSLContext:
-    """A TLS context that checks neither the certificate nor the host name."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 _LIVE: weakref.WeakSet[HttpTransport] = weakref.WeakSet()

@@ -23,9 +23,9 @@ from llm_annotator._constants import (
 from llm_annotator._gc import fewer_full_collections
 from llm_annotator._validate import non_negative_int, one_of, positive_int, positive_seconds
 from llm_annotator.clients._protocol import parse_completion, parse_model_list, status_error
-from llm_annotator.clients._retry import retry_delay, should_retry
 from llm_annotator.clients._transport import HttpTransport, Verify, check_key_text
 from llm_annotator.clients.base import Client, Messages, OptionsT
+from llm_annotator.clients.retry import retry_delay, should_retry
 from llm_annotator.errors import (
     ConfigurationError,
     ErrorKind,

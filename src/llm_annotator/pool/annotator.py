@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 import structlog
 
 from llm_annotator import _constants as default
-from llm_annotator.clients._transport import Verify
 from llm_annotator.clients.base import Client, Messages
+from llm_annotator.clients.tls import Verify
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.pool.calls import Calls

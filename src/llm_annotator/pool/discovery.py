@@ -21,7 +21,7 @@ from typing import Protocol
 
 import structlog
 
-from llm_annotator.clients._transport import normalize_base_url
+from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.errors import ConfigurationError, DuplicateServerError
 from llm_annotator.pool.sources import (
     DirectorySource,

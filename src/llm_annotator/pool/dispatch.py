@@ -6,7 +6,7 @@ import asyncio
 
 import structlog
 
-from llm_annotator.clients._retry import retry_delay
+from llm_annotator.clients.retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
 from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from llm_annotator.clients._transport import normalize_base_url
+from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.pool.dispatch import Dispatcher

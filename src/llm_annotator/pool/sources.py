@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from llm_annotator.clients._transport import normalize_base_url
+from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.errors import ConfigurationError
 
 log = structlog.get_logger(__name__)

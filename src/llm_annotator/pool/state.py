@@ -26,9 +26,10 @@ from typing import Any
 
 import structlog
 
-from llm_annotator.clients._transport import Verify, normalize_base_url, ssl_setting
-from llm_annotator.clients._transport import unverified_context as _unverified_context
 from llm_annotator.clients.openai_client import check_api_key
+from llm_annotator.clients.tls import Verify, ssl_setting
+from llm_annotator.clients.tls import unverified_context as _unverified_context
+from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ConfigurationError, DuplicateServerError
 from llm_annotator.pool.clock import Clock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_annotator.clients._transport import normalize_base_url
+from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.pool.member import MemberStatistics
 
 
