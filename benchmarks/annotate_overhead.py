@@ -48,16 +48,15 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _harness as harness
 from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
-from client_overhead import core_busy_seconds, tcp_counters
 
 CaseKind = Literal["ours", "ours_gc", "sdk", "sdk_aiohttp"]
 
@@ -70,156 +69,11 @@ TARGET_RATIO_512 = 15.0
 MAX_TOKENS = 16
 BATCHES_PER_MEMBER = 4
 """``max_concurrent_batches_per_client`` of the pool; ``batch_size`` follows from it."""
-TEMPLATE = "Classify the sentiment of this review as positive or negative.\n\nReview: {text}"
 EXPECTED_TEXT = "positive"
 GC_VARIANT = (700, 10, 100)
 """The collector thresholds of the ``ours_gc`` case (CPython's defaults are 700, 10, 10)."""
 
 CASES = ("ours", "ours_gc", "sdk", "sdk_aiohttp")
-
-STORE_CLOSED = ("store_closed", "results store closed")
-CONSOLIDATED = ("results_consolidated", "results consolidated")
-"""Names of the log events that end the streaming and consolidation phases (old, new)."""
-
-
-# --------------------------------------------------------------------------------------
-# Shared with input_scale.py: inputs, the job's log events, phases, CPU pinning
-# --------------------------------------------------------------------------------------
-
-
-def write_input(path: Path, rows: int) -> Path:
-    """Write ``rows`` JSONL rows (``id``, ``text``) to ``path``; return it."""
-    with path.open("w", buffering=1 << 20) as file:
-        for i in range(rows):
-            stars = "great" if i % 3 else "poor"
-            file.write(
-                f'{{"id": {i}, "text": "Review {i}: a {stars} product, it arrived '
-                f'on time and works as described.", "stars": {1 + i % 5}}}\n'
-            )
-    return path
-
-
-class EventLog:
-    """Keeps structlog events (with the time they came) instead of printing them.
-
-    Warnings and errors are still printed to standard error: they mean a figure is
-    suspect.
-    """
-
-    def __init__(self, on_event: Callable[[str], None] | None = None) -> None:
-        self.events: list[tuple[float, str, dict[str, Any]]] = []
-        self.on_event = on_event
-
-    def __call__(self, _logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
-        import structlog
-
-        name = str(event.get("event"))
-        self.events.append((time.monotonic(), name, dict(event)))
-        if self.on_event is not None:
-            self.on_event(name)
-        if method in ("warning", "error", "critical", "exception"):
-            fields = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
-            print(f"[{method}] {name} {fields}", file=sys.stderr, flush=True)
-        raise structlog.DropEvent
-
-    def install(self) -> None:
-        """Route every structlog event of this process here."""
-        import structlog
-
-        structlog.configure(processors=[self], cache_logger_on_first_use=False)
-
-    def first(self, names: Sequence[str], since: float) -> float | None:
-        """The time of the first event named one of ``names`` at or after ``since``."""
-        return next((t for t, e, _ in self.events if e in names and t >= since), None)
-
-
-def phase_times(log: EventLog, start: float, end: float) -> dict[str, float]:
-    """Seconds of each phase of one job, from its log events.
-
-    ``setup`` runs from the call to ``job_started`` (the input scan, the model, the store
-    opened), ``streaming`` to the store's closing, ``consolidation`` to the results
-    being consolidated, and ``finish`` (the report) to the call's return. A phase whose
-    events are missing is left out.
-    """
-    started = log.first(("job_started",), start)
-    closed = log.first(STORE_CLOSED, start)
-    consolidated = log.first(CONSOLIDATED, start)
-    phases: dict[str, float] = {}
-    if started is not None:
-        phases["setup"] = started - start
-        if closed is not None:
-            phases["streaming"] = closed - started
-    if closed is not None and consolidated is not None:
-        phases["consolidation"] = consolidated - closed
-    if consolidated is not None:
-        phases["finish"] = end - consolidated
-    return phases
-
-
-def pick_cpus() -> tuple[int, int]:
-    """(client CPU, server CPU): two different cores when this process may use two."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) == 1:
-        return cpus[0], cpus[0]
-    return cpus[0], cpus[1]
-
-
-def cpu_seconds() -> float:
-    """CPU seconds (user + system, all threads) this process has used."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def background_load(cpus: Sequence[int], seconds: float = 1.0) -> dict[int, float]:
-    """The busy share of each core over ``seconds`` while the benchmark itself is idle."""
-    unique = sorted(set(cpus))
-    before = [core_busy_seconds(cpu) for cpu in unique]
-    time.sleep(seconds)
-    after = [core_busy_seconds(cpu) for cpu in unique]
-    return {
-        cpu: min(1.0, (b1 - b0) / seconds)
-        for cpu, b0, b1 in zip(unique, before, after, strict=True)
-        if b0 is not None and b1 is not None
-    }
-
-
-def wait_for_idle(cpus: Sequence[int], budget: float, threshold: float = 0.1) -> None:
-    """Wait up to ``budget`` seconds until no core in ``cpus`` is busier than ``threshold``."""
-    deadline = time.monotonic() + budget
-    announced = False
-    while True:
-        load = background_load(cpus)
-        if not load or max(load.values()) <= threshold:
-            return
-        if time.monotonic() >= deadline:
-            print(f"  still busy after {budget:.0f} s; measuring anyway", flush=True)
-            return
-        if not announced:
-            print("  waiting for the CPUs to go idle ...", flush=True)
-            announced = True
-
-
-def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print a table: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
-        return "  ".join([first, *rest])
-
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
-
-
-def version(dist: str) -> str:
-    """The installed version of a distribution, or "not installed"."""
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 # --------------------------------------------------------------------------------------
@@ -275,7 +129,7 @@ class CaseResult:
         peak_rss_kb: The worker's peak resident set size, in KiB.
         gc_seconds: Seconds the cyclic garbage collector ran during the timed job.
         gc_full: Full (generation 2) collections during the timed job.
-        phases: Seconds of each phase of our job (see :func:`phase_times`).
+        phases: Seconds of each phase of our job (see :func:`harness.phase_times`).
         report_rps: ``this_run.rows_per_second`` of our ``report.json``.
         report_wall: ``this_run.wall_seconds`` of our ``report.json``.
         requeued: Samples the pool took back from members and sent again.
@@ -361,41 +215,25 @@ class GcTimer:
 _GC = GcTimer()
 
 
-class Clock:
+class JobClock(harness.Clock):
     """Wall, CPU, collector and the core's busy time around the timed job."""
 
     def __init__(self, cpu: int) -> None:
-        self.cpu = cpu
-        self._wall0 = self._cpu0 = self._gc0 = 0.0
+        super().__init__(cpu)
+        self._gc0 = 0.0
         self._full0 = 0
-        self._core0: float | None = None
 
     def start(self) -> float:
         """Start the clocks; return the monotonic start time."""
-        self._core0 = core_busy_seconds(self.cpu)
         self._gc0, self._full0 = _GC.seconds, _GC.full
-        self._cpu0 = cpu_seconds()
-        self._wall0 = time.perf_counter()
-        return time.monotonic()
+        return super().start()
 
-    def stop(self, result: CaseResult) -> None:
+    def finish(self, result: CaseResult) -> None:
         """Stop the clocks and put the figures into ``result``."""
-        result.wall = time.perf_counter() - self._wall0
-        result.cpu = cpu_seconds() - self._cpu0
+        self.stop()
+        result.wall, result.cpu, result.other_load = self.wall, self.cpu_time, self.other_load
         result.gc_seconds = _GC.seconds - self._gc0
         result.gc_full = _GC.full - self._full0
-        core1 = core_busy_seconds(self.cpu)
-        if self._core0 is not None and core1 is not None and result.wall > 0:
-            others = core1 - self._core0 - result.cpu
-            result.other_load = max(0.0, others / result.wall)
-
-
-def _error_kind(exc: BaseException) -> str:
-    kind = type(exc).__name__
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and type(cause).__name__ != kind:
-        kind += f" <- {type(cause).__name__}"
-    return kind
 
 
 def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
@@ -403,7 +241,7 @@ def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
 
     from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 
-    log = EventLog()
+    log = harness.EventLog()
     log.install()
     members = len(spec.base_urls)
     batch_size = max(1, spec.in_flight // (members * BATCHES_PER_MEMBER))
@@ -418,20 +256,20 @@ def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
 
     def job(path: str, out: str) -> Any:
         return pool.annotate(
-            path, TEMPLATE, workdir / out, id_column="id", options=options, progress=False
+            path, harness.TEMPLATE, workdir / out, id_column="id", options=options, progress=False
         )
 
     try:
         if spec.warmup_path:
             job(spec.warmup_path, "warmup")
-        clock = Clock(spec.cpu)
+        clock = JobClock(spec.cpu)
         start = clock.start()
         done = job(spec.input_path, "run")
-        clock.stop(result)
+        clock.finish(result)
         end = time.monotonic()
     finally:
         pool.close()
-    result.phases = phase_times(log, start, end)
+    result.phases = harness.phase_times(log, start, end)
     result.ok = done.num_succeeded
     result.out_rows = pq.read_metadata(done.output_path).num_rows
     if done.num_failed:
@@ -463,7 +301,7 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
 
             async def one(row: dict[str, Any]) -> None:
                 nonlocal good
-                prompt = TEMPLATE.format(**row)
+                prompt = harness.TEMPLATE.format(**row)
                 async with semaphore:
                     try:
                         completion = await client.chat.completions.create(
@@ -472,7 +310,7 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
                             max_completion_tokens=MAX_TOKENS,
                         )
                     except Exception as exc:
-                        kind = _error_kind(exc)
+                        kind = harness.error_kind(exc)
                         errors[kind] += 1
                         samples.setdefault(kind, (str(exc) or repr(exc))[:300])
                         out.write(json.dumps({"id": row["id"], "error": str(exc)}) + "\n")
@@ -515,10 +353,10 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
             if spec.warmup_path:
                 await job(client, spec.warmup_path, workdir / "warmup.jsonl")
                 errors.clear()
-            clock = Clock(spec.cpu)
+            clock = JobClock(spec.cpu)
             clock.start()
             result.ok = await job(client, spec.input_path, workdir / "run.jsonl")
-            clock.stop(result)
+            clock.finish(result)
         finally:
             await client.close()
         with (workdir / "run.jsonl").open("rb") as out:
@@ -579,18 +417,18 @@ def worker(spec: CaseSpec) -> None:
 
 def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResult:
     """Run ``spec`` in a fresh worker subprocess; add nginx's side of the picture."""
-    core0, nginx0, tcp0 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    core0, nginx0 = harness.busy_seconds(server_cpu), server.cpu_seconds()
+    tcp0 = harness.tcp_counters()
     wall0 = time.perf_counter()
     result = _run_worker(spec)
     wall = time.perf_counter() - wall0
-    core1, nginx1, tcp1 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    core1, nginx1 = harness.busy_seconds(server_cpu), server.cpu_seconds()
+    tcp1 = harness.tcp_counters()
     if None not in (core0, core1, nginx0, nginx1) and wall > 0:
         assert core0 is not None and core1 is not None
         assert nginx0 is not None and nginx1 is not None
         result.server_other_load = max(0.0, ((core1 - core0) - (nginx1 - nginx0)) / wall)
-    result.tcp = {
-        name: tcp1[name] - tcp0.get(name, 0) for name in tcp1 if tcp1[name] > tcp0.get(name, 0)
-    }
+    result.tcp = harness.tcp_rise(tcp0, tcp1)
     shutil.rmtree(spec.workdir, ignore_errors=True)
     return result
 
@@ -615,24 +453,16 @@ def _run_worker(spec: CaseSpec) -> CaseResult:
         if line.startswith(RESULT_MARKER):
             result = CaseResult(**json.loads(line[len(RESULT_MARKER) :]))
             if result.status == "crashed" or done.stderr.strip():
-                result.note = (result.note + "\n" + _tail(done.stderr)).strip()
+                result.note = (result.note + "\n" + harness.tail(done.stderr, 12)).strip()
             return result
     base.status = "crashed"
-    base.note = f"the worker exited with code {done.returncode}:\n{_tail(done.stderr)}"
+    base.note = f"the worker exited with code {done.returncode}:\n{harness.tail(done.stderr, 12)}"
     return base
-
-
-def _tail(text: str, lines: int = 12) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def noise(result: CaseResult) -> float:
     """The largest share of either core other work took during the case (0 if unknown)."""
     return max(result.other_load or 0.0, result.server_other_load or 0.0)
-
-
-def _percent(share: float | None) -> str:
-    return "-" if share is None else f"{100 * share:.0f}"
 
 
 def _figure(value: float | None, fmt: str = ",.0f", missing: str = "-") -> str:
@@ -673,27 +503,27 @@ def print_results(results: Sequence[CaseResult]) -> None:
                 f"{r.peak_rss_kb / 1024:.0f}" if r.peak_rss_kb else "-",
                 f"{r.gc_seconds:.2f} ({r.gc_full})" if r.wall else "-",
                 f"{r.requeued:,}" if r.kind.startswith("ours") else "-",
-                _percent(r.other_load) + "/" + _percent(r.server_other_load),
+                harness.percent(r.other_load) + "/" + harness.percent(r.server_other_load),
             )
         )
-    print_table(header, rows)
+    harness.print_table(header, rows)
     ours = [r for r in results if r.kind.startswith("ours") and r.phases]
     if ours:
         print("\nour job's phases (seconds; from its log events):")
         phase_rows = [
             (
                 f"{r.label} @ {r.in_flight:,}",
-                *(f"{r.phases[p]:.3f}" if p in r.phases else "-" for p in _PHASES),
+                *(f"{r.phases[p]:.3f}" if p in r.phases else "-" for p in harness.PHASES),
                 f"{r.wall:.3f}",
                 _figure(r.report_wall, ".3f"),
                 _figure(r.report_rps),
             )
             for r in ours
         ]
-        print_table(
+        harness.print_table(
             (
                 "job",
-                *_PHASES,
+                *harness.PHASES,
                 "total",
                 "report wall_seconds",
                 "report rows_per_second",
@@ -722,9 +552,6 @@ def print_results(results: Sequence[CaseResult]) -> None:
         if r.tcp:
             counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
             print(f"    kernel TCP counters during the case: {counters}")
-
-
-_PHASES = ("setup", "streaming", "consolidation", "finish")
 
 
 def _find(results: Sequence[CaseResult], kind: str, in_flight: int) -> CaseResult | None:
@@ -764,7 +591,7 @@ def build_cases(
 
     def input_of(rows: int) -> str:
         if rows not in inputs:
-            inputs[rows] = str(write_input(folder / f"input-{rows}.jsonl", rows))
+            inputs[rows] = str(harness.write_input(folder / f"input-{rows}.jsonl", rows))
         return inputs[rows]
 
     table: list[tuple[CaseKind, str, int]] = [
@@ -881,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _exit_on_signal)
     raise_nofile_limit()
-    client_cpu, server_cpu = pick_cpus()
+    client_cpu, server_cpu = harness.pick_cpus()
     try:
         server = CannedServer(ports=4, cpu=server_cpu)
         server.start()
@@ -891,9 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="annotate-overhead-"))
     try:
         print(
-            f"python {platform.python_version()}, openai {version('openai')}, "
-            f"aiohttp {version('aiohttp')}, uvloop {version('uvloop')}, "
-            f"pyarrow {version('pyarrow')}, llm-annotator {version('llm-annotator')}"
+            f"python {platform.python_version()}, "
+            + harness.versions("openai", "aiohttp", "uvloop", "pyarrow", "llm-annotator")
         )
         print(
             f"jobs pinned to CPU {client_cpu}, nginx (1 worker, 4 ports) to CPU {server_cpu}; "
@@ -903,10 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if client_cpu == server_cpu:
             print("warning: only one CPU is available, so nginx shares it with the jobs")
-        busy = background_load([client_cpu, server_cpu])
-        if busy:
-            shown = ", ".join(f"CPU {cpu} {share:.0%}" for cpu, share in busy.items())
-            print(f"CPU busy before the first case (nginx idle): {shown}")
+        harness.print_background([client_cpu, server_cpu], "case")
         print()
         results = []
         for spec in build_cases(args, server.base_urls, client_cpu, folder):
@@ -914,7 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             best: CaseResult | None = None
             for attempt in range(1, args.attempts + 1):
                 if args.wait_idle > 0:
-                    wait_for_idle([client_cpu, server_cpu], args.wait_idle)
+                    harness.wait_for_idle(args.wait_idle, [client_cpu, server_cpu])
                 result = run_case(spec, server, server_cpu)
                 if best is None or noise(result) < noise(best):
                     best = result
@@ -928,7 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_targets(results)
         log = server.error_log().strip()
         if log:
-            print("\nnginx error log (tail):\n" + _tail(log))
+            print("\nnginx error log (tail):\n" + harness.tail(log, 12))
         if any(r.status == "crashed" for r in results):
             print("\nerror: a case could not be measured (see above)", file=sys.stderr)
             return 1

@@ -46,12 +46,12 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _harness as harness
 from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
 
 Messages = list[dict[str, str]]
@@ -170,38 +170,6 @@ class CaseResult:
 # --------------------------------------------------------------------------------------
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def core_busy_seconds(cpu: int) -> float | None:
-    """Seconds core ``cpu`` has spent busy since boot (anything but idle and I/O wait).
-
-    Read from ``/proc/stat``; None where it cannot be read. Steal time of a virtual
-    machine counts as busy: the core was not available to this process.
-    """
-    try:
-        with open("/proc/stat") as stat:
-            for line in stat:
-                if line.startswith(f"cpu{cpu} "):
-                    ticks = [int(v) for v in line.split()[1:]]
-                    busy = sum(ticks) - ticks[3] - ticks[4]
-                    # guest time is already inside user time
-                    busy -= sum(ticks[8:10]) if len(ticks) >= 10 else 0
-                    return busy / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _conversations(count: int) -> list[Messages]:
-    return [
-        [{"role": "user", "content": f"Classify the sentiment of review {i}: great product."}]
-        for i in range(count)
-    ]
-
-
 def _batch_total(spec: CaseSpec) -> tuple[int, int]:
     """(batches, requests) of a batch-driven case: whole batches of ``c`` each."""
     batches = max(1, -(-spec.requests // spec.concurrency))
@@ -221,9 +189,7 @@ class Recorder:
         self.errors: Counter[str] = Counter()
         self.samples: dict[str, str] = {}
         self.warming = True
-        self._wall0: float | None = None
-        self._cpu0 = 0.0
-        self._core0: float | None = None
+        self._clock: harness.Clock | None = None
         self._lock = threading.Lock()
         self._reported = False
         self._watchdog = threading.Timer(spec.timeout, self._expire)
@@ -247,19 +213,16 @@ class Recorder:
     def start_timing(self) -> None:
         """End the warm-up and start the clocks."""
         self.warming = False
-        self._core0 = core_busy_seconds(self.spec.cpu)
-        self._cpu0 = _cpu_seconds()
-        self._wall0 = time.perf_counter()
+        self._clock = harness.Clock(self.spec.cpu)
+        self._clock.start()
 
     def stop_timing(self) -> None:
         """Stop the clocks."""
-        if self._wall0 is not None:
-            self.result.wall = time.perf_counter() - self._wall0
-            self.result.cpu = _cpu_seconds() - self._cpu0
-            core1 = core_busy_seconds(self.spec.cpu)
-            if self._core0 is not None and core1 is not None and self.result.wall > 0:
-                others = core1 - self._core0 - self.result.cpu
-                self.result.other_load = max(0.0, others / self.result.wall)
+        if self._clock is not None:
+            self._clock.stop()
+            self.result.wall = self._clock.wall
+            self.result.cpu = self._clock.cpu_time
+            self.result.other_load = self._clock.other_load
 
     def report(self, status: str = "ok", note: str = "") -> None:
         """Print the result line for the parent (once; later calls do nothing)."""
@@ -279,7 +242,7 @@ class Recorder:
         sys.stdout.flush()
 
     def _expire(self) -> None:
-        if self._wall0 is not None and self.result.wall == 0.0:
+        if self._clock is not None and self.result.wall == 0.0:
             self.stop_timing()
         done = self.result.ok + sum(v for k, v in self.errors.items() if "warm-up" not in k)
         note = (
@@ -291,26 +254,9 @@ class Recorder:
         os._exit(0)
 
 
-def _error_kind(exc: BaseException) -> str:
-    """The exception's type, and the type of the exception it wraps, if any."""
-    kind = type(exc).__name__
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and type(cause).__name__ != kind:
-        kind += f" <- {type(cause).__name__}"
-    return kind
-
-
-def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def _run_async(rec: Recorder, main: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
     """Run ``main`` on a new loop (uvloop's if asked and installed), noting which."""
-    factory = _uvloop_factory() if use_uvloop else None
+    factory = harness.uvloop_factory() if use_uvloop else None
     rec.result.loop = "uvloop" if factory is not None else "asyncio"
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main)
@@ -330,7 +276,7 @@ async def _limited(
             try:
                 kind = await call(i)
             except Exception as exc:
-                rec.failure(_error_kind(exc), str(exc) or repr(exc))
+                rec.failure(harness.error_kind(exc), str(exc) or repr(exc))
                 return
         if kind is None:
             rec.success()
@@ -343,7 +289,7 @@ async def _limited(
 def _worker_sdk(rec: Recorder, spec: CaseSpec, use_aiohttp: bool) -> None:
     import openai
 
-    conversations = _conversations(spec.concurrency)
+    conversations = harness.sample_conversations(spec.concurrency)
 
     async def main() -> None:
         http_client = None
@@ -386,7 +332,7 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
     import aiohttp
     import orjson
 
-    conversations = _conversations(spec.concurrency)
+    conversations = harness.sample_conversations(spec.concurrency)
     urls = [f"{base}/chat/completions" for base in spec.base_urls]
     headers = {"Content-Type": "application/json", "Authorization": "Bearer x"}
     batches, _ = _batch_total(spec)
@@ -410,7 +356,7 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
                             return
                     content = orjson.loads(body)["choices"][0]["message"]["content"]
                 except Exception as exc:
-                    rec.failure(_error_kind(exc), str(exc) or repr(exc))
+                    rec.failure(harness.error_kind(exc), str(exc) or repr(exc))
                     return
                 if content == EXPECTED_TEXT:
                     rec.success()
@@ -467,7 +413,7 @@ def _worker_ours_sync(rec: Recorder, spec: CaseSpec) -> None:
     client_class = _import_ours(rec)
     if client_class is None:
         return
-    conversations = _conversations(spec.concurrency)
+    conversations = harness.sample_conversations(spec.concurrency)
     batches, _ = _batch_total(spec)
     options = _ours_options()
     client = client_class(model=MODEL, base_url=spec.base_urls[0], max_retries=0)
@@ -477,7 +423,7 @@ def _worker_ours_sync(rec: Recorder, spec: CaseSpec) -> None:
             responses = client.batch_generate(messages=conversations, options=options)
         except Exception as exc:
             for _ in conversations:
-                rec.failure(_error_kind(exc), str(exc) or repr(exc))
+                rec.failure(harness.error_kind(exc), str(exc) or repr(exc))
             return
         _tally_responses(rec, responses, len(conversations))
 
@@ -511,7 +457,7 @@ def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
     client_class = _import_ours(rec)
     if client_class is None:
         return
-    conversations = _conversations(spec.concurrency)
+    conversations = harness.sample_conversations(spec.concurrency)
     batches, _ = _batch_total(spec)
     options = _ours_options()
     ways = len(spec.base_urls)
@@ -532,7 +478,7 @@ def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
             for part, outcome in zip(parts, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     for _ in part:
-                        rec.failure(_error_kind(outcome), str(outcome) or repr(outcome))
+                        rec.failure(harness.error_kind(outcome), str(outcome) or repr(outcome))
                 else:
                     _tally_responses(rec, outcome, len(part))
 
@@ -585,38 +531,21 @@ def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResul
     kernel's TCP counters tell whether connection attempts were dropped.
     """
     before = server.counters()
-    core0, nginx0, tcp0 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    core0, nginx0 = harness.busy_seconds(server_cpu), server.cpu_seconds()
+    tcp0 = harness.tcp_counters()
     wall0 = time.perf_counter()
     result = _run_worker(spec)
     wall = time.perf_counter() - wall0
-    core1, nginx1, tcp1 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    core1, nginx1 = harness.busy_seconds(server_cpu), server.cpu_seconds()
+    tcp1 = harness.tcp_counters()
     after = server.counters()
     if before is not None and after is not None:
         result.connections = after[0] - before[0]
     if core0 is not None and core1 is not None and nginx0 is not None and nginx1 is not None:
         others = (core1 - core0) - (nginx1 - nginx0)
         result.server_other_load = max(0.0, others / wall) if wall > 0 else None
-    result.tcp = {
-        name: tcp1[name] - tcp0.get(name, 0) for name in tcp1 if tcp1[name] > tcp0.get(name, 0)
-    }
+    result.tcp = harness.tcp_rise(tcp0, tcp1)
     return result
-
-
-TCP_COUNTERS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts")
-"""Kernel counters (``/proc/net/netstat``, TcpExt) that show dropped connection attempts."""
-
-
-def tcp_counters() -> dict[str, int]:
-    """The machine-wide values of :data:`TCP_COUNTERS` ({} where unreadable)."""
-    try:
-        lines = Path("/proc/net/netstat").read_text().splitlines()
-    except OSError:
-        return {}
-    for names, values in zip(lines[::2], lines[1::2], strict=False):
-        if names.startswith("TcpExt:"):
-            table = dict(zip(names.split()[1:], values.split()[1:], strict=False))
-            return {name: int(table[name]) for name in TCP_COUNTERS if name in table}
-    return {}
 
 
 def _run_worker(spec: CaseSpec) -> CaseResult:
@@ -639,23 +568,11 @@ def _run_worker(spec: CaseSpec) -> CaseResult:
             data = json.loads(line[len(RESULT_MARKER) :])
             result = CaseResult(**data)
             if result.status == "crashed":
-                result.note += "\n" + _tail(done.stderr)
+                result.note += "\n" + harness.tail(done.stderr)
             return result
     base.status = "crashed"
-    base.note = f"the worker exited with code {done.returncode}:\n{_tail(done.stderr)}"
+    base.note = f"the worker exited with code {done.returncode}:\n{harness.tail(done.stderr)}"
     return base
-
-
-def _tail(text: str, lines: int = 15) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def _pick_cpus() -> tuple[int, int]:
-    """(client CPU, server CPU): two different cores when this process may use two."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) == 1:
-        return cpus[0], cpus[0]
-    return cpus[0], cpus[1]
 
 
 def _sysctl(name: str) -> str:
@@ -664,13 +581,6 @@ def _sysctl(name: str) -> str:
         return path.read_text().strip()
     except OSError:
         return "?"
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def build_cases(args: argparse.Namespace, base_urls: Sequence[str], cpu: int) -> list[CaseSpec]:
@@ -704,7 +614,7 @@ def _label(result: CaseResult) -> str:
     return result.label
 
 
-def print_table(results: Sequence[CaseResult]) -> None:
+def print_results(results: Sequence[CaseResult]) -> None:
     """Print one row per case, then the errors and notes of the rows that need them."""
     header = (
         "client",
@@ -735,20 +645,10 @@ def print_table(results: Sequence[CaseResult]) -> None:
                 f"{cpu:,.0f}" if cpu is not None else "-",
                 f"{r.peak_rss_kb / 1024:.0f}" if r.peak_rss_kb else "-",
                 f"{r.connections:,}" if r.connections is not None else "-",
-                _percent(r.other_load) + "/" + _percent(r.server_other_load),
+                harness.percent(r.other_load) + "/" + harness.percent(r.server_other_load),
             )
         )
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
-        return "  ".join([first, *rest])
-
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
+    harness.print_table(header, rows)
     noisy = [r for r in results if _noise(r) > NOISY]
     if noisy:
         print(
@@ -775,10 +675,6 @@ def print_table(results: Sequence[CaseResult]) -> None:
         if r.tcp:
             counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
             print(f"    kernel TCP counters during the case: {counters}")
-
-
-def _percent(share: float | None) -> str:
-    return "-" if share is None else f"{100 * share:.0f}"
 
 
 def _find(results: Sequence[CaseResult], label_start: str, c: int) -> CaseResult | None:
@@ -897,7 +793,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A plain `kill` should stop nginx too: turn SIGTERM into an orderly exit.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     raise_nofile_limit()
-    client_cpu, server_cpu = _pick_cpus()
+    client_cpu, server_cpu = harness.pick_cpus()
     try:
         server = CannedServer(ports=4, cpu=server_cpu, backlog=args.backlog)
         server.start()
@@ -906,9 +802,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         print(
-            f"python {platform.python_version()}, openai {_version('openai')}, "
-            f"httpx2 {_version('httpx2')}, aiohttp {_version('aiohttp')}, "
-            f"uvloop {_version('uvloop')}, llm-annotator {_version('llm-annotator')}"
+            f"python {platform.python_version()}, "
+            + harness.versions("openai", "httpx2", "aiohttp", "uvloop", "llm-annotator")
         )
         somaxconn = _sysctl("net.core.somaxconn")
         syn_backlog = _sysctl("net.ipv4.tcp_max_syn_backlog")
@@ -920,15 +815,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if client_cpu == server_cpu:
             print("warning: only one CPU is available, so nginx shares it with the clients")
-        background = _background_load([client_cpu, server_cpu])
-        if background:
-            shown = ", ".join(f"CPU {cpu} {share:.0%}" for cpu, share in background.items())
-            print(f"CPU busy before the first case (nginx idle): {shown}")
-            if max(background.values()) > 0.2:
-                print(
-                    "warning: other processes keep these CPUs busy; the figures below will "
-                    "be low and noisy (see the 'other %' column)"
-                )
+        background = harness.print_background([client_cpu, server_cpu], "case")
+        if background and max(background.values()) > 0.2:
+            print(
+                "warning: other processes keep these CPUs busy; the figures below will "
+                "be low and noisy (see the 'other %' column)"
+            )
         print()
         results: list[CaseResult] = []
         for spec in build_cases(args, server.base_urls, client_cpu):
@@ -936,7 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             best: CaseResult | None = None
             for attempt in range(1, args.attempts + 1):
                 if args.wait_idle > 0:
-                    _wait_for_idle([client_cpu, server_cpu], args.wait_idle)
+                    harness.wait_for_idle(args.wait_idle, [client_cpu, server_cpu])
                 result = run_case(spec, server, server_cpu)
                 if best is None or _noise(result) < _noise(best):
                     best = result
@@ -950,11 +842,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert best is not None
             results.append(best)
         print()
-        print_table(results)
+        print_results(results)
         print_targets(results)
         log = server.error_log().strip()
         if log:
-            print("\nnginx error log (tail):\n" + _tail(log))
+            print("\nnginx error log (tail):\n" + harness.tail(log))
         if any(r.status == "crashed" for r in results):
             print("\nerror: a case could not be measured (see above)", file=sys.stderr)
             return 1
@@ -966,42 +858,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _background_load(cpus: Sequence[int], seconds: float = 1.0) -> dict[int, float]:
-    """The busy share of each core over ``seconds`` while the benchmark itself is idle."""
-    unique = sorted(set(cpus))
-    before = [core_busy_seconds(cpu) for cpu in unique]
-    time.sleep(seconds)
-    after = [core_busy_seconds(cpu) for cpu in unique]
-    return {
-        cpu: min(1.0, (b1 - b0) / seconds)
-        for cpu, b0, b1 in zip(unique, before, after, strict=True)
-        if b0 is not None and b1 is not None
-    }
-
-
 def _noise(result: CaseResult) -> float:
     """The largest share of either core that other work took during the case (0 if unknown)."""
     return max(result.other_load or 0.0, result.server_other_load or 0.0)
-
-
-def _wait_for_idle(cpus: Sequence[int], budget: float, threshold: float = 0.1) -> None:
-    """Wait up to ``budget`` seconds until no core in ``cpus`` is busier than ``threshold``.
-
-    On a shared machine another job's burst of work would otherwise land in the middle
-    of a case. Gives up (and says so) when the budget runs out.
-    """
-    deadline = time.monotonic() + budget
-    waited = False
-    for _ in range(int(budget) + 2):
-        load = _background_load(cpus, seconds=1.0)
-        if not load or max(load.values()) <= threshold:
-            return
-        if time.monotonic() >= deadline:
-            break
-        if not waited:
-            print("  waiting for the CPUs to go idle ...", flush=True)
-            waited = True
-    print(f"  still busy after {budget:.0f} s; measuring anyway", flush=True)
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:

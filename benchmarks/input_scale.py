@@ -47,22 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _harness as harness
 from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
-from annotate_overhead import (
-    CONSOLIDATED,
-    STORE_CLOSED,
-    TEMPLATE,
-    EventLog,
-    background_load,
-    cpu_seconds,
-    phase_times,
-    pick_cpus,
-    print_table,
-    version,
-    wait_for_idle,
-    write_input,
-)
-from client_overhead import core_busy_seconds
 
 RESULT_MARKER = "@@input-scale-result "
 TARGET_PEAK_MB = 1024.0
@@ -70,7 +56,6 @@ TARGET_FLAT_RATIO = 1.25
 MAX_TOKENS = 16
 SAMPLE_INTERVAL = 0.02
 """Seconds between two reads of the process's RSS."""
-PHASES = ("setup", "streaming", "consolidation", "finish")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -146,9 +131,9 @@ class RssSampler:
         self._sample()  # the phase that ends gets its last sample
         if name == "job_started":
             self.phase = "streaming"
-        elif name in STORE_CLOSED:
+        elif name in harness.STORE_CLOSED:
             self.phase = "consolidation"
-        elif name in CONSOLIDATED:
+        elif name in harness.CONSOLIDATED:
             self.phase = "finish"
 
     def _sample(self) -> None:
@@ -176,13 +161,13 @@ def worker(spec: SizeSpec) -> None:
 
     def on_event(name: str) -> None:
         sampler.on_event(name)
-        if spec.trace and (name in STORE_CLOSED or name in CONSOLIDATED):
-            key = "streamed" if name in STORE_CLOSED else "consolidated"
+        if spec.trace and (name in harness.STORE_CLOSED or name in harness.CONSOLIDATED):
+            key = "streamed" if name in harness.STORE_CLOSED else "consolidated"
             path = workdir / f"{key}.snapshot"
             tracemalloc.take_snapshot().dump(str(path))
             result.snapshots[key] = str(path)
 
-    log = EventLog(on_event)
+    log = harness.EventLog(on_event)
     log.install()
     pool = VLLMQueueAnnotator(list(spec.base_urls), model=MODEL)
     options = VLLMOnlineRuntimeOptions(max_completion_tokens=MAX_TOKENS)
@@ -191,25 +176,21 @@ def worker(spec: SizeSpec) -> None:
             tracemalloc.start(8)
         result.rss_before_mb = _rss_mb()
         sampler.start()
-        core0, cpu0 = core_busy_seconds(spec.cpu), cpu_seconds()
-        wall0 = time.perf_counter()
-        start = time.monotonic()
+        clock = harness.Clock(spec.cpu)
+        start = clock.start()
         done = pool.annotate(
             spec.input_path,
-            TEMPLATE,
+            harness.TEMPLATE,
             workdir / "run",
             id_column="id",
             options=options,
             progress=False,
         )
-        result.wall = time.perf_counter() - wall0
+        clock.stop()
         end = time.monotonic()
-        result.cpu = cpu_seconds() - cpu0
-        core1 = core_busy_seconds(spec.cpu)
         sampler.stop()
-        if core0 is not None and core1 is not None and result.wall > 0:
-            result.other_load = max(0.0, (core1 - core0 - result.cpu) / result.wall)
-        result.phases = phase_times(log, start, end)
+        result.wall, result.cpu, result.other_load = clock.wall, clock.cpu_time, clock.other_load
+        result.phases = harness.phase_times(log, start, end)
         result.peak_by_phase_mb = sampler.peaks
         result.arrow_peak_mb = pa.default_memory_pool().max_memory() / 2**20
         result.succeeded = done.num_succeeded
@@ -242,12 +223,12 @@ def run_size(spec: SizeSpec) -> SizeResult:
         if line.startswith(RESULT_MARKER):
             result = SizeResult(**json.loads(line[len(RESULT_MARKER) :]))
             if done.stderr.strip():
-                tail = "\n".join(done.stderr.strip().splitlines()[-12:])
-                result.note = (result.note + "\n" + tail).strip()
+                result.note = (result.note + "\n" + harness.tail(done.stderr, 12)).strip()
             return result
-    tail = "\n".join(done.stderr.strip().splitlines()[-15:])
     return SizeResult(
-        rows=spec.rows, status="crashed", note=f"exit code {done.returncode}:\n{tail}"
+        rows=spec.rows,
+        status="crashed",
+        note=f"exit code {done.returncode}:\n{harness.tail(done.stderr)}",
     )
 
 
@@ -264,9 +245,9 @@ def print_results(results: Sequence[SizeResult]) -> None:
         "rows/s",
         "CPU us/row",
         "peak RSS MB",
-        *(f"RSS {p} MB" for p in PHASES[:3]),
+        *(f"RSS {p} MB" for p in harness.PHASES[:3]),
         "arrow peak MB",
-        *(f"{p} s" for p in ("scan+open", *PHASES[1:3])),
+        *(f"{p} s" for p in ("scan+open", *harness.PHASES[1:3])),
         "other %",
     )
     rows = []
@@ -279,13 +260,13 @@ def print_results(results: Sequence[SizeResult]) -> None:
                 f"{r.rows / r.wall:,.0f}" if r.passed and r.wall else "-",
                 f"{r.cpu / r.rows * 1e6:,.0f}" if r.passed else "-",
                 f"{r.peak_rss_kb / 1024:,.0f}",
-                *(_mb(r.peak_by_phase_mb.get(p)) for p in PHASES[:3]),
+                *(_mb(r.peak_by_phase_mb.get(p)) for p in harness.PHASES[:3]),
                 f"{r.arrow_peak_mb:,.0f}",
-                *(f"{r.phases[p]:.2f}" if p in r.phases else "-" for p in PHASES[:3]),
-                "-" if r.other_load is None else f"{100 * r.other_load:.0f}",
+                *(f"{r.phases[p]:.2f}" if p in r.phases else "-" for p in harness.PHASES[:3]),
+                harness.percent(r.other_load),
             )
         )
-    print_table(header, rows)
+    harness.print_table(header, rows)
     for r in results:
         if r.note:
             print(f"\n* {r.rows:,} rows: {r.status}")
@@ -308,7 +289,7 @@ def print_verdict(small: SizeResult, large: SizeResult) -> None:
         f"peak RSS {peak_small:,.0f} MB at {small.rows:,} rows, {peak_large:,.0f} MB at "
         f"{large.rows:,} rows: x{ratio:.2f}, {slope:,.0f} bytes per extra row"
     )
-    for phase in PHASES[:3]:
+    for phase in harness.PHASES[:3]:
         a, b = small.peak_by_phase_mb.get(phase), large.peak_by_phase_mb.get(phase)
         if a is not None and b is not None:
             print(
@@ -408,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _exit_on_signal)
     raise_nofile_limit()
-    client_cpu, server_cpu = pick_cpus()
+    client_cpu, server_cpu = harness.pick_cpus()
     try:
         server = CannedServer(ports=4, cpu=server_cpu)
         server.start()
@@ -418,21 +399,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="input-scale-"))
     try:
         print(
-            f"llm-annotator {version('llm-annotator')}, pyarrow {version('pyarrow')}; "
+            f"{harness.versions('llm-annotator', 'pyarrow')}; "
             f"jobs pinned to CPU {client_cpu}, nginx to CPU {server_cpu}; pool: 4 members, "
             "batch_size 256, 4 batches each (4,096 in flight)"
             + ("; tracemalloc on" if args.trace else "")
         )
-        busy = background_load([client_cpu, server_cpu])
-        if busy:
-            shown = ", ".join(f"CPU {cpu} {share:.0%}" for cpu, share in busy.items())
-            print(f"CPU busy before the first job (nginx idle): {shown}")
+        harness.print_background([client_cpu, server_cpu], "job")
         results = []
         for rows in args.sizes:
             print(f"writing {rows:,} rows ...", flush=True)
-            path = write_input(folder / f"input-{rows}.jsonl", rows)
+            path = harness.write_input(folder / f"input-{rows}.jsonl", rows)
             if args.wait_idle > 0:
-                wait_for_idle([client_cpu, server_cpu], args.wait_idle)
+                harness.wait_for_idle(args.wait_idle, [client_cpu, server_cpu])
             print(f"annotating {rows:,} rows ...", flush=True)
             spec = SizeSpec(
                 rows=rows,

@@ -37,16 +37,16 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _harness as harness
+from _nginx import raise_nofile_limit
 from _sim_server import ServerModel, ServerStats, SimServer
 from llm_annotator import VLLMQueueAnnotator
 
@@ -118,21 +118,6 @@ class RunResult:
         return self.makespan - self.drained
 
 
-class EventLog:
-    """Keeps the pool's structlog events (with the time they came) instead of printing them."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[float, str, dict[str, Any]]] = []
-
-    def __call__(self, _logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
-        self.events.append((time.monotonic(), str(event.get("event")), dict(event)))
-        raise structlog.DropEvent
-
-    def first(self, name: str, since: float) -> float | None:
-        """The time of the first event ``name`` at or after ``since``."""
-        return next((t for t, e, _ in self.events if e == name and t >= since), None)
-
-
 def lower_bound(models: Sequence[ServerModel], samples: int) -> float:
     """Seconds the servers need at full load, with the work split in the best way."""
     return samples / sum(m.throughput for m in models)
@@ -148,40 +133,12 @@ def fault_lower_bound(
     return kill_time + (samples - total * kill_time) / (total - killed.throughput)
 
 
-def conversations(count: int) -> list[list[dict[str, str]]]:
-    return [
-        [{"role": "user", "content": f"Classify the sentiment of review {i}: great product."}]
-        for i in range(count)
-    ]
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def machine_busy_seconds() -> float | None:
-    """Seconds all CPUs together have spent busy since boot, from ``/proc/stat``."""
-    try:
-        with open("/proc/stat") as stat:
-            ticks = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and I/O wait
-    busy -= sum(ticks[8:10]) if len(ticks) >= 10 else 0  # guest time is in user time
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _cpus() -> int:
-    return os.cpu_count() or 1
-
-
 def run_once(
     servers: Sequence[SimServer],
     batch_size: int,
     samples: int,
     batches_per_server: int,
-    events: EventLog,
+    events: harness.EventLog,
     kill: SimServer | None = None,
     kill_at: float = 0.3,
 ) -> RunResult:
@@ -200,7 +157,7 @@ def run_once(
         batch_size=batch_size,
         max_concurrent_batches_per_client=batches_per_server,
     )
-    messages = conversations(samples)
+    messages = harness.sample_conversations(samples)
     outcome: dict[str, Any] = {}
     started = threading.Event()
 
@@ -214,8 +171,8 @@ def run_once(
         outcome["end"] = time.monotonic()
 
     worker = threading.Thread(target=call, name="pool-call")
-    cpu0 = _cpu_seconds()
-    machine0 = machine_busy_seconds()
+    cpu0 = harness.cpu_seconds()
+    machine0 = harness.busy_seconds()
     servers_cpu = -sum(server.cpu_seconds() for server in servers)
     worker.start()
     started.wait()
@@ -239,12 +196,12 @@ def run_once(
             kill.kill()
             result.killed, result.kill_time, result.done_at_kill = kill.model.name, now, done
     wall = time.monotonic() - start
-    result.client_cpu = _cpu_seconds() - cpu0
+    result.client_cpu = harness.cpu_seconds() - cpu0
     servers_cpu += sum(server.cpu_seconds() for server in servers)
-    machine1 = machine_busy_seconds()
-    if machine0 is not None and machine1 is not None:
-        ours = result.client_cpu + servers_cpu
-        result.other_load = max(0.0, machine1 - machine0 - ours) / (wall * _cpus())
+    machine1 = harness.busy_seconds()
+    result.other_load = harness.machine_other_load(
+        machine0, machine1, result.client_cpu + servers_cpu, wall
+    )
     if "error" in outcome:
         pool.close()
         raise RuntimeError(f"batch_generate raised: {outcome['error']!r}") from outcome["error"]
@@ -266,7 +223,7 @@ def run_once(
     for server in servers:
         result.server_stats[server.model.name] = server.stats() if server.alive else None
     if result.killed is not None:
-        evicted = events.first("member_evicted", start + result.kill_time)
+        evicted = events.first(("member_evicted",), start + result.kill_time)
         if evicted is not None:
             result.evicted_after = evicted - start - result.kill_time
     return result
@@ -275,18 +232,6 @@ def run_once(
 # --------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True))
-
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
 
 
 def _counts(result: RunResult, models: Sequence[ServerModel]) -> str:
@@ -305,10 +250,6 @@ def lagged_bound(result: RunResult, models: Sequence[ServerModel]) -> float:
         lag = stats.overshoot / stats.completed if stats is not None and stats.completed else 0.0
         total += m.capacity / (m.base_latency * (1 + m.alpha) + lag)
     return result.samples / total
-
-
-def _percent(share: float | None) -> str:
-    return "-" if share is None else f"{100 * share:.0f}"
 
 
 def print_efficiency(results: Sequence[RunResult], models: Sequence[ServerModel]) -> None:
@@ -332,15 +273,15 @@ def print_efficiency(results: Sequence[RunResult], models: Sequence[ServerModel]
                 f"{r.tail:.2f}",
                 f"{r.drain:.2f}",
                 _counts(r, models),
-                _percent(r.client_cpu / r.makespan),
-                _percent(r.other_load),
+                harness.percent(r.client_cpu / r.makespan),
+                harness.percent(r.other_load),
                 "PASS" if ratio <= TARGET_RATIO and r.ok == r.samples else "MISS",
             )
         )
     header = ["batch", "N", "makespan s", "bound s", "ratio", "bound+lag s", "ratio+lag"]
     header += ["first s", "tail 99->100% s", "drain s", f"completed {names}"]
     header += ["client CPU %", "other CPU %", f"ratio <= {TARGET_RATIO:.2f}"]
-    _table(header, rows)
+    harness.print_table(header, rows, first_left=False)
     ideal = "/".join(f"{m.throughput / sum(x.throughput for x in models):.1%}" for m in models)
     print(f"ideal split of the work {names}: {ideal}")
     print(
@@ -358,9 +299,10 @@ def print_efficiency(results: Sequence[RunResult], models: Sequence[ServerModel]
     for r in results:
         for m in models:
             detail.append(_server_row(r, m))
-    _table(
+    harness.print_table(
         ("batch", "server", "completed", "share", "busy s", "full s", "idle at end s", "lag ms"),
         detail,
+        first_left=False,
     )
 
 
@@ -430,7 +372,7 @@ def print_faults(
                 f"{faulty.tail:.2f}",
                 f"{faulty.drain:.2f}",
                 _counts(faulty, models),
-                f"{_percent(clean.other_load)}/{_percent(faulty.other_load)}",
+                f"{harness.percent(clean.other_load)}/{harness.percent(faulty.other_load)}",
                 verdict if ok else f"MISS ({faulty.samples - faulty.ok} error rows)",
             )
         )
@@ -439,7 +381,7 @@ def print_faults(
     header += ["fault s", "fault bound s", "ratio", "extra s", "explained s", "tail s"]
     header += ["drain s", f"completed {names}", "other CPU %"]
     header += [f"extra <= expl.+{TARGET_FAULT_SLACK:.0f}"]
-    _table(header, rows)
+    harness.print_table(header, rows, first_left=False)
     print(
         "evicted +s: from the kill to the eviction; requeued: samples taken back from the "
         "killed server;\nexplained: fault bound - bound without the fault; other CPU %: "
@@ -520,28 +462,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def wait_for_idle(budget: float, threshold: float = 0.1) -> None:
-    """Wait up to ``budget`` seconds until the CPUs are busy less than ``threshold``.
-
-    Between runs the benchmark itself is idle, so whatever keeps the CPUs busy is other
-    work that would land in the middle of the next run.
-    """
-    deadline = time.monotonic() + budget
-    said = False
-    while True:
-        before = machine_busy_seconds()
-        time.sleep(1.0)
-        after = machine_busy_seconds()
-        if before is None or after is None or (after - before) / _cpus() <= threshold:
-            return
-        if time.monotonic() >= deadline:
-            print(f"  still busy after {budget:.0f} s; measuring anyway", flush=True)
-            return
-        if not said:
-            print("  waiting for the CPUs to go idle ...", flush=True)
-            said = True
-
-
 def quietest(attempts: int, measure: Callable[[], RunResult], wait_idle: float = 0.0) -> RunResult:
     """Measure up to ``attempts`` times while other processes load the machine; keep the
     run they disturbed least. With ``wait_idle``, wait that long at most for the CPUs to
@@ -549,7 +469,7 @@ def quietest(attempts: int, measure: Callable[[], RunResult], wait_idle: float =
     best: RunResult | None = None
     for attempt in range(1, attempts + 1):
         if wait_idle > 0:
-            wait_for_idle(wait_idle)
+            harness.wait_for_idle(wait_idle, None)
         result = measure()
         if best is None or (result.other_load or 0.0) < (best.other_load or 0.0):
             best = result
@@ -566,10 +486,10 @@ def quietest(attempts: int, measure: Callable[[], RunResult], wait_idle: float =
 
 def _pick_cpus(pin: bool) -> tuple[int | None, int | None]:
     """(client CPU, server CPU), or Nones when not pinning or only one CPU is usable."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not pin or len(cpus) < 2:
+    client_cpu, server_cpu = harness.pick_cpus()
+    if not pin or client_cpu == server_cpu:
         return None, None
-    return cpus[0], cpus[1]
+    return client_cpu, server_cpu
 
 
 def print_setup(args: argparse.Namespace, client_cpu: int | None, server_cpu: int | None) -> None:
@@ -604,14 +524,12 @@ def print_setup(args: argparse.Namespace, client_cpu: int | None, server_cpu: in
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
-    from _nginx import raise_nofile_limit
-
     raise_nofile_limit()  # the servers inherit it
     client_cpu, server_cpu = _pick_cpus(not args.no_pin)
     if client_cpu is not None:
         os.sched_setaffinity(0, {client_cpu})  # before the pool's loop thread exists
-    events = EventLog()
-    structlog.configure(processors=[events])
+    events = harness.EventLog(echo=False)
+    events.install()
     models: list[ServerModel] = args.models
     servers = [SimServer(m, MODEL, server_cpu) for m in models]
     try:

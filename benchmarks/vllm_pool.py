@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import os
 import platform
-import resource
 import shutil
 import signal
 import statistics
@@ -50,7 +49,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from annotate_overhead import EventLog, print_table, version
+import _harness as harness
+from _nginx import group_cpu_seconds
 
 TARGET_SHARE = 0.95
 MAX_TOKENS = 8
@@ -94,39 +94,6 @@ class RunResult:
     def rps(self) -> float:
         """Answers per second (errors count: a failed run is flagged, not hidden)."""
         return self.samples / self.wall if self.wall else 0.0
-
-
-def _machine_busy() -> float | None:
-    """Seconds all cores have spent busy since boot, from ``/proc/stat``."""
-    try:
-        with open("/proc/stat") as stat:
-            ticks = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(ticks) - ticks[3] - ticks[4] - (sum(ticks[8:10]) if len(ticks) >= 10 else 0)
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _group_cpu(groups: Sequence[int]) -> float:
-    """CPU seconds (user + system) of the running processes in the given process groups."""
-    wanted = set(groups)
-    ticks = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) in wanted:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _tally(result: RunResult, responses: Sequence[Any]) -> None:
@@ -186,18 +153,19 @@ class Bench:
             "annotate": self._annotate,
             "plain": self._plain,
         }
-        busy0, own0, servers0 = _machine_busy(), _own_cpu(), _group_cpu(self.groups)
+        busy0, own0 = harness.busy_seconds(), harness.cpu_seconds()
+        servers0 = group_cpu_seconds(self.groups)
         wall0 = time.perf_counter()
         methods[way](result)
         wall = time.perf_counter() - wall0
-        busy1, own1, servers1 = _machine_busy(), _own_cpu(), _group_cpu(self.groups)
+        busy1, own1 = harness.busy_seconds(), harness.cpu_seconds()
+        servers1 = group_cpu_seconds(self.groups)
         if not result.wall:
             result.wall = wall
         result.client_cpu = own1 - own0
         result.server_cpu = servers1 - servers0
-        if busy0 is not None and busy1 is not None and wall > 0:
-            others = (busy1 - busy0) - result.client_cpu - result.server_cpu
-            result.other_load = max(0.0, others / (wall * (os.cpu_count() or 1)))
+        ours = result.client_cpu + result.server_cpu
+        result.other_load = harness.machine_other_load(busy0, busy1, ours, wall)
         return result
 
     def _pool(self, result: RunResult) -> None:
@@ -260,16 +228,8 @@ class Bench:
                 await asyncio.gather(*(client.aclose() for client in clients))
             return [response for part in answers for response in part]
 
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=harness.uvloop_factory()) as runner:
             _tally(result, runner.run(main()))
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def print_runs(runs: Sequence[RunResult]) -> None:
@@ -297,11 +257,11 @@ def print_runs(runs: Sequence[RunResult]) -> None:
             f"{r.output_tokens / r.wall:,.0f}" if r.wall else "-",
             f"{r.client_cpu:.1f}",
             f"{r.server_cpu:.1f}",
-            "-" if r.other_load is None else f"{100 * r.other_load:.0f}",
+            harness.percent(r.other_load),
         )
         for r in runs
     ]
-    print_table(header, rows)
+    harness.print_table(header, rows)
     failed = [r for r in runs if r.errors or r.ok != r.samples]
     for r in failed:
         shown = ", ".join(f"{count:,} x {kind}" for kind, count in r.errors.items())
@@ -320,21 +280,21 @@ def print_summary(runs: Sequence[RunResult]) -> None:
     medians: dict[str, float] = {}
     rows = []
     for way in WAYS:
-        mine = [r.rps for r in runs if r.way == way and not r.errors and r.ok == r.samples]
-        if not mine:
+        good = [r.rps for r in runs if r.way == way and not r.errors and r.ok == r.samples]
+        if not good:
             rows.append((way, "0", "-", "-", "-"))
             continue
-        medians[way] = statistics.median(mine)
+        medians[way] = statistics.median(good)
         rows.append(
             (
                 way,
-                str(len(mine)),
+                str(len(good)),
                 f"{medians[way]:,.0f}",
-                f"{min(mine):,.0f}",
-                f"{max(mine):,.0f}",
+                f"{min(good):,.0f}",
+                f"{max(good):,.0f}",
             )
         )
-    print_table(("way", "good runs", "median rows/s", "min", "max"), rows)
+    harness.print_table(("way", "good runs", "median rows/s", "min", "max"), rows)
     print()
     plain = medians.get("plain")
     for way, name in (("pool", "pool.batch_generate"), ("annotate", "pool.annotate")):
@@ -385,12 +345,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    EventLog().install()  # the library's events would interleave with the tables
+    harness.EventLog().install()  # the library's events would interleave with the tables
     from llm_annotator.errors import LLMAnnotatorError
     from llm_annotator.local import start_local_servers
 
     print(
-        f"python {platform.python_version()}, llm-annotator {version('llm-annotator')}, "
+        f"python {platform.python_version()}, {harness.versions('llm-annotator')}, "
         f"{os.cpu_count()} CPUs; starting 2 vLLM servers on the tiny model ...",
         flush=True,
     )
