@@ -8,14 +8,23 @@ their headers and wording, and these helpers keep the mechanics in one place.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+from _nginx import raise_nofile_limit
+
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------------------
 # CPU time: this process, each core, the machine, the kernel's TCP counters
@@ -122,7 +131,7 @@ class Clock:
 
 
 # --------------------------------------------------------------------------------------
-# Cores for the client and the server, a quiet machine
+# Cores for the client and the server, a quiet machine, the quietest of a few attempts
 # --------------------------------------------------------------------------------------
 
 
@@ -191,6 +200,78 @@ def print_background(cpus: Sequence[int], first: str) -> dict[int, float]:
     return busy
 
 
+@dataclass(frozen=True)
+class Retry:
+    """How a case is measured again while other work disturbs it.
+
+    Attributes:
+        attempts: Measurements at most (``--attempts``).
+        wait_idle: Seconds to wait at most for the CPUs to go idle before each one
+            (``--wait-idle``; 0: do not wait).
+        noisy: Above this noise a case is measured again.
+        again: The line printed before another attempt, formatted with ``noise``,
+            ``attempt`` (the next one) and ``attempts``.
+    """
+
+    attempts: int
+    wait_idle: float
+    noisy: float
+    again: str
+
+
+def quietest(
+    measure: Callable[[], T], noise: Callable[[T], float], retry: Retry, cpus: Sequence[int] | None
+) -> T:
+    """Measure until other work stays under ``retry.noisy`` (or attempts run out); the quietest.
+
+    Before each attempt it waits for ``cpus`` to go idle, as :func:`wait_for_idle`.
+    """
+    best: T | None = None
+    for attempt in range(1, retry.attempts + 1):
+        if retry.wait_idle > 0:
+            wait_for_idle(retry.wait_idle, cpus)
+        result = measure()
+        if best is None or noise(result) < noise(best):
+            best = result
+        if noise(result) <= retry.noisy or attempt == retry.attempts:
+            break
+        line = retry.again.format(noise=noise(result), attempt=attempt + 1, attempts=retry.attempts)
+        print(line, flush=True)
+    assert best is not None
+    return best
+
+
+class Loads(Protocol):
+    """A case's result that knows how much of its cores other work took."""
+
+    other_load: float | None
+    server_other_load: float | None
+
+
+def noise(result: Loads) -> float:
+    """The largest share of either core other work took during the case (0 if unknown)."""
+    return max(result.other_load or 0.0, result.server_other_load or 0.0)
+
+
+L = TypeVar("L", bound=Loads)
+S = TypeVar("S")
+
+
+def run_cases(
+    specs: Sequence[S],
+    run: Callable[[S], L],
+    title: Callable[[S], str],
+    retry: Retry,
+    cpus: Sequence[int],
+) -> list[L]:
+    """Run each case (``running <title> ...``), keeping the quietest of its attempts."""
+    results: list[L] = []
+    for spec in specs:
+        print(f"running {title(spec)} ...", flush=True)
+        results.append(quietest(partial(run, spec), noise, retry, cpus))
+    return results
+
+
 # --------------------------------------------------------------------------------------
 # Clients: conversations to send, errors by kind, the event loop
 # --------------------------------------------------------------------------------------
@@ -220,6 +301,114 @@ def sample_conversations(count: int) -> list[list[dict[str, str]]]:
         [{"role": "user", "content": f"Classify the sentiment of review {i}: great product."}]
         for i in range(count)
     ]
+
+
+# --------------------------------------------------------------------------------------
+# Worker subprocesses: one case each, reporting on one marked stdout line
+# --------------------------------------------------------------------------------------
+
+
+def report_result(marker: str, result: Any) -> None:
+    """Print ``result`` (a dataclass) on the one stdout line the parent reads back."""
+    sys.stdout.write(marker + json.dumps(asdict(result)) + "\n")
+    sys.stdout.flush()
+
+
+def read_spec(spec_class: Callable[..., T], text: str) -> T:
+    """The spec a parent handed its worker as JSON (lists, such as URLs, become tuples)."""
+    data: dict[str, Any] = json.loads(text)
+    return spec_class(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def peak_rss_kb() -> int:
+    """This process's peak resident set size so far, in KiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+class Watchdog:
+    """Lets the first of a worker and its time limit report the result, never both.
+
+    At the limit the timer calls ``expire`` (which reports a partial result and ends
+    the worker), so a hung client cannot hang the benchmark.
+    """
+
+    def __init__(self, timeout: float, expire: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._timer = threading.Timer(timeout, expire)
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        """Start the time limit."""
+        self._timer.start()
+
+    def claim(self) -> bool:
+        """Whether the caller reports first (the limit then no longer runs)."""
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            self._timer.cancel()
+            return True
+
+
+def pin_worker(cpu: int) -> None:
+    """Pin this worker process to ``cpu`` and give it as many open files as it may have."""
+    os.sched_setaffinity(0, {cpu})
+    raise_nofile_limit()
+
+
+@dataclass
+class WorkerOutput:
+    """What a worker subprocess left behind.
+
+    Attributes:
+        data: The fields of its result line, or None when it printed none.
+        stderr: Its standard error.
+        returncode: Its exit code, or None when it ran past its time limit and was killed.
+        timeout: That time limit, in seconds.
+    """
+
+    data: dict[str, Any] | None
+    stderr: str
+    returncode: int | None
+    timeout: float
+
+    def tail(self, lines: int) -> str:
+        """The last ``lines`` lines of the worker's stderr."""
+        return tail(self.stderr, lines)
+
+    def note_with_stderr(self, note: str, lines: int) -> str:
+        """``note`` with the tail of the worker's stderr below it."""
+        return (note + "\n" + self.tail(lines)).strip()
+
+    def failure(self, lines: int) -> tuple[str, str]:
+        """(status, note) of a worker without a result: ``"timeout"`` or ``"crashed"``."""
+        if self.returncode is None:
+            return (
+                "timeout",
+                f"the worker did not report within {self.timeout:.0f} s and was killed",
+            )
+        return "crashed", f"the worker exited with code {self.returncode}:\n{self.tail(lines)}"
+
+
+def run_worker(script: str, spec: Any, marker: str, timeout: float) -> WorkerOutput:
+    """Run ``script --worker <spec as JSON>`` and read back its result line.
+
+    A worker that runs past ``timeout`` seconds is killed.
+    """
+    command = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(asdict(spec))]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        return WorkerOutput(None, "", None, timeout)
+    for line in done.stdout.splitlines():
+        if line.startswith(marker):
+            data = json.loads(line[len(marker) :])
+            return WorkerOutput(data, done.stderr, done.returncode, timeout)
+    return WorkerOutput(None, done.stderr, done.returncode, timeout)
 
 
 # --------------------------------------------------------------------------------------

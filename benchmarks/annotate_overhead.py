@@ -39,17 +39,15 @@ import gc
 import json
 import os
 import platform
-import resource
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -369,32 +367,24 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
 
 def worker(spec: CaseSpec) -> None:
     """Measure one case in this process and print its result line."""
-    os.sched_setaffinity(0, {spec.cpu})
-    raise_nofile_limit()
+    harness.pin_worker(spec.cpu)
     result = CaseResult(label=spec.label, kind=spec.kind, in_flight=spec.in_flight, rows=spec.rows)
-    lock = threading.Lock()
-    reported = False
 
     def report(status: str | None = None, note: str = "") -> None:
-        nonlocal reported
-        with lock:
-            if reported:
-                return
-            reported = True
+        if not watchdog.claim():
+            return
         if status is not None:
             result.status = status
         if note:
             result.note = note
-        result.peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        sys.stdout.write(RESULT_MARKER + json.dumps(asdict(result)) + "\n")
-        sys.stdout.flush()
+        result.peak_rss_kb = harness.peak_rss_kb()
+        harness.report_result(RESULT_MARKER, result)
 
     def expire() -> None:
         report("timeout", f"stopped at the {spec.timeout:.0f} s limit")
         os._exit(0)
 
-    watchdog = threading.Timer(spec.timeout, expire)
-    watchdog.daemon = True
+    watchdog = harness.Watchdog(spec.timeout, expire)
     watchdog.start()
     if spec.kind == "ours_gc":
         gc.set_threshold(*GC_VARIANT)
@@ -406,7 +396,6 @@ def worker(spec: CaseSpec) -> None:
     except Exception as exc:
         report("crashed", f"{type(exc).__name__}: {exc}")
         raise
-    watchdog.cancel()
     report()
 
 
@@ -434,35 +423,15 @@ def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResul
 
 
 def _run_worker(spec: CaseSpec) -> CaseResult:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(spec))]
-    base = CaseResult(label=spec.label, kind=spec.kind, in_flight=spec.in_flight, rows=spec.rows)
     Path(spec.workdir).mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=spec.timeout + 60,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        base.status = "timeout"
-        base.note = f"the worker did not report within {spec.timeout + 60:.0f} s and was killed"
-        return base
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            result = CaseResult(**json.loads(line[len(RESULT_MARKER) :]))
-            if result.status == "crashed" or done.stderr.strip():
-                result.note = (result.note + "\n" + harness.tail(done.stderr, 12)).strip()
-            return result
-    base.status = "crashed"
-    base.note = f"the worker exited with code {done.returncode}:\n{harness.tail(done.stderr, 12)}"
-    return base
-
-
-def noise(result: CaseResult) -> float:
-    """The largest share of either core other work took during the case (0 if unknown)."""
-    return max(result.other_load or 0.0, result.server_other_load or 0.0)
+    done = harness.run_worker(__file__, spec, RESULT_MARKER, spec.timeout + 60)
+    if done.data is None:
+        status, note = done.failure(12)
+        return CaseResult(spec.label, spec.kind, spec.in_flight, spec.rows, status, note=note)
+    result = CaseResult(**done.data)
+    if result.status == "crashed" or done.stderr.strip():
+        result.note = done.note_with_stderr(result.note, 12)
+    return result
 
 
 def _figure(value: float | None, fmt: str = ",.0f", missing: str = "-") -> str:
@@ -530,7 +499,7 @@ def print_results(results: Sequence[CaseResult]) -> None:
             ),
             phase_rows,
         )
-    noisy = [r for r in results if noise(r) > NOISY]
+    noisy = [r for r in results if harness.noise(r) > NOISY]
     if noisy:
         print(
             f"\nnoisy: {len(noisy)} case(s) lost more than {NOISY:.0%} of the client's or "
@@ -552,6 +521,10 @@ def print_results(results: Sequence[CaseResult]) -> None:
         if r.tcp:
             counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
             print(f"    kernel TCP counters during the case: {counters}")
+
+
+def _title(spec: CaseSpec) -> str:
+    return f"{spec.label} at {spec.in_flight:,} in flight"
 
 
 def _find(results: Sequence[CaseResult], kind: str, in_flight: int) -> CaseResult | None:
@@ -702,9 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
     if args.worker:
-        data = json.loads(args.worker)
-        data["base_urls"] = tuple(data["base_urls"])
-        worker(CaseSpec(**data))
+        worker(harness.read_spec(CaseSpec, args.worker))
         return 0
     signal.signal(signal.SIGTERM, _exit_on_signal)
     raise_nofile_limit()
@@ -731,21 +702,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("warning: only one CPU is available, so nginx shares it with the jobs")
         harness.print_background([client_cpu, server_cpu], "case")
         print()
-        results = []
-        for spec in build_cases(args, server.base_urls, client_cpu, folder):
-            print(f"running {spec.label} at {spec.in_flight:,} in flight ...", flush=True)
-            best: CaseResult | None = None
-            for attempt in range(1, args.attempts + 1):
-                if args.wait_idle > 0:
-                    harness.wait_for_idle(args.wait_idle, [client_cpu, server_cpu])
-                result = run_case(spec, server, server_cpu)
-                if best is None or noise(result) < noise(best):
-                    best = result
-                if noise(result) <= NOISY or attempt == args.attempts:
-                    break
-                print(f"  noisy ({noise(result):.0%}); measuring again", flush=True)
-            assert best is not None
-            results.append(best)
+        retry = harness.Retry(
+            args.attempts, args.wait_idle, NOISY, "  noisy ({noise:.0%}); measuring again"
+        )
+        cases = build_cases(args, server.base_urls, client_cpu, folder)
+        run = partial(run_case, server=server, server_cpu=server_cpu)
+        results = harness.run_cases(cases, run, _title, retry, [client_cpu, server_cpu])
         print()
         print_results(results)
         print_targets(results)

@@ -34,18 +34,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import resource
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -65,6 +64,11 @@ GROUPS = ("sdk", "floor", "ours")
 
 NOISY = 0.2
 """Above this share of the client's core taken by other work, a row is called noisy."""
+AGAIN = (
+    "  noisy ({noise:.0%} of the core went to other work); "
+    "measuring again ({attempt} of {attempts})"
+)
+"""What a noisy case prints before it is measured again (see ``harness.Retry``)."""
 
 TARGET_RPS_4096 = 4000.0
 TARGET_RATIO_512 = 15.0
@@ -190,10 +194,7 @@ class Recorder:
         self.samples: dict[str, str] = {}
         self.warming = True
         self._clock: harness.Clock | None = None
-        self._lock = threading.Lock()
-        self._reported = False
-        self._watchdog = threading.Timer(spec.timeout, self._expire)
-        self._watchdog.daemon = True
+        self._watchdog = harness.Watchdog(spec.timeout, self._expire)
 
     def arm(self) -> None:
         """Start the time limit."""
@@ -226,20 +227,16 @@ class Recorder:
 
     def report(self, status: str = "ok", note: str = "") -> None:
         """Print the result line for the parent (once; later calls do nothing)."""
-        with self._lock:
-            if self._reported:
-                return
-            self._reported = True
-            self._watchdog.cancel()
+        if not self._watchdog.claim():
+            return
         result = self.result
         result.status = status
         if note:
             result.note = note
         result.errors = dict(self.errors)
         result.samples = dict(self.samples)
-        result.peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        sys.stdout.write(RESULT_MARKER + json.dumps(asdict(result)) + "\n")
-        sys.stdout.flush()
+        result.peak_rss_kb = harness.peak_rss_kb()
+        harness.report_result(RESULT_MARKER, result)
 
     def _expire(self) -> None:
         if self._clock is not None and self.result.wall == 0.0:
@@ -400,23 +397,34 @@ def _tally_responses(rec: Recorder, responses: Sequence[Any], expected: int) -> 
     rec.success(good)
 
 
-def _import_ours(rec: Recorder) -> Any:
+@dataclass
+class _Ours:
+    """What both cases of our client need: its class, one batch, the batch count, options."""
+
+    client_class: Any
+    conversations: list[Messages]
+    batches: int
+    options: Any
+
+
+def _prepare_ours(rec: Recorder, spec: CaseSpec) -> _Ours | None:
+    """Our client's case set up, or None (reported unavailable) when it cannot be imported."""
     try:
         from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
     except ImportError as exc:
         rec.report("unavailable", f"VLLMOnlineClient cannot be imported: {exc}")
         return None
-    return VLLMOnlineClient
+    conversations = harness.sample_conversations(spec.concurrency)
+    batches, _ = _batch_total(spec)
+    return _Ours(VLLMOnlineClient, conversations, batches, _ours_options())
 
 
 def _worker_ours_sync(rec: Recorder, spec: CaseSpec) -> None:
-    client_class = _import_ours(rec)
-    if client_class is None:
+    ours = _prepare_ours(rec, spec)
+    if ours is None:
         return
-    conversations = harness.sample_conversations(spec.concurrency)
-    batches, _ = _batch_total(spec)
-    options = _ours_options()
-    client = client_class(model=MODEL, base_url=spec.base_urls[0], max_retries=0)
+    conversations, options = ours.conversations, ours.options
+    client = ours.client_class(model=MODEL, base_url=spec.base_urls[0], max_retries=0)
 
     def batch() -> None:
         try:
@@ -431,7 +439,7 @@ def _worker_ours_sync(rec: Recorder, spec: CaseSpec) -> None:
         batch()
         rec.result.loop = _library_loop_name()
         rec.start_timing()
-        for _ in range(batches):
+        for _ in range(ours.batches):
             batch()
         rec.stop_timing()
     finally:
@@ -454,18 +462,18 @@ def _library_loop_name() -> str:
 
 
 def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
-    client_class = _import_ours(rec)
-    if client_class is None:
+    ours = _prepare_ours(rec, spec)
+    if ours is None:
         return
-    conversations = harness.sample_conversations(spec.concurrency)
-    batches, _ = _batch_total(spec)
-    options = _ours_options()
+    conversations, options = ours.conversations, ours.options
     ways = len(spec.base_urls)
     cut = [len(conversations) * k // ways for k in range(ways + 1)]
     parts = [conversations[cut[k] : cut[k + 1]] for k in range(ways)]
 
     async def main() -> None:
-        clients = [client_class(model=MODEL, base_url=url, max_retries=0) for url in spec.base_urls]
+        clients = [
+            ours.client_class(model=MODEL, base_url=url, max_retries=0) for url in spec.base_urls
+        ]
 
         async def batch() -> None:
             outcomes = await asyncio.gather(
@@ -485,7 +493,7 @@ def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
         try:
             await batch()
             rec.start_timing()
-            for _ in range(batches):
+            for _ in range(ours.batches):
                 await batch()
             rec.stop_timing()
         finally:
@@ -496,8 +504,7 @@ def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
 
 def worker(spec: CaseSpec) -> None:
     """Measure one case in this process and print its result line."""
-    os.sched_setaffinity(0, {spec.cpu})
-    raise_nofile_limit()
+    harness.pin_worker(spec.cpu)
     requests = spec.requests
     if spec.kind in ("floor", "ours_sync", "ours_async"):
         _, requests = _batch_total(spec)
@@ -549,30 +556,14 @@ def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResul
 
 
 def _run_worker(spec: CaseSpec) -> CaseResult:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(spec))]
-    base = CaseResult(label=spec.label, concurrency=spec.concurrency, requests=spec.requests)
-    try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=spec.timeout + 30,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        base.status = "timeout"
-        base.note = f"the worker did not report within {spec.timeout + 30:.0f} s and was killed"
-        return base
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            data = json.loads(line[len(RESULT_MARKER) :])
-            result = CaseResult(**data)
-            if result.status == "crashed":
-                result.note += "\n" + harness.tail(done.stderr)
-            return result
-    base.status = "crashed"
-    base.note = f"the worker exited with code {done.returncode}:\n{harness.tail(done.stderr)}"
-    return base
+    done = harness.run_worker(__file__, spec, RESULT_MARKER, spec.timeout + 30)
+    if done.data is None:
+        status, note = done.failure(15)
+        return CaseResult(spec.label, spec.concurrency, spec.requests, status=status, note=note)
+    result = CaseResult(**done.data)
+    if result.status == "crashed":
+        result.note += "\n" + done.tail(15)
+    return result
 
 
 def _sysctl(name: str) -> str:
@@ -606,6 +597,10 @@ def build_cases(args: argparse.Namespace, base_urls: Sequence[str], cpu: int) ->
         for group, kind, label, c, n, case_urls in table
         if only is None or group in only
     ]
+
+
+def _title(spec: CaseSpec) -> str:
+    return f"{spec.label} at {spec.concurrency:,} in flight"
 
 
 def _label(result: CaseResult) -> str:
@@ -649,7 +644,7 @@ def print_results(results: Sequence[CaseResult]) -> None:
             )
         )
     harness.print_table(header, rows)
-    noisy = [r for r in results if _noise(r) > NOISY]
+    noisy = [r for r in results if harness.noise(r) > NOISY]
     if noisy:
         print(
             f"\nnoisy: {len(noisy)} case(s) lost more than {NOISY:.0%} of the client's or "
@@ -786,9 +781,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
     if args.worker:
-        data = json.loads(args.worker)
-        data["base_urls"] = tuple(data["base_urls"])
-        worker(CaseSpec(**data))
+        worker(harness.read_spec(CaseSpec, args.worker))
         return 0
     # A plain `kill` should stop nginx too: turn SIGTERM into an orderly exit.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -822,25 +815,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "be low and noisy (see the 'other %' column)"
             )
         print()
-        results: list[CaseResult] = []
-        for spec in build_cases(args, server.base_urls, client_cpu):
-            print(f"running {spec.label} at {spec.concurrency:,} in flight ...", flush=True)
-            best: CaseResult | None = None
-            for attempt in range(1, args.attempts + 1):
-                if args.wait_idle > 0:
-                    harness.wait_for_idle(args.wait_idle, [client_cpu, server_cpu])
-                result = run_case(spec, server, server_cpu)
-                if best is None or _noise(result) < _noise(best):
-                    best = result
-                if _noise(result) <= NOISY or attempt == args.attempts:
-                    break
-                print(
-                    f"  noisy ({_noise(result):.0%} of the core went to other work); "
-                    f"measuring again ({attempt + 1} of {args.attempts})",
-                    flush=True,
-                )
-            assert best is not None
-            results.append(best)
+        retry = harness.Retry(args.attempts, args.wait_idle, NOISY, AGAIN)
+        cases = build_cases(args, server.base_urls, client_cpu)
+        run = partial(run_case, server=server, server_cpu=server_cpu)
+        results = harness.run_cases(cases, run, _title, retry, [client_cpu, server_cpu])
         print()
         print_results(results)
         print_targets(results)
@@ -856,11 +834,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         server.stop()
     return 0
-
-
-def _noise(result: CaseResult) -> float:
-    """The largest share of either core that other work took during the case (0 if unknown)."""
-    return max(result.other_load or 0.0, result.server_other_load or 0.0)
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:

@@ -29,21 +29,17 @@ Run it as::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import tracemalloc
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -153,8 +149,7 @@ def worker(spec: SizeSpec) -> None:
 
     from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 
-    os.sched_setaffinity(0, {spec.cpu})
-    raise_nofile_limit()
+    harness.pin_worker(spec.cpu)
     result = SizeResult(rows=spec.rows)
     workdir = Path(spec.workdir)
     sampler = RssSampler()
@@ -199,9 +194,8 @@ def worker(spec: SizeSpec) -> None:
         result.status, result.note = "crashed", f"{type(exc).__name__}: {exc}"
     finally:
         pool.close()
-    result.peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    sys.stdout.write(RESULT_MARKER + json.dumps(asdict(result)) + "\n")
-    sys.stdout.flush()
+    result.peak_rss_kb = harness.peak_rss_kb()
+    harness.report_result(RESULT_MARKER, result)
 
 
 # --------------------------------------------------------------------------------------
@@ -211,25 +205,17 @@ def worker(spec: SizeSpec) -> None:
 
 def run_size(spec: SizeSpec) -> SizeResult:
     """Run one job in a fresh worker subprocess and read back its result."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(spec))]
     Path(spec.workdir).mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=spec.timeout, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired:
+    done = harness.run_worker(__file__, spec, RESULT_MARKER, spec.timeout)
+    if done.returncode is None:
         return SizeResult(rows=spec.rows, status="timeout", note=f"over {spec.timeout:.0f} s")
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            result = SizeResult(**json.loads(line[len(RESULT_MARKER) :]))
-            if done.stderr.strip():
-                result.note = (result.note + "\n" + harness.tail(done.stderr, 12)).strip()
-            return result
-    return SizeResult(
-        rows=spec.rows,
-        status="crashed",
-        note=f"exit code {done.returncode}:\n{harness.tail(done.stderr)}",
-    )
+    if done.data is None:
+        note = f"exit code {done.returncode}:\n{done.tail(15)}"
+        return SizeResult(rows=spec.rows, status="crashed", note=note)
+    result = SizeResult(**done.data)
+    if done.stderr.strip():
+        result.note = done.note_with_stderr(result.note, 12)
+    return result
 
 
 def _mb(value: float | None) -> str:
@@ -383,9 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
     if args.worker:
-        data: dict[str, Any] = json.loads(args.worker)
-        data["base_urls"] = tuple(data["base_urls"])
-        worker(SizeSpec(**data))
+        worker(harness.read_spec(SizeSpec, args.worker))
         return 0
     signal.signal(signal.SIGTERM, _exit_on_signal)
     raise_nofile_limit()

@@ -462,26 +462,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def quietest(attempts: int, measure: Callable[[], RunResult], wait_idle: float = 0.0) -> RunResult:
-    """Measure up to ``attempts`` times while other processes load the machine; keep the
-    run they disturbed least. With ``wait_idle``, wait that long at most for the CPUs to
+def quietest(args: argparse.Namespace, measure: Callable[[], RunResult]) -> RunResult:
+    """Measure up to ``--attempts`` times while other processes load the machine; keep the
+    run they disturbed least. With ``--wait-idle``, wait that long at most for the CPUs to
     go idle before each attempt."""
-    best: RunResult | None = None
-    for attempt in range(1, attempts + 1):
-        if wait_idle > 0:
-            harness.wait_for_idle(wait_idle, None)
-        result = measure()
-        if best is None or (result.other_load or 0.0) < (best.other_load or 0.0):
-            best = result
-        if (result.other_load or 0.0) <= NOISY or attempt == attempts:
-            break
-        print(
-            f"  noisy ({result.other_load:.0%} of the CPUs went to other processes); "
-            f"measuring again ({attempt + 1} of {attempts})",
-            flush=True,
-        )
-    assert best is not None
-    return best
+    again = (
+        "  noisy ({noise:.0%} of the CPUs went to other processes); "
+        "measuring again ({attempt} of {attempts})"
+    )
+    retry = harness.Retry(args.attempts, args.wait_idle, NOISY, again)
+    return harness.quietest(measure, lambda result: result.other_load or 0.0, retry, None)
 
 
 def _pick_cpus(pin: bool) -> tuple[int | None, int | None]:
@@ -543,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             measure = partial(
                 run_once, servers, batch_size, args.samples, args.batches_per_server, events
             )
-            clean[batch_size] = quietest(args.attempts, measure, args.wait_idle)
+            clean[batch_size] = quietest(args, measure)
         print("\nPool efficiency (makespan against total work / total capacity)\n")
         print_efficiency(list(clean.values()), models)
         if args.no_fault:
@@ -568,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         for batch_size in args.batch_sizes:
             print(f"running batch size {batch_size}, killing {args.kill} ...", flush=True)
-            faulty = quietest(args.attempts, partial(faulty_run, batch_size), args.wait_idle)
+            faulty = quietest(args, partial(faulty_run, batch_size))
             pairs.append((clean[batch_size], faulty))
         print(
             f"\nFault cost ({args.kill} SIGKILLed at {args.kill_at:.0%} done; fault bound = "
