@@ -1,28 +1,35 @@
-"""What the benchmarks share: CPU accounting, idle waits, workers, tables, the job inputs.
+"""What the benchmarks share: CPU accounting, idle waits, workers, nginx, tables, inputs.
 
 The benchmark scripts insert this folder into ``sys.path`` and import from here, so no
-script imports another. Nothing here prints a table of its own: the scripts choose
-their headers and wording, and these helpers keep the mechanics in one place.
+script imports another. The scripts keep their own tables, headers and wording; these
+helpers keep the mechanics in one place: where time goes on which core, the worker
+subprocess that measures one case and reports it on one stdout line, the run of the
+cases against nginx, and the options several scripts take.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+import platform
 import resource
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from _nginx import raise_nofile_limit
+from _nginx import CannedServer, NginxError, raise_nofile_limit
 
 T = TypeVar("T")
 
@@ -200,6 +207,13 @@ def print_background(cpus: Sequence[int], first: str) -> dict[int, float]:
     return busy
 
 
+MACHINE_NOISY = 0.15
+"""Above this share of the machine's CPUs taken by other processes, a run is called noisy.
+
+For the benchmarks that cannot pin their servers to a core of their own.
+"""
+
+
 @dataclass(frozen=True)
 class Retry:
     """How a case is measured again while other work disturbs it.
@@ -241,31 +255,62 @@ def quietest(
     return best
 
 
-class Loads(Protocol):
-    """A case's result that knows how much of its cores other work took."""
+@dataclass(kw_only=True)
+class CaseFigures:
+    """What a worker measured of one case against nginx, whichever the client.
 
-    other_load: float | None
-    server_other_load: float | None
+    The scripts' results add their own fields (the row's name, its size, ...).
+
+    Attributes:
+        status: ``"ok"`` when the case ran to its end, ``"timeout"`` when it hit its
+            time limit, ``"unavailable"`` when the client cannot be built here,
+            ``"crashed"`` when the worker died.
+        ok: Successful answers in the timed part.
+        errors: Failures by kind.
+        samples: One error message per kind, to show what went wrong.
+        wall: Seconds of wall time of the timed part.
+        cpu: Seconds of CPU time (user + system, all threads) of the timed part.
+        peak_rss_kb: The worker's peak resident set size, in KiB.
+        other_load: Share of the client's core that went to anything else (other
+            processes, interrupts, a hypervisor) during the timed part; None where
+            unknown. A high figure means a noisy measurement.
+        server_other_load: The same share for nginx's core, over the whole case.
+        tcp: Machine-wide TCP counters that rose during the case (listen queue
+            overflows, SYN retransmits, ...); other programs can add to them too.
+        note: Anything else worth printing (why a client is unavailable, ...).
+    """
+
+    status: str = "ok"
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    samples: dict[str, str] = field(default_factory=dict)
+    wall: float = 0.0
+    cpu: float = 0.0
+    peak_rss_kb: int = 0
+    other_load: float | None = None
+    server_other_load: float | None = None
+    tcp: dict[str, int] = field(default_factory=dict)
+    note: str = ""
 
 
-def noise(result: Loads) -> float:
+def noise(result: CaseFigures) -> float:
     """The largest share of either core other work took during the case (0 if unknown)."""
     return max(result.other_load or 0.0, result.server_other_load or 0.0)
 
 
-L = TypeVar("L", bound=Loads)
+C = TypeVar("C", bound=CaseFigures)
 S = TypeVar("S")
 
 
 def run_cases(
     specs: Sequence[S],
-    run: Callable[[S], L],
+    run: Callable[[S], C],
     title: Callable[[S], str],
     retry: Retry,
     cpus: Sequence[int],
-) -> list[L]:
+) -> list[C]:
     """Run each case (``running <title> ...``), keeping the quietest of its attempts."""
-    results: list[L] = []
+    results: list[C] = []
     for spec in specs:
         print(f"running {title(spec)} ...", flush=True)
         results.append(quietest(partial(run, spec), noise, retry, cpus))
@@ -412,6 +457,113 @@ def run_worker(script: str, spec: Any, marker: str, timeout: float) -> WorkerOut
 
 
 # --------------------------------------------------------------------------------------
+# The parent: nginx around the cases, its side of each case, the end of the run
+# --------------------------------------------------------------------------------------
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into an orderly exit, so that a plain ``kill`` stops the servers too."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def main_over_nginx(
+    args: argparse.Namespace,
+    spec_class: Callable[..., S],
+    worker: Callable[[S], None],
+    body: Callable[[argparse.Namespace, CannedServer, int, int], int],
+    backlog: int = 4096,
+) -> int:
+    """The ``main`` of a benchmark whose cases run against nginx; the exit code.
+
+    With ``--worker``, this process is a worker: it measures the one case it was
+    handed. Otherwise nginx starts on four ports, pinned to a core of its own where
+    there are two, ``body(args, server, client_cpu, server_cpu)`` runs, and nginx
+    stops. Returns ``body``'s exit code; 2 when nginx cannot start, 130 on Ctrl-C.
+    """
+    if args.worker:
+        worker(read_spec(spec_class, args.worker))
+        return 0
+    exit_on_sigterm()
+    raise_nofile_limit()
+    client_cpu, server_cpu = pick_cpus()
+    try:
+        server = CannedServer(ports=4, cpu=server_cpu, backlog=backlog)
+        server.start()
+    except NginxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return body(args, server, client_cpu, server_cpu)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        server.stop()
+
+
+@contextmanager
+def scratch_folder(prefix: str) -> Iterator[Path]:
+    """A temporary folder for inputs and outputs, deleted with all it holds at the end."""
+    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as name:
+        yield Path(name)
+
+
+def watch_server(server: CannedServer, server_cpu: int, run: Callable[[], C]) -> C:
+    """``run()``'s result, with the share of nginx's core other work took around it.
+
+    nginx's CPU time and its core's busy time give that share
+    (``server_other_load``); the kernel's TCP counters that rose (``tcp``) tell
+    whether connection attempts were dropped.
+    """
+    core0, nginx0, tcp0 = busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    wall0 = time.perf_counter()
+    result = run()
+    wall = time.perf_counter() - wall0
+    core1, nginx1, tcp1 = busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    if None not in (core0, core1, nginx0, nginx1) and wall > 0:
+        assert core0 is not None and core1 is not None
+        assert nginx0 is not None and nginx1 is not None
+        result.server_other_load = max(0.0, ((core1 - core0) - (nginx1 - nginx0)) / wall)
+    result.tcp = tcp_rise(tcp0, tcp1)
+    return result
+
+
+def measure_cases(
+    server: CannedServer,
+    cpus: tuple[int, int],
+    specs: Sequence[S],
+    run: Callable[[S, CannedServer, int], C],
+    title: Callable[[S], str],
+    retry: Retry,
+    reports: Sequence[Callable[[list[C]], None]],
+    log_lines: int,
+) -> int:
+    """Run every case, print each of ``reports`` and nginx's error log; the exit code.
+
+    ``run(spec, server, server_cpu)`` measures one case (see :func:`run_cases` for
+    ``title`` and ``retry``). The exit code is 1 when a case could not be measured
+    (its worker crashed), else 0.
+    """
+    server_cpu = cpus[1]
+    print()
+    results = run_cases(specs, lambda spec: run(spec, server, server_cpu), title, retry, cpus)
+    print()
+    for report in reports:
+        report(results)
+    log = server.error_log().strip()
+    if log:
+        print("\nnginx error log (tail):\n" + tail(log, log_lines))
+    if any(r.status == "crashed" for r in results):
+        print("\nerror: a case could not be measured (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------
 
@@ -435,8 +587,11 @@ def version(dist: str) -> str:
 
 
 def versions(*dists: str) -> str:
-    """``name version`` of each distribution, comma-separated (see :func:`version`)."""
-    return ", ".join(f"{dist} {version(dist)}" for dist in dists)
+    """``name version`` of each distribution (or ``python``), comma-separated."""
+    return ", ".join(
+        f"{dist} {platform.python_version() if dist == 'python' else version(dist)}"
+        for dist in dists
+    )
 
 
 def print_table(
@@ -457,9 +612,132 @@ def print_table(
         print(line(row))
 
 
+def print_noisy(results: Sequence[CaseFigures], noisy: float, legend: str = "") -> None:
+    """Say how many cases lost more than ``noisy`` of a core to other work, if any did."""
+    count = sum(noise(r) > noisy for r in results)
+    if count:
+        print(
+            f"\nnoisy: {count} case(s) lost more than {noisy:.0%} of the client's or "
+            f"nginx's core to other work{legend}; their figures are low. Rerun on an idle "
+            "machine, or with --wait-idle and --attempts."
+        )
+
+
+def print_notes(results: Sequence[C], headline: Callable[[C], str]) -> None:
+    """After a blank line, ``* <headline>`` for each case, then its note, errors and TCP."""
+    if results:
+        print()
+    for r in results:
+        print(f"* {headline(r)}")
+        for note_line in r.note.strip().splitlines():
+            print(f"    {note_line}")
+        for kind, count in sorted(r.errors.items(), key=lambda item: -item[1]):
+            print(f"    {count:,} x {kind}: {r.samples.get(kind, '')}")
+        if r.tcp:
+            counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
+            print(f"    kernel TCP counters during the case: {counters}")
+
+
+class Rated(Protocol):
+    """A case's result with a rate: requests or rows per second, None when it failed."""
+
+    @property
+    def rps(self) -> float | None:
+        """The rate, or None for a failed case."""
+        ...
+
+
+def rate_verdict(row: Rated | None, target: float, unit: str) -> str:
+    """A target line's verdict on ``row``: its rate against ``target``, PASS or MISS."""
+    if row is None:
+        return "not run"
+    if row.rps is None:
+        return "no figure, the run failed (MISS)"
+    verdict = "PASS" if row.rps >= target else "MISS"
+    return f"{row.rps:,.0f} {unit} (target >= {target:,.0f}): {verdict}"
+
+
+def ratio_verdict(ours: Rated | None, sdk: Rated | None, target: float) -> str:
+    """A target line's verdict on our rate over the SDK's, PASS or MISS."""
+    if ours is None or sdk is None:
+        return "not run"
+    if ours.rps is None or sdk.rps is None:
+        failed = "ours" if ours.rps is None else "the SDK's"
+        return f"no figure, {failed} run did not pass (MISS)"
+    ratio = ours.rps / sdk.rps
+    verdict = "PASS" if ratio >= target else "MISS"
+    return f"{ratio:.1f} x (target >= {target:.0f}x): {verdict}"
+
+
 # --------------------------------------------------------------------------------------
-# Annotation jobs: the JSONL input, the prompt, the job's log events and phases
+# Command-line options
 # --------------------------------------------------------------------------------------
+
+
+def add_number(parser: argparse.ArgumentParser, flag: str, default: float, help_text: str) -> None:
+    """Add ``flag`` taking one number: an int or a float, as ``default`` is."""
+    parser.add_argument(flag, type=type(default), default=default, help=help_text)
+
+
+def add_case_timeout(parser: argparse.ArgumentParser, default: float) -> None:
+    """Add ``--case-timeout``: the seconds one case may take, warm-up included."""
+    help_text = f"seconds one case may take, warm-up included (default {default:.0f})"
+    add_number(parser, "--case-timeout", default, help_text)
+
+
+def add_wait_idle(parser: argparse.ArgumentParser, before: str, default: str) -> None:
+    """Add ``--wait-idle SECONDS``: before each ``before``, wait for the CPUs to go idle."""
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help=f"before each {before}, wait up to this long for the CPUs to go idle ({default})",
+    )
+
+
+def add_attempts(parser: argparse.ArgumentParser, noisy: float) -> None:
+    """Add ``--attempts``: measure a case again while other work takes over ``noisy``."""
+    parser.add_argument(
+        "--attempts",
+        type=int,
+        default=1,
+        help="measure a case up to this many times while other work takes more than "
+        f"{100 * noisy:.0f}%% of either core, keeping the quietest run (default 1)",
+    )
+
+
+def add_worker(parser: argparse.ArgumentParser) -> None:
+    """Add the hidden ``--worker SPEC`` a parent starts its worker subprocesses with."""
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def chosen(
+    parser: argparse.ArgumentParser, option: str, text: str, choices: Sequence[str]
+) -> set[str] | None:
+    """The names in a comma-separated option (None for none); a usage error for unknown ones."""
+    names = set(filter(None, text.split(",")))
+    unknown = names - set(choices)
+    if unknown:
+        parser.error(f"{option} takes {', '.join(choices)}; unknown: {', '.join(sorted(unknown))}")
+    return names or None
+
+
+def integers(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """The integers of a comma-separated option; a usage error when one is not."""
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"{option} takes comma-separated integers")
+
+
+# --------------------------------------------------------------------------------------
+# Requests and annotation jobs against nginx: the token limit, the JSONL input, the
+# prompt, the job's log events and phases
+# --------------------------------------------------------------------------------------
+
+MAX_TOKENS = 16
+"""The token limit of the requests against nginx (its canned answer is one token)."""
 
 TEMPLATE = "Classify the sentiment of this review as positive or negative.\n\nReview: {text}"
 """The prompt template of the annotation jobs against nginx."""

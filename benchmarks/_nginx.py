@@ -33,6 +33,8 @@ from typing import Any, Self
 
 LOOPBACK = "127.0.0.1"
 MODEL = "bench"
+ANSWER = "positive"
+"""The text of every canned chat completion."""
 
 CHAT_COMPLETION: dict[str, Any] = {
     "id": "chatcmpl-bench",
@@ -42,7 +44,7 @@ CHAT_COMPLETION: dict[str, Any] = {
     "choices": [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": "positive"},
+            "message": {"role": "assistant", "content": ANSWER},
             "logprobs": None,
             "finish_reason": "stop",
             "stop_reason": None,

@@ -38,11 +38,8 @@ import asyncio
 import gc
 import json
 import os
-import platform
 import shutil
-import signal
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -54,7 +51,7 @@ from typing import Any, Literal
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as harness
-from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
+from _nginx import ANSWER, MODEL, CannedServer
 
 CaseKind = Literal["ours", "ours_gc", "sdk", "sdk_aiohttp"]
 
@@ -62,12 +59,12 @@ RESULT_MARKER = "@@annotate-overhead-result "
 """Prefix of the one stdout line on which a worker subprocess reports its result."""
 NOISY = 0.2
 """Above this share of either core taken by other work, a row is called noisy."""
+AGAIN = "  noisy ({noise:.0%}); measuring again"
+"""What a noisy case prints before it is measured again (see ``harness.Retry``)."""
 TARGET_RPS_4096 = 4000.0
 TARGET_RATIO_512 = 15.0
-MAX_TOKENS = 16
 BATCHES_PER_MEMBER = 4
 """``max_concurrent_batches_per_client`` of the pool; ``batch_size`` follows from it."""
-EXPECTED_TEXT = "positive"
 GC_VARIANT = (700, 10, 100)
 """The collector thresholds of the ``ours_gc`` case (CPython's defaults are 700, 10, 10)."""
 
@@ -109,56 +106,37 @@ class CaseSpec:
 
 
 @dataclass
-class CaseResult:
-    """What one worker measured.
+class CaseResult(harness.CaseFigures):
+    """What one worker measured (the figures of every case: ``harness.CaseFigures``).
+
+    ``ok`` counts the rows with an answer in the output, ``errors`` the failed rows by
+    kind; the timed part is the timed job.
 
     Attributes:
         label: The row's name.
         kind: Which client ran the job.
         in_flight: Requests in flight.
         rows: Rows of the timed job.
-        status: ``"ok"``, ``"timeout"``, ``"unavailable"`` or ``"crashed"``.
-        ok: Rows with an answer in the output.
         out_rows: Rows in the output file (the Parquet file for ours).
-        errors: Failed rows by kind.
-        samples: One error message per kind.
-        wall: Seconds of the timed job.
-        cpu: CPU seconds of the timed job (user + system, all threads).
-        peak_rss_kb: The worker's peak resident set size, in KiB.
         gc_seconds: Seconds the cyclic garbage collector ran during the timed job.
         gc_full: Full (generation 2) collections during the timed job.
         phases: Seconds of each phase of our job (see :func:`harness.phase_times`).
         report_rps: ``this_run.rows_per_second`` of our ``report.json``.
         report_wall: ``this_run.wall_seconds`` of our ``report.json``.
         requeued: Samples the pool took back from members and sent again.
-        other_load: Share of the client's core other work took during the job.
-        server_other_load: The same for nginx's core, over the whole case.
-        tcp: Machine-wide TCP counters that rose during the case.
-        note: Anything else worth printing.
     """
 
     label: str
     kind: str
     in_flight: int
     rows: int
-    status: str = "ok"
-    ok: int = 0
     out_rows: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    samples: dict[str, str] = field(default_factory=dict)
-    wall: float = 0.0
-    cpu: float = 0.0
-    peak_rss_kb: int = 0
     gc_seconds: float = 0.0
     gc_full: int = 0
     phases: dict[str, float] = field(default_factory=dict)
     report_rps: float | None = None
     report_wall: float | None = None
     requeued: int = 0
-    other_load: float | None = None
-    server_other_load: float | None = None
-    tcp: dict[str, int] = field(default_factory=dict)
-    note: str = ""
 
     @property
     def passed(self) -> bool:
@@ -249,7 +227,7 @@ def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
         batch_size=batch_size,
         max_concurrent_batches_per_client=BATCHES_PER_MEMBER,
     )
-    options = VLLMOnlineRuntimeOptions(max_completion_tokens=MAX_TOKENS)
+    options = VLLMOnlineRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
     workdir = Path(spec.workdir)
 
     def job(path: str, out: str) -> Any:
@@ -305,7 +283,7 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
                         completion = await client.chat.completions.create(
                             model=MODEL,
                             messages=[{"role": "user", "content": prompt}],
-                            max_completion_tokens=MAX_TOKENS,
+                            max_completion_tokens=harness.MAX_TOKENS,
                         )
                     except Exception as exc:
                         kind = harness.error_kind(exc)
@@ -324,7 +302,7 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
                     **row,
                 }
                 out.write(json.dumps(record) + "\n")
-                if choice.message.content == EXPECTED_TEXT:
+                if choice.message.content == ANSWER:
                     good += 1
 
             await asyncio.gather(*(one(row) for row in rows))
@@ -406,18 +384,7 @@ def worker(spec: CaseSpec) -> None:
 
 def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResult:
     """Run ``spec`` in a fresh worker subprocess; add nginx's side of the picture."""
-    core0, nginx0 = harness.busy_seconds(server_cpu), server.cpu_seconds()
-    tcp0 = harness.tcp_counters()
-    wall0 = time.perf_counter()
-    result = _run_worker(spec)
-    wall = time.perf_counter() - wall0
-    core1, nginx1 = harness.busy_seconds(server_cpu), server.cpu_seconds()
-    tcp1 = harness.tcp_counters()
-    if None not in (core0, core1, nginx0, nginx1) and wall > 0:
-        assert core0 is not None and core1 is not None
-        assert nginx0 is not None and nginx1 is not None
-        result.server_other_load = max(0.0, ((core1 - core0) - (nginx1 - nginx0)) / wall)
-    result.tcp = harness.tcp_rise(tcp0, tcp1)
+    result = harness.watch_server(server, server_cpu, partial(_run_worker, spec))
     shutil.rmtree(spec.workdir, ignore_errors=True)
     return result
 
@@ -427,7 +394,9 @@ def _run_worker(spec: CaseSpec) -> CaseResult:
     done = harness.run_worker(__file__, spec, RESULT_MARKER, spec.timeout + 60)
     if done.data is None:
         status, note = done.failure(12)
-        return CaseResult(spec.label, spec.kind, spec.in_flight, spec.rows, status, note=note)
+        return CaseResult(
+            spec.label, spec.kind, spec.in_flight, spec.rows, status=status, note=note
+        )
     result = CaseResult(**done.data)
     if result.status == "crashed" or done.stderr.strip():
         result.note = done.note_with_stderr(result.note, 12)
@@ -440,20 +409,8 @@ def _figure(value: float | None, fmt: str = ",.0f", missing: str = "-") -> str:
 
 def print_results(results: Sequence[CaseResult]) -> None:
     """The main table, the phase table of our jobs, then notes on failed or noisy rows."""
-    header = (
-        "job",
-        "in flight",
-        "rows",
-        "ok",
-        "wall s",
-        "rows/s",
-        "stream rows/s",
-        "CPU us/row",
-        "RSS MB",
-        "GC s (full)",
-        "requeued",
-        "other % cl/srv",
-    )
+    header = ["job", "in flight", "rows", "ok", "wall s", "rows/s", "stream rows/s"]
+    header += ["CPU us/row", "RSS MB", "GC s (full)", "requeued", "other % cl/srv"]
     rows = []
     for r in results:
         if r.status == "unavailable":
@@ -499,28 +456,15 @@ def print_results(results: Sequence[CaseResult]) -> None:
             ),
             phase_rows,
         )
-    noisy = [r for r in results if harness.noise(r) > NOISY]
-    if noisy:
-        print(
-            f"\nnoisy: {len(noisy)} case(s) lost more than {NOISY:.0%} of the client's or "
-            "nginx's core to other work; their figures are low. Rerun on an idle machine, "
-            "or with --wait-idle and --attempts."
-        )
-    notes = [r for r in results if not r.passed or r.tcp or r.note]
-    if notes:
-        print()
-    for r in notes:
-        status = "passed" if r.passed else r.status
-        if not r.passed and r.status == "ok":
-            status = f"failed: {r.rows - r.ok:,} of {r.rows:,} rows without the expected answer"
-        print(f"* {r.label} at {r.in_flight:,} in flight: {status}")
-        for note_line in r.note.strip().splitlines():
-            print(f"    {note_line}")
-        for kind, count in sorted(r.errors.items(), key=lambda item: -item[1]):
-            print(f"    {count:,} x {kind}: {r.samples.get(kind, '')}")
-        if r.tcp:
-            counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
-            print(f"    kernel TCP counters during the case: {counters}")
+    harness.print_noisy(results, NOISY)
+    harness.print_notes([r for r in results if not r.passed or r.tcp or r.note], _headline)
+
+
+def _headline(r: CaseResult) -> str:
+    status = "passed" if r.passed else r.status
+    if not r.passed and r.status == "ok":
+        status = f"failed: {r.rows - r.ok:,} of {r.rows:,} rows without the expected answer"
+    return f"{r.label} at {r.in_flight:,} in flight: {status}"
 
 
 def _title(spec: CaseSpec) -> str:
@@ -534,32 +478,20 @@ def _find(results: Sequence[CaseResult], kind: str, in_flight: int) -> CaseResul
 def print_targets(results: Sequence[CaseResult]) -> None:
     """The two target lines, PASS or MISS."""
     print()
-    ours = _find(results, "ours", 4096)
-    if ours is None:
-        text = "not run"
-    elif ours.rps is None:
-        text = "no figure, the run failed (MISS)"
-    else:
-        verdict = "PASS" if ours.rps >= TARGET_RPS_4096 else "MISS"
-        text = f"{ours.rps:,.0f} rows/s (target >= {TARGET_RPS_4096:,.0f}): {verdict}"
+    text = harness.rate_verdict(_find(results, "ours", 4096), TARGET_RPS_4096, "rows/s")
     print(f"ours end to end at 4,096 in flight: {text}")
     ours, sdk = _find(results, "ours", 512), _find(results, "sdk", 512)
-    if ours is None or sdk is None:
-        text = "not run"
-    elif ours.rps is None or sdk.rps is None:
-        failed = "ours" if ours.rps is None else "the SDK's"
-        text = f"no figure, {failed} run did not pass (MISS)"
-    else:
-        ratio = ours.rps / sdk.rps
-        verdict = "PASS" if ratio >= TARGET_RATIO_512 else "MISS"
-        text = f"{ratio:.1f} x (target >= {TARGET_RATIO_512:.0f}x): {verdict}"
+    text = harness.ratio_verdict(ours, sdk, TARGET_RATIO_512)
     print(f"ours / SDK default at 512 in flight, end to end: {text}")
 
 
 def build_cases(
     args: argparse.Namespace, base_urls: Sequence[str], cpu: int, folder: Path
 ) -> list[CaseSpec]:
-    """The cases to run, in order, with their inputs written to ``folder``."""
+    """The cases to run, in order, with their inputs written to ``folder``.
+
+    ``--only`` (a set of case kinds, or None) filters them.
+    """
     inputs: dict[int, str] = {}
 
     def input_of(rows: int) -> str:
@@ -573,11 +505,10 @@ def build_cases(
         ("sdk", "openai AsyncOpenAI default + gather", args.sdk_rows),
         ("sdk_aiohttp", "openai AsyncOpenAI + DefaultAioHttpClient", args.sdk_rows),
     ]
-    only = set(filter(None, args.only.split(","))) or None
     cases = []
     for in_flight in args.in_flight:
         for kind, label, rows in table:
-            if only is not None and kind not in only:
+            if args.only is not None and kind not in args.only:
                 continue
             if kind == "ours_gc" and not args.gc_variant:
                 continue
@@ -601,14 +532,12 @@ def build_cases(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--rows", type=int, default=40_000, help="rows of our timed job (default 40,000)"
-    )
-    parser.add_argument(
+    harness.add_number(parser, "--rows", 40_000, "rows of our timed job (default 40,000)")
+    harness.add_number(
+        parser,
         "--sdk-rows",
-        type=int,
-        default=5_000,
-        help="rows of the SDK loops' timed jobs (default 5,000; they are slow)",
+        5_000,
+        "rows of the SDK loops' timed jobs (default 5,000; they are slow)",
     )
     parser.add_argument(
         "--in-flight",
@@ -631,99 +560,45 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="no warm-up job: the timed job opens its connections itself",
     )
-    parser.add_argument(
-        "--case-timeout",
-        type=float,
-        default=180.0,
-        help="seconds one case may take, warm-up included (default 180)",
-    )
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each case, wait up to this long for the CPUs to go idle (default 0)",
-    )
-    parser.add_argument(
-        "--attempts",
-        type=int,
-        default=1,
-        help="measure a case up to this many times while other work takes more than "
-        f"{100 * NOISY:.0f}%% of either core, keeping the quietest run (default 1)",
-    )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    harness.add_case_timeout(parser, 180.0)
+    harness.add_wait_idle(parser, "case", "default 0")
+    harness.add_attempts(parser, NOISY)
+    harness.add_worker(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.sdk_rows = 8_000, 1_000
-    try:
-        args.in_flight = [int(c) for c in args.in_flight.split(",") if c.strip()]
-    except ValueError:
-        parser.error("--in-flight takes comma-separated integers")
+    args.in_flight = harness.integers(parser, "--in-flight", args.in_flight)
     if min([args.rows, args.sdk_rows, args.attempts, *args.in_flight]) < 1:
         parser.error("--rows, --sdk-rows, --in-flight and --attempts must be positive")
-    unknown = set(filter(None, args.only.split(","))) - set(CASES)
-    if unknown:
-        parser.error(f"--only takes {', '.join(CASES)}; unknown: {', '.join(sorted(unknown))}")
+    args.only = harness.chosen(parser, "--only", args.only, CASES)
     return args
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+def measure(
+    args: argparse.Namespace, server: CannedServer, client_cpu: int, server_cpu: int
+) -> int:
+    """Print the set-up, write the inputs, run every job against ``server``, print tables."""
+    print(harness.versions("python", "openai", "aiohttp", "uvloop", "pyarrow", "llm-annotator"))
+    print(
+        f"jobs pinned to CPU {client_cpu}, nginx (1 worker, 4 ports) to CPU {server_cpu}; "
+        f"pool: 4 members, {BATCHES_PER_MEMBER} batches each, batch_size = in flight / "
+        f"{4 * BATCHES_PER_MEMBER}; max_completion_tokens {harness.MAX_TOKENS}; "
+        + ("no warm-up" if args.cold else "one untimed warm-up job of c rows per case")
+    )
+    if client_cpu == server_cpu:
+        print("warning: only one CPU is available, so nginx shares it with the jobs")
+    harness.print_background([client_cpu, server_cpu], "case")
+    retry = harness.Retry(args.attempts, args.wait_idle, NOISY, AGAIN)
+    reports = (print_results, print_targets)
+    with harness.scratch_folder("annotate-overhead-") as folder:
+        cases = build_cases(args, server.base_urls, client_cpu, folder)
+        cpus = (client_cpu, server_cpu)
+        return harness.measure_cases(server, cpus, cases, run_case, _title, retry, reports, 12)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
-    args = parse_args(argv)
-    if args.worker:
-        worker(harness.read_spec(CaseSpec, args.worker))
-        return 0
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    raise_nofile_limit()
-    client_cpu, server_cpu = harness.pick_cpus()
-    try:
-        server = CannedServer(ports=4, cpu=server_cpu)
-        server.start()
-    except NginxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    folder = Path(tempfile.mkdtemp(prefix="annotate-overhead-"))
-    try:
-        print(
-            f"python {platform.python_version()}, "
-            + harness.versions("openai", "aiohttp", "uvloop", "pyarrow", "llm-annotator")
-        )
-        print(
-            f"jobs pinned to CPU {client_cpu}, nginx (1 worker, 4 ports) to CPU {server_cpu}; "
-            f"pool: 4 members, {BATCHES_PER_MEMBER} batches each, batch_size = in flight / "
-            f"{4 * BATCHES_PER_MEMBER}; max_completion_tokens {MAX_TOKENS}; "
-            + ("no warm-up" if args.cold else "one untimed warm-up job of c rows per case")
-        )
-        if client_cpu == server_cpu:
-            print("warning: only one CPU is available, so nginx shares it with the jobs")
-        harness.print_background([client_cpu, server_cpu], "case")
-        print()
-        retry = harness.Retry(
-            args.attempts, args.wait_idle, NOISY, "  noisy ({noise:.0%}); measuring again"
-        )
-        cases = build_cases(args, server.base_urls, client_cpu, folder)
-        run = partial(run_case, server=server, server_cpu=server_cpu)
-        results = harness.run_cases(cases, run, _title, retry, [client_cpu, server_cpu])
-        print()
-        print_results(results)
-        print_targets(results)
-        log = server.error_log().strip()
-        if log:
-            print("\nnginx error log (tail):\n" + harness.tail(log, 12))
-        if any(r.status == "crashed" for r in results):
-            print("\nerror: a case could not be measured (see above)", file=sys.stderr)
-            return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-    return 0
+    return harness.main_over_nginx(parse_args(argv), CaseSpec, worker, measure)
 
 
 if __name__ == "__main__":

@@ -35,15 +35,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import resource
-import signal
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -51,7 +48,7 @@ from typing import Any, Literal
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as harness
-from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
+from _nginx import ANSWER, MODEL, CannedServer
 
 Messages = list[dict[str, str]]
 CaseKind = Literal["sdk", "sdk_aiohttp", "floor", "ours_sync", "ours_async"]
@@ -72,8 +69,6 @@ AGAIN = (
 
 TARGET_RPS_4096 = 4000.0
 TARGET_RATIO_512 = 15.0
-MAX_TOKENS = 16
-EXPECTED_TEXT = "positive"
 
 
 # --------------------------------------------------------------------------------------
@@ -106,50 +101,26 @@ class CaseSpec:
 
 
 @dataclass
-class CaseResult:
-    """What one worker measured.
+class CaseResult(harness.CaseFigures):
+    """What one worker measured (the figures of every case: ``harness.CaseFigures``).
+
+    ``ok`` counts the successful responses of the timed part; ``errors`` the failed
+    requests by kind, warm-up failures too (marked).
 
     Attributes:
         label: The row's name.
         concurrency: Requests in flight.
         requests: Requests in the timed part.
-        status: ``"ok"`` when the case ran to its end, ``"timeout"`` when it hit its
-            time limit, ``"unavailable"`` when the client cannot be built here,
-            ``"crashed"`` when the worker died.
-        ok: Successful responses in the timed part.
-        errors: Failed requests by kind (warm-up failures are counted too, marked).
-        samples: One error message per kind, to show what went wrong.
-        wall: Seconds of wall time of the timed part.
-        cpu: Seconds of CPU time (user + system, all threads) of the timed part.
-        peak_rss_kb: The worker's peak resident set size, in KiB.
         loop: Which event loop ran the requests.
-        other_load: Share of the client's core that went to anything else (other
-            processes, interrupts, a hypervisor) during the timed part; None where
-            unknown. A high figure means a noisy measurement.
-        server_other_load: The same share for nginx's core, over the whole case.
-        tcp: Machine-wide TCP counters that rose during the case (listen queue
-            overflows, SYN retransmits, ...); other programs can add to them too.
         connections: TCP connections nginx accepted during the case (warm-up
             included), or None when nginx cannot tell.
-        note: Anything else worth printing (why a client is unavailable, ...).
     """
 
     label: str
     concurrency: int
     requests: int
-    status: str = "ok"
-    ok: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    samples: dict[str, str] = field(default_factory=dict)
-    wall: float = 0.0
-    cpu: float = 0.0
-    peak_rss_kb: int = 0
     loop: str = ""
-    other_load: float | None = None
-    server_other_load: float | None = None
-    tcp: dict[str, int] = field(default_factory=dict)
     connections: int | None = None
-    note: str = ""
 
     @property
     def passed(self) -> bool:
@@ -308,9 +279,9 @@ def _worker_sdk(rec: Recorder, spec: CaseSpec, use_aiohttp: bool) -> None:
             completion = await client.chat.completions.create(
                 model=MODEL,
                 messages=conversations[i % len(conversations)],  # type: ignore[arg-type]
-                max_tokens=MAX_TOKENS,
+                max_tokens=harness.MAX_TOKENS,
             )
-            if completion.choices[0].message.content != EXPECTED_TEXT:
+            if completion.choices[0].message.content != ANSWER:
                 return "unexpected body"
             return None
 
@@ -340,7 +311,7 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
             async def post(i: int, messages: Messages) -> None:
-                payload = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS}
+                payload = {"model": MODEL, "messages": messages, "max_tokens": harness.MAX_TOKENS}
                 try:
                     async with session.post(
                         urls[i % len(urls)], data=orjson.dumps(payload), headers=headers
@@ -355,7 +326,7 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
                 except Exception as exc:
                     rec.failure(harness.error_kind(exc), str(exc) or repr(exc))
                     return
-                if content == EXPECTED_TEXT:
+                if content == ANSWER:
                     rec.success()
                 else:
                     rec.failure("unexpected body", repr(content))
@@ -373,14 +344,14 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
 
 
 def _ours_options() -> Any:
-    """Options asking for at most ``MAX_TOKENS`` tokens, like the SDK rows."""
+    """Options asking for at most ``harness.MAX_TOKENS`` tokens, like the SDK rows."""
     from llm_annotator.clients.base import ProviderRuntimeOptions
 
     try:
         from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
     except ImportError:
-        return ProviderRuntimeOptions(max_completion_tokens=MAX_TOKENS)
-    return VLLMOnlineRuntimeOptions(max_completion_tokens=MAX_TOKENS)
+        return ProviderRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
+    return VLLMOnlineRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
 
 
 def _tally_responses(rec: Recorder, responses: Sequence[Any], expected: int) -> None:
@@ -388,7 +359,7 @@ def _tally_responses(rec: Recorder, responses: Sequence[Any], expected: int) -> 
         rec.failure("wrong response count", f"{len(responses)} responses for {expected} inputs")
     good = 0
     for response in responses:
-        if response.ok and response.text == EXPECTED_TEXT:
+        if response.ok and response.text == ANSWER:
             good += 1
         elif response.ok:
             rec.failure("unexpected text", repr(response.text))
@@ -533,25 +504,15 @@ def worker(spec: CaseSpec) -> None:
 def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResult:
     """Run ``spec`` in a fresh worker subprocess and read back its result.
 
-    Around it, nginx's counters give the connections the client opened; nginx's CPU
-    time and its core's busy time give the share of that core other work took; the
-    kernel's TCP counters tell whether connection attempts were dropped.
+    Around it, nginx's counters give the connections the client opened, and
+    ``harness.watch_server`` the share of nginx's core other work took and the TCP
+    counters that rose.
     """
     before = server.counters()
-    core0, nginx0 = harness.busy_seconds(server_cpu), server.cpu_seconds()
-    tcp0 = harness.tcp_counters()
-    wall0 = time.perf_counter()
-    result = _run_worker(spec)
-    wall = time.perf_counter() - wall0
-    core1, nginx1 = harness.busy_seconds(server_cpu), server.cpu_seconds()
-    tcp1 = harness.tcp_counters()
+    result = harness.watch_server(server, server_cpu, partial(_run_worker, spec))
     after = server.counters()
     if before is not None and after is not None:
         result.connections = after[0] - before[0]
-    if core0 is not None and core1 is not None and nginx0 is not None and nginx1 is not None:
-        others = (core1 - core0) - (nginx1 - nginx0)
-        result.server_other_load = max(0.0, others / wall) if wall > 0 else None
-    result.tcp = harness.tcp_rise(tcp0, tcp1)
     return result
 
 
@@ -575,7 +536,7 @@ def _sysctl(name: str) -> str:
 
 
 def build_cases(args: argparse.Namespace, base_urls: Sequence[str], cpu: int) -> list[CaseSpec]:
-    """The cases to run, in order, filtered by ``--only``."""
+    """The cases to run, in order, filtered by ``--only`` (a set of groups, or None)."""
     ours_n = args.requests
     sdk_n = args.sdk_requests
     urls = tuple(base_urls)
@@ -591,11 +552,10 @@ def build_cases(args: argparse.Namespace, base_urls: Sequence[str], cpu: int) ->
         ("ours", "ours_async", "ours: abatch_generate x4 ports", 512, ours_n, urls),
         ("ours", "ours_async", "ours: abatch_generate x4 ports", 4096, ours_n, urls),
     ]
-    only = set(filter(None, args.only.split(","))) or None
     return [
         CaseSpec(kind, label, c, n, case_urls, cpu, args.case_timeout)
         for group, kind, label, c, n, case_urls in table
-        if only is None or group in only
+        if args.only is None or group in args.only
     ]
 
 
@@ -611,18 +571,8 @@ def _label(result: CaseResult) -> str:
 
 def print_results(results: Sequence[CaseResult]) -> None:
     """Print one row per case, then the errors and notes of the rows that need them."""
-    header = (
-        "client",
-        "in flight",
-        "requests",
-        "ok",
-        "wall s",
-        "req/s",
-        "CPU us/req",
-        "RSS MB",
-        "conns",
-        "other % cl/srv",
-    )
+    header = ["client", "in flight", "requests", "ok", "wall s", "req/s", "CPU us/req"]
+    header += ["RSS MB", "conns", "other % cl/srv"]
     rows: list[tuple[str, ...]] = []
     for r in results:
         if r.status == "unavailable":
@@ -644,32 +594,18 @@ def print_results(results: Sequence[CaseResult]) -> None:
             )
         )
     harness.print_table(header, rows)
-    noisy = [r for r in results if harness.noise(r) > NOISY]
-    if noisy:
-        print(
-            f"\nnoisy: {len(noisy)} case(s) lost more than {NOISY:.0%} of the client's or "
-            "nginx's core to other work ('other %': client core / nginx core); their "
-            "figures are low. Rerun on an idle machine, or with --wait-idle and --attempts."
-        )
-    notes = [r for r in results if not r.passed or r.tcp]
-    if notes:
-        print()
-    for r in notes:
-        status = r.status
-        if r.passed:
-            status = "passed"
-        elif status == "ok":
-            failed = r.requests - r.ok
-            status = f"failed: {failed:,} of {r.requests:,} timed requests did not succeed"
-        print(f"* {_label(r)} at {r.concurrency:,} in flight: {status}")
-        if r.note:
-            for note_line in r.note.strip().splitlines():
-                print(f"    {note_line}")
-        for kind, count in sorted(r.errors.items(), key=lambda item: -item[1]):
-            print(f"    {count:,} x {kind}: {r.samples.get(kind, '')}")
-        if r.tcp:
-            counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
-            print(f"    kernel TCP counters during the case: {counters}")
+    harness.print_noisy(results, NOISY, " ('other %': client core / nginx core)")
+    harness.print_notes([r for r in results if not r.passed or r.tcp], _headline)
+
+
+def _headline(r: CaseResult) -> str:
+    status = r.status
+    if r.passed:
+        status = "passed"
+    elif status == "ok":
+        failed = r.requests - r.ok
+        status = f"failed: {failed:,} of {r.requests:,} timed requests did not succeed"
+    return f"{_label(r)} at {r.concurrency:,} in flight: {status}"
 
 
 def _find(results: Sequence[CaseResult], label_start: str, c: int) -> CaseResult | None:
@@ -687,48 +623,34 @@ def print_targets(results: Sequence[CaseResult]) -> None:
         ("ours (abatch_generate x4 ports)", "ours: abatch_generate"),
     ):
         row = _find(results, prefix, 4096)
-        if row is None:
-            text = "not run"
-        elif row.status == "unavailable":
+        if row is not None and row.status == "unavailable":
             text = "n/a (client not available)"
-        elif row.rps is None:
-            text = "no figure, the run failed (MISS)"
         else:
-            verdict = "PASS" if row.rps >= TARGET_RPS_4096 else "MISS"
-            text = f"{row.rps:,.0f} req/s (target >= {TARGET_RPS_4096:,.0f}): {verdict}"
+            text = harness.rate_verdict(row, TARGET_RPS_4096, "req/s")
         print(f"{name} at 4096 in flight: {text}")
     sdk = _find(results, "openai AsyncOpenAI default", 512)
     for name, prefix in (
         ("ours", "ours: batch_generate"),
         ("ours (abatch_generate x4 ports)", "ours: abatch_generate"),
     ):
-        row = _find(results, prefix, 512)
-        if row is None or sdk is None:
-            text = "not run"
-        elif row.rps is None or sdk.rps is None:
-            failed = "ours" if row.rps is None else "the SDK's"
-            text = f"no figure, {failed} run did not pass (MISS)"
-        else:
-            ratio = row.rps / sdk.rps
-            verdict = "PASS" if ratio >= TARGET_RATIO_512 else "MISS"
-            text = f"{ratio:.1f} x (target >= {TARGET_RATIO_512:.0f}x): {verdict}"
+        text = harness.ratio_verdict(_find(results, prefix, 512), sdk, TARGET_RATIO_512)
         print(f"{name} / SDK default at 512: {text}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
+    harness.add_number(
+        parser,
         "--requests",
-        type=int,
-        default=40_000,
-        help="timed requests per case for our client and the aiohttp floor (default 40,000)",
+        40_000,
+        "timed requests per case for our client and the aiohttp floor (default 40,000)",
     )
-    parser.add_argument(
+    harness.add_number(
+        parser,
         "--sdk-requests",
-        type=int,
-        default=10_000,
-        help="timed requests per case for the OpenAI SDK (default 10,000)",
+        10_000,
+        "timed requests per case for the OpenAI SDK (default 10,000)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: about 2,000 requests per case"
@@ -738,106 +660,57 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="",
         help="comma-separated groups to run: sdk, floor, ours (default: all)",
     )
-    parser.add_argument(
-        "--case-timeout",
-        type=float,
-        default=60.0,
-        help="seconds one case may take, warm-up included (default 60)",
-    )
-    parser.add_argument(
+    harness.add_case_timeout(parser, 60.0)
+    harness.add_number(
+        parser,
         "--backlog",
-        type=int,
-        default=4096,
-        help="nginx listen backlog per port (nginx's own default is 511; default 4096)",
+        4096,
+        "nginx listen backlog per port (nginx's own default is 511; default 4096)",
     )
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each case, wait up to this long for the CPUs to go idle "
-        "(for shared machines; default 0: do not wait)",
-    )
-    parser.add_argument(
-        "--attempts",
-        type=int,
-        default=1,
-        help="measure a case up to this many times while other work takes more than "
-        f"{100 * NOISY:.0f}%% of either core, keeping the quietest run (default 1)",
-    )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    harness.add_wait_idle(parser, "case", "for shared machines; default 0: do not wait")
+    harness.add_attempts(parser, NOISY)
+    harness.add_worker(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.requests = args.sdk_requests = 2_000
     if min(args.requests, args.sdk_requests, args.attempts) < 1 or args.case_timeout <= 0:
         parser.error("--requests, --sdk-requests, --attempts and --case-timeout must be positive")
-    unknown = set(filter(None, args.only.split(","))) - set(GROUPS)
-    if unknown:
-        parser.error(f"--only takes {', '.join(GROUPS)}; unknown: {', '.join(sorted(unknown))}")
+    args.only = harness.chosen(parser, "--only", args.only, GROUPS)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
-    if args.worker:
-        worker(harness.read_spec(CaseSpec, args.worker))
-        return 0
-    # A plain `kill` should stop nginx too: turn SIGTERM into an orderly exit.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    raise_nofile_limit()
-    client_cpu, server_cpu = harness.pick_cpus()
-    try:
-        server = CannedServer(ports=4, cpu=server_cpu, backlog=args.backlog)
-        server.start()
-    except NginxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        print(
-            f"python {platform.python_version()}, "
-            + harness.versions("openai", "httpx2", "aiohttp", "uvloop", "llm-annotator")
-        )
-        somaxconn = _sysctl("net.core.somaxconn")
-        syn_backlog = _sysctl("net.ipv4.tcp_max_syn_backlog")
-        print(
-            f"clients pinned to CPU {client_cpu}, nginx (1 worker) to CPU {server_cpu}; "
-            f"listen backlog {args.backlog} (somaxconn {somaxconn}, "
-            f"tcp_max_syn_backlog {syn_backlog}); open-file limit "
-            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
-        )
-        if client_cpu == server_cpu:
-            print("warning: only one CPU is available, so nginx shares it with the clients")
-        background = harness.print_background([client_cpu, server_cpu], "case")
-        if background and max(background.values()) > 0.2:
-            print(
-                "warning: other processes keep these CPUs busy; the figures below will "
-                "be low and noisy (see the 'other %' column)"
-            )
-        print()
-        retry = harness.Retry(args.attempts, args.wait_idle, NOISY, AGAIN)
-        cases = build_cases(args, server.base_urls, client_cpu)
-        run = partial(run_case, server=server, server_cpu=server_cpu)
-        results = harness.run_cases(cases, run, _title, retry, [client_cpu, server_cpu])
-        print()
-        print_results(results)
-        print_targets(results)
-        log = server.error_log().strip()
-        if log:
-            print("\nnginx error log (tail):\n" + harness.tail(log))
-        if any(r.status == "crashed" for r in results):
-            print("\nerror: a case could not be measured (see above)", file=sys.stderr)
-            return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        server.stop()
-    return 0
+    return harness.main_over_nginx(args, CaseSpec, worker, measure, backlog=args.backlog)
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+def measure(
+    args: argparse.Namespace, server: CannedServer, client_cpu: int, server_cpu: int
+) -> int:
+    """Print the set-up, measure every case against ``server``, print the tables."""
+    print(harness.versions("python", "openai", "httpx2", "aiohttp", "uvloop", "llm-annotator"))
+    somaxconn = _sysctl("net.core.somaxconn")
+    syn_backlog = _sysctl("net.ipv4.tcp_max_syn_backlog")
+    print(
+        f"clients pinned to CPU {client_cpu}, nginx (1 worker) to CPU {server_cpu}; "
+        f"listen backlog {args.backlog} (somaxconn {somaxconn}, "
+        f"tcp_max_syn_backlog {syn_backlog}); open-file limit "
+        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    )
+    if client_cpu == server_cpu:
+        print("warning: only one CPU is available, so nginx shares it with the clients")
+    background = harness.print_background([client_cpu, server_cpu], "case")
+    if background and max(background.values()) > 0.2:
+        print(
+            "warning: other processes keep these CPUs busy; the figures below will "
+            "be low and noisy (see the 'other %' column)"
+        )
+    retry = harness.Retry(args.attempts, args.wait_idle, NOISY, AGAIN)
+    cases = build_cases(args, server.base_urls, client_cpu)
+    reports = (print_results, print_targets)
+    cpus = (client_cpu, server_cpu)
+    return harness.measure_cases(server, cpus, cases, run_case, _title, retry, reports, 15)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import sys
-import tempfile
 import threading
 import time
 import tracemalloc
@@ -44,12 +42,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as harness
-from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
+from _nginx import MODEL, CannedServer
 
 RESULT_MARKER = "@@input-scale-result "
 TARGET_PEAK_MB = 1024.0
 TARGET_FLAT_RATIO = 1.25
-MAX_TOKENS = 16
 SAMPLE_INTERVAL = 0.02
 """Seconds between two reads of the process's RSS."""
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -165,7 +162,7 @@ def worker(spec: SizeSpec) -> None:
     log = harness.EventLog(on_event)
     log.install()
     pool = VLLMQueueAnnotator(list(spec.base_urls), model=MODEL)
-    options = VLLMOnlineRuntimeOptions(max_completion_tokens=MAX_TOKENS)
+    options = VLLMOnlineRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
     try:
         if spec.trace:
             tracemalloc.start(8)
@@ -203,7 +200,31 @@ def worker(spec: SizeSpec) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def run_size(spec: SizeSpec) -> SizeResult:
+def run_size(
+    args: argparse.Namespace, rows: int, server: CannedServer, cpus: tuple[int, int], folder: Path
+) -> SizeResult:
+    """Write an input of ``rows`` rows to ``folder`` and run its job; the job's result."""
+    print(f"writing {rows:,} rows ...", flush=True)
+    path = harness.write_input(folder / f"input-{rows}.jsonl", rows)
+    if args.wait_idle > 0:
+        harness.wait_for_idle(args.wait_idle, cpus)
+    print(f"annotating {rows:,} rows ...", flush=True)
+    spec = SizeSpec(
+        rows=rows,
+        input_path=str(path),
+        workdir=str(folder / f"job-{rows}"),
+        base_urls=tuple(server.base_urls),
+        cpu=cpus[0],
+        timeout=args.timeout,
+        trace=args.trace,
+    )
+    result = _run_worker(spec)
+    path.unlink()
+    shutil.rmtree(Path(spec.workdir) / "run", ignore_errors=True)
+    return result
+
+
+def _run_worker(spec: SizeSpec) -> SizeResult:
     """Run one job in a fresh worker subprocess and read back its result."""
     Path(spec.workdir).mkdir(parents=True, exist_ok=True)
     done = harness.run_worker(__file__, spec, RESULT_MARKER, spec.timeout)
@@ -224,18 +245,9 @@ def _mb(value: float | None) -> str:
 
 def print_results(results: Sequence[SizeResult]) -> None:
     """The table of sizes, then notes."""
-    header = (
-        "rows",
-        "ok",
-        "wall s",
-        "rows/s",
-        "CPU us/row",
-        "peak RSS MB",
-        *(f"RSS {p} MB" for p in harness.PHASES[:3]),
-        "arrow peak MB",
-        *(f"{p} s" for p in ("scan+open", *harness.PHASES[1:3])),
-        "other %",
-    )
+    header = ["rows", "ok", "wall s", "rows/s", "CPU us/row", "peak RSS MB"]
+    header += [f"RSS {p} MB" for p in harness.PHASES[:3]] + ["arrow peak MB"]
+    header += [f"{p} s" for p in ("scan+open", *harness.PHASES[1:3])] + ["other %"]
     rows = []
     for r in results:
         rows.append(
@@ -335,93 +347,44 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run tracemalloc in each job and print what grew most (slow)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        help="seconds one job may take (default 1800)",
-    )
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each job, wait up to this long for the CPUs to go idle (default 0)",
-    )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    harness.add_number(parser, "--timeout", 1800.0, "seconds one job may take (default 1800)")
+    harness.add_wait_idle(parser, "job", "default 0")
+    harness.add_worker(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes = "10000,100000"
-    try:
-        args.sizes = sorted(int(s) for s in args.sizes.split(",") if s.strip())
-    except ValueError:
-        parser.error("--sizes takes comma-separated integers")
+    args.sizes = sorted(harness.integers(parser, "--sizes", args.sizes))
     if len(args.sizes) < 2 or args.sizes[0] < 1:
         parser.error("--sizes needs at least two positive row counts")
     return args
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
-    args = parse_args(argv)
-    if args.worker:
-        worker(harness.read_spec(SizeSpec, args.worker))
-        return 0
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    raise_nofile_limit()
-    client_cpu, server_cpu = harness.pick_cpus()
-    try:
-        server = CannedServer(ports=4, cpu=server_cpu)
-        server.start()
-    except NginxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    folder = Path(tempfile.mkdtemp(prefix="input-scale-"))
-    try:
-        print(
-            f"{harness.versions('llm-annotator', 'pyarrow')}; "
-            f"jobs pinned to CPU {client_cpu}, nginx to CPU {server_cpu}; pool: 4 members, "
-            "batch_size 256, 4 batches each (4,096 in flight)"
-            + ("; tracemalloc on" if args.trace else "")
-        )
-        harness.print_background([client_cpu, server_cpu], "job")
-        results = []
-        for rows in args.sizes:
-            print(f"writing {rows:,} rows ...", flush=True)
-            path = harness.write_input(folder / f"input-{rows}.jsonl", rows)
-            if args.wait_idle > 0:
-                harness.wait_for_idle(args.wait_idle, [client_cpu, server_cpu])
-            print(f"annotating {rows:,} rows ...", flush=True)
-            spec = SizeSpec(
-                rows=rows,
-                input_path=str(path),
-                workdir=str(folder / f"job-{rows}"),
-                base_urls=tuple(server.base_urls),
-                cpu=client_cpu,
-                timeout=args.timeout,
-                trace=args.trace,
-            )
-            results.append(run_size(spec))
-            path.unlink()
-            shutil.rmtree(Path(spec.workdir) / "run", ignore_errors=True)
+    return harness.main_over_nginx(parse_args(argv), SizeSpec, worker, measure)
+
+
+def measure(
+    args: argparse.Namespace, server: CannedServer, client_cpu: int, server_cpu: int
+) -> int:
+    """Print the set-up, run one job per input size against ``server``, print the results."""
+    print(
+        f"{harness.versions('llm-annotator', 'pyarrow')}; "
+        f"jobs pinned to CPU {client_cpu}, nginx to CPU {server_cpu}; pool: 4 members, "
+        "batch_size 256, 4 batches each (4,096 in flight)"
+        + ("; tracemalloc on" if args.trace else "")
+    )
+    harness.print_background([client_cpu, server_cpu], "job")
+    cpus = (client_cpu, server_cpu)
+    # The folder holds the inputs, and the --trace snapshots that print_growth reads.
+    with harness.scratch_folder("input-scale-") as folder:
+        results = [run_size(args, rows, server, cpus, folder) for rows in args.sizes]
         print()
         print_results(results)
         print_verdict(results[0], results[-1])
         if args.trace:
             print_growth(results[0], results[-1])
-        if any(r.status == "crashed" for r in results):
-            return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-    return 0
+    return 1 if any(r.status == "crashed" for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import math
 import os
-import platform
 import resource
 import sys
 import threading
@@ -46,15 +45,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as harness
-from _nginx import raise_nofile_limit
+from _nginx import MODEL, raise_nofile_limit
 from _sim_server import ServerModel, ServerStats, SimServer
 from llm_annotator import VLLMQueueAnnotator
 
-MODEL = "bench"
 POLL = 0.05
 """Seconds between two reads of the pool's completed count."""
-NOISY = 0.15
-"""Above this share of the machine taken by other processes, a run is called noisy."""
 TARGET_RATIO = 1.05
 TARGET_FAULT_SLACK = 10.0
 DEFAULT_SERVERS = "A:20:32,B:40:32,C:60:24,D:80:16"
@@ -334,10 +330,10 @@ def _error_note(results: Sequence[RunResult]) -> None:
 
 
 def _noise_note(results: Sequence[RunResult]) -> None:
-    noisy = [r for r in results if (r.other_load or 0.0) > NOISY]
+    noisy = [r for r in results if (r.other_load or 0.0) > harness.MACHINE_NOISY]
     if noisy:
         print(
-            f"noisy: other processes took more than {NOISY:.0%} of the CPUs during "
+            f"noisy: other processes took more than {harness.MACHINE_NOISY:.0%} of the CPUs during "
             f"{len(noisy)} run(s); their makespans are long. Rerun on an idle machine, or "
             "with --attempts."
         )
@@ -410,7 +406,7 @@ def parse_servers(text: str, alpha: float) -> list[ServerModel]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=20_000, help="N per run (20,000)")
+    harness.add_number(parser, "--samples", 20_000, "N per run (20,000)")
     parser.add_argument(
         "--batch-sizes", default="32,128,256", help="pool batch sizes to try (32,128,256)"
     )
@@ -420,35 +416,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=DEFAULT_SERVERS,
         help=f"name:base latency ms:capacity of each server ({DEFAULT_SERVERS})",
     )
-    parser.add_argument("--alpha", type=float, default=0.5, help="slow-down of a full server (0.5)")
-    parser.add_argument(
-        "--batches-per-server",
-        type=int,
-        default=4,
-        help="max_concurrent_batches_per_client (4)",
-    )
+    harness.add_number(parser, "--alpha", 0.5, "slow-down of a full server (0.5)")
+    harness.add_number(parser, "--batches-per-server", 4, "max_concurrent_batches_per_client (4)")
     parser.add_argument("--kill", default="A", help="the server to kill in the fault runs (A)")
-    parser.add_argument(
-        "--kill-at", type=float, default=0.3, help="share of samples done at the kill (0.3)"
-    )
+    harness.add_number(parser, "--kill-at", 0.3, "share of samples done at the kill (0.3)")
     parser.add_argument("--no-fault", action="store_true", help="skip the fault runs")
-    parser.add_argument(
+    harness.add_number(
+        parser,
         "--attempts",
-        type=int,
-        default=1,
-        help=f"measure a run up to this many times while other processes take more than "
-        f"{100 * NOISY:.0f}%% of the CPUs, keeping the quietest (1)",
+        1,
+        f"measure a run up to this many times while other processes take more than "
+        f"{100 * harness.MACHINE_NOISY:.0f}%% of the CPUs, keeping the quietest (1)",
     )
     parser.add_argument(
         "--no-pin", action="store_true", help="do not pin the client and servers to CPUs"
     )
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each run, wait up to this long for the CPUs to go idle (0: do not wait)",
-    )
+    harness.add_wait_idle(parser, "run", "0: do not wait")
     args = parser.parse_args(argv)
     if args.quick:
         args.samples = 4_000
@@ -470,7 +453,7 @@ def quietest(args: argparse.Namespace, measure: Callable[[], RunResult]) -> RunR
         "  noisy ({noise:.0%} of the CPUs went to other processes); "
         "measuring again ({attempt} of {attempts})"
     )
-    retry = harness.Retry(args.attempts, args.wait_idle, NOISY, again)
+    retry = harness.Retry(args.attempts, args.wait_idle, harness.MACHINE_NOISY, again)
     return harness.quietest(measure, lambda result: result.other_load or 0.0, retry, None)
 
 
@@ -486,7 +469,7 @@ def print_setup(args: argparse.Namespace, client_cpu: int | None, server_cpu: in
     models: list[ServerModel] = args.models
     total = sum(m.throughput for m in models)
     print(
-        f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
+        f"{harness.versions('python')}, {os.cpu_count()} CPUs, "
         f"open-file limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; "
         + (
             f"client pinned to CPU {client_cpu}, servers to CPU {server_cpu}"

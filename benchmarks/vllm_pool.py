@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -58,8 +56,6 @@ TEMPERATURE = 1.0
 BATCHES_PER_MEMBER = 4
 TEMPLATE = "Is this review positive or negative? Answer in one word.\n\nReview: {text}"
 WAYS = ("pool", "plain", "annotate")
-NOISY = 0.15
-"""Above this share of the machine's CPU taken by other processes, a run is noisy."""
 
 
 @dataclass
@@ -234,18 +230,8 @@ class Bench:
 
 def print_runs(runs: Sequence[RunResult]) -> None:
     """One line per run."""
-    header = (
-        "round",
-        "way",
-        "samples",
-        "ok",
-        "wall s",
-        "rows/s",
-        "out tok/s",
-        "client CPU s",
-        "servers CPU s",
-        "other %",
-    )
+    header = ["round", "way", "samples", "ok", "wall s", "rows/s", "out tok/s"]
+    header += ["client CPU s", "servers CPU s", "other %"]
     rows = [
         (
             str(r.round),
@@ -266,11 +252,11 @@ def print_runs(runs: Sequence[RunResult]) -> None:
     for r in failed:
         shown = ", ".join(f"{count:,} x {kind}" for kind, count in r.errors.items())
         print(f"* round {r.round} {r.way}: {r.samples - r.ok:,} without an answer ({shown})")
-    noisy = [r for r in runs if (r.other_load or 0.0) > NOISY]
+    noisy = [r for r in runs if (r.other_load or 0.0) > harness.MACHINE_NOISY]
     if noisy:
         print(
             f"noisy: {len(noisy)} run(s) shared the machine with other processes taking more "
-            f"than {NOISY:.0%} of its CPU; the medians below are less certain."
+            f"than {harness.MACHINE_NOISY:.0%} of its CPU; the medians below are less certain."
         )
 
 
@@ -310,24 +296,12 @@ def print_summary(runs: Sequence[RunResult]) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--samples", type=int, default=4000, help="conversations per run (default 4,000)"
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="runs of each way, alternated (default 3)"
-    )
-    parser.add_argument(
-        "--in-flight",
-        type=int,
-        default=256,
-        help="requests in flight per server (default 256)",
-    )
+    harness.add_number(parser, "--samples", 4000, "conversations per run (default 4,000)")
+    harness.add_number(parser, "--rounds", 3, "runs of each way, alternated (default 3)")
+    harness.add_number(parser, "--in-flight", 256, "requests in flight per server (default 256)")
     parser.add_argument("--quick", action="store_true", help="N=1,000, 2 rounds")
-    parser.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="seconds the servers may take to start (default 600)",
+    harness.add_number(
+        parser, "--startup-timeout", 600.0, "seconds the servers may take to start (default 600)"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -337,20 +311,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    harness.exit_on_sigterm()
     harness.EventLog().install()  # the library's events would interleave with the tables
     from llm_annotator.errors import LLMAnnotatorError
     from llm_annotator.local import start_local_servers
 
     print(
-        f"python {platform.python_version()}, {harness.versions('llm-annotator')}, "
+        f"{harness.versions('python', 'llm-annotator')}, "
         f"{os.cpu_count()} CPUs; starting 2 vLLM servers on the tiny model ...",
         flush=True,
     )
