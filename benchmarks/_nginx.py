@@ -26,12 +26,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 LOOPBACK = "127.0.0.1"
 MODEL = "bench"
+ANSWER = "positive"
+"""The text of every canned chat completion."""
 
 CHAT_COMPLETION: dict[str, Any] = {
     "id": "chatcmpl-bench",
@@ -41,7 +44,7 @@ CHAT_COMPLETION: dict[str, Any] = {
     "choices": [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": "positive"},
+            "message": {"role": "assistant", "content": ANSWER},
             "logprobs": None,
             "finish_reason": "stop",
             "stop_reason": None,
@@ -129,6 +132,27 @@ def raise_nofile_limit() -> int:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def group_cpu_seconds(groups: Iterable[int]) -> float:
+    """CPU seconds (user + system) of the running processes in the given process groups.
+
+    Read from ``/proc``: a process that has ended no longer counts.
+    """
+    wanted = set(groups)
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # After the command name: state, ppid, pgrp, ..., utime (12th), stime (13th).
+        if int(fields[2]) in wanted:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def find_nginx(*, install: bool = True) -> str:
@@ -289,20 +313,7 @@ class CannedServer:
         """
         if self._process is None:
             return None
-        group = self._process.pid
-        ticks = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            # After the command name: state, ppid, pgrp, ..., utime (12th), stime (13th).
-            if int(fields[2]) == group:
-                ticks += int(fields[11]) + int(fields[12])
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return group_cpu_seconds([self._process.pid])
 
     def start(self) -> None:
         """Start nginx and wait until every port answers ``GET /health``.

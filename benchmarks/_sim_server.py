@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _nginx import CHAT_COMPLETION
+
 LOOPBACK = "127.0.0.1"
 READY = "READY "
 
@@ -138,22 +140,7 @@ class _Load:
 
 
 def _bodies(model: str) -> tuple[bytes, bytes]:
-    completion = {
-        "id": "chatcmpl-sim",
-        "object": "chat.completion",
-        "created": 1700000000,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "positive"},
-                "logprobs": None,
-                "finish_reason": "stop",
-                "stop_reason": None,
-            }
-        ],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13},
-    }
+    completion = {**CHAT_COMPLETION, "id": "chatcmpl-sim", "model": model}
     models = {
         "object": "list",
         "data": [{"id": model, "object": "model", "created": 1700000000, "owned_by": "sim"}],

@@ -38,26 +38,20 @@ import asyncio
 import gc
 import json
 import os
-import platform
-import resource
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, MutableMapping, Sequence
-from dataclasses import asdict, dataclass, field
-from importlib import metadata
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
-from client_overhead import core_busy_seconds, tcp_counters
+import _harness as harness
+from _nginx import ANSWER, MODEL, CannedServer
 
 CaseKind = Literal["ours", "ours_gc", "sdk", "sdk_aiohttp"]
 
@@ -65,161 +59,16 @@ RESULT_MARKER = "@@annotate-overhead-result "
 """Prefix of the one stdout line on which a worker subprocess reports its result."""
 NOISY = 0.2
 """Above this share of either core taken by other work, a row is called noisy."""
+AGAIN = "  noisy ({noise:.0%}); measuring again"
+"""What a noisy case prints before it is measured again (see ``harness.Retry``)."""
 TARGET_RPS_4096 = 4000.0
 TARGET_RATIO_512 = 15.0
-MAX_TOKENS = 16
 BATCHES_PER_MEMBER = 4
 """``max_concurrent_batches_per_client`` of the pool; ``batch_size`` follows from it."""
-TEMPLATE = "Classify the sentiment of this review as positive or negative.\n\nReview: {text}"
-EXPECTED_TEXT = "positive"
 GC_VARIANT = (700, 10, 100)
 """The collector thresholds of the ``ours_gc`` case (CPython's defaults are 700, 10, 10)."""
 
 CASES = ("ours", "ours_gc", "sdk", "sdk_aiohttp")
-
-STORE_CLOSED = ("store_closed", "results store closed")
-CONSOLIDATED = ("results_consolidated", "results consolidated")
-"""Names of the log events that end the streaming and consolidation phases (old, new)."""
-
-
-# --------------------------------------------------------------------------------------
-# Shared with input_scale.py: inputs, the job's log events, phases, CPU pinning
-# --------------------------------------------------------------------------------------
-
-
-def write_input(path: Path, rows: int) -> Path:
-    """Write ``rows`` JSONL rows (``id``, ``text``) to ``path``; return it."""
-    with path.open("w", buffering=1 << 20) as file:
-        for i in range(rows):
-            stars = "great" if i % 3 else "poor"
-            file.write(
-                f'{{"id": {i}, "text": "Review {i}: a {stars} product, it arrived '
-                f'on time and works as described.", "stars": {1 + i % 5}}}\n'
-            )
-    return path
-
-
-class EventLog:
-    """Keeps structlog events (with the time they came) instead of printing them.
-
-    Warnings and errors are still printed to standard error: they mean a figure is
-    suspect.
-    """
-
-    def __init__(self, on_event: Callable[[str], None] | None = None) -> None:
-        self.events: list[tuple[float, str, dict[str, Any]]] = []
-        self.on_event = on_event
-
-    def __call__(self, _logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
-        import structlog
-
-        name = str(event.get("event"))
-        self.events.append((time.monotonic(), name, dict(event)))
-        if self.on_event is not None:
-            self.on_event(name)
-        if method in ("warning", "error", "critical", "exception"):
-            fields = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
-            print(f"[{method}] {name} {fields}", file=sys.stderr, flush=True)
-        raise structlog.DropEvent
-
-    def install(self) -> None:
-        """Route every structlog event of this process here."""
-        import structlog
-
-        structlog.configure(processors=[self], cache_logger_on_first_use=False)
-
-    def first(self, names: Sequence[str], since: float) -> float | None:
-        """The time of the first event named one of ``names`` at or after ``since``."""
-        return next((t for t, e, _ in self.events if e in names and t >= since), None)
-
-
-def phase_times(log: EventLog, start: float, end: float) -> dict[str, float]:
-    """Seconds of each phase of one job, from its log events.
-
-    ``setup`` runs from the call to ``job_started`` (the input scan, the model, the store
-    opened), ``streaming`` to the store's closing, ``consolidation`` to the results
-    being consolidated, and ``finish`` (the report) to the call's return. A phase whose
-    events are missing is left out.
-    """
-    started = log.first(("job_started",), start)
-    closed = log.first(STORE_CLOSED, start)
-    consolidated = log.first(CONSOLIDATED, start)
-    phases: dict[str, float] = {}
-    if started is not None:
-        phases["setup"] = started - start
-        if closed is not None:
-            phases["streaming"] = closed - started
-    if closed is not None and consolidated is not None:
-        phases["consolidation"] = consolidated - closed
-    if consolidated is not None:
-        phases["finish"] = end - consolidated
-    return phases
-
-
-def pick_cpus() -> tuple[int, int]:
-    """(client CPU, server CPU): two different cores when this process may use two."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) == 1:
-        return cpus[0], cpus[0]
-    return cpus[0], cpus[1]
-
-
-def cpu_seconds() -> float:
-    """CPU seconds (user + system, all threads) this process has used."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def background_load(cpus: Sequence[int], seconds: float = 1.0) -> dict[int, float]:
-    """The busy share of each core over ``seconds`` while the benchmark itself is idle."""
-    unique = sorted(set(cpus))
-    before = [core_busy_seconds(cpu) for cpu in unique]
-    time.sleep(seconds)
-    after = [core_busy_seconds(cpu) for cpu in unique]
-    return {
-        cpu: min(1.0, (b1 - b0) / seconds)
-        for cpu, b0, b1 in zip(unique, before, after, strict=True)
-        if b0 is not None and b1 is not None
-    }
-
-
-def wait_for_idle(cpus: Sequence[int], budget: float, threshold: float = 0.1) -> None:
-    """Wait up to ``budget`` seconds until no core in ``cpus`` is busier than ``threshold``."""
-    deadline = time.monotonic() + budget
-    announced = False
-    while True:
-        load = background_load(cpus)
-        if not load or max(load.values()) <= threshold:
-            return
-        if time.monotonic() >= deadline:
-            print(f"  still busy after {budget:.0f} s; measuring anyway", flush=True)
-            return
-        if not announced:
-            print("  waiting for the CPUs to go idle ...", flush=True)
-            announced = True
-
-
-def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print a table: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
-        return "  ".join([first, *rest])
-
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
-
-
-def version(dist: str) -> str:
-    """The installed version of a distribution, or "not installed"."""
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 # --------------------------------------------------------------------------------------
@@ -257,56 +106,37 @@ class CaseSpec:
 
 
 @dataclass
-class CaseResult:
-    """What one worker measured.
+class CaseResult(harness.CaseFigures):
+    """What one worker measured (the figures of every case: ``harness.CaseFigures``).
+
+    ``ok`` counts the rows with an answer in the output, ``errors`` the failed rows by
+    kind; the timed part is the timed job.
 
     Attributes:
         label: The row's name.
         kind: Which client ran the job.
         in_flight: Requests in flight.
         rows: Rows of the timed job.
-        status: ``"ok"``, ``"timeout"``, ``"unavailable"`` or ``"crashed"``.
-        ok: Rows with an answer in the output.
         out_rows: Rows in the output file (the Parquet file for ours).
-        errors: Failed rows by kind.
-        samples: One error message per kind.
-        wall: Seconds of the timed job.
-        cpu: CPU seconds of the timed job (user + system, all threads).
-        peak_rss_kb: The worker's peak resident set size, in KiB.
         gc_seconds: Seconds the cyclic garbage collector ran during the timed job.
         gc_full: Full (generation 2) collections during the timed job.
-        phases: Seconds of each phase of our job (see :func:`phase_times`).
+        phases: Seconds of each phase of our job (see :func:`harness.phase_times`).
         report_rps: ``this_run.rows_per_second`` of our ``report.json``.
         report_wall: ``this_run.wall_seconds`` of our ``report.json``.
         requeued: Samples the pool took back from members and sent again.
-        other_load: Share of the client's core other work took during the job.
-        server_other_load: The same for nginx's core, over the whole case.
-        tcp: Machine-wide TCP counters that rose during the case.
-        note: Anything else worth printing.
     """
 
     label: str
     kind: str
     in_flight: int
     rows: int
-    status: str = "ok"
-    ok: int = 0
     out_rows: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    samples: dict[str, str] = field(default_factory=dict)
-    wall: float = 0.0
-    cpu: float = 0.0
-    peak_rss_kb: int = 0
     gc_seconds: float = 0.0
     gc_full: int = 0
     phases: dict[str, float] = field(default_factory=dict)
     report_rps: float | None = None
     report_wall: float | None = None
     requeued: int = 0
-    other_load: float | None = None
-    server_other_load: float | None = None
-    tcp: dict[str, int] = field(default_factory=dict)
-    note: str = ""
 
     @property
     def passed(self) -> bool:
@@ -361,41 +191,25 @@ class GcTimer:
 _GC = GcTimer()
 
 
-class Clock:
+class JobClock(harness.Clock):
     """Wall, CPU, collector and the core's busy time around the timed job."""
 
     def __init__(self, cpu: int) -> None:
-        self.cpu = cpu
-        self._wall0 = self._cpu0 = self._gc0 = 0.0
+        super().__init__(cpu)
+        self._gc0 = 0.0
         self._full0 = 0
-        self._core0: float | None = None
 
     def start(self) -> float:
         """Start the clocks; return the monotonic start time."""
-        self._core0 = core_busy_seconds(self.cpu)
         self._gc0, self._full0 = _GC.seconds, _GC.full
-        self._cpu0 = cpu_seconds()
-        self._wall0 = time.perf_counter()
-        return time.monotonic()
+        return super().start()
 
-    def stop(self, result: CaseResult) -> None:
+    def finish(self, result: CaseResult) -> None:
         """Stop the clocks and put the figures into ``result``."""
-        result.wall = time.perf_counter() - self._wall0
-        result.cpu = cpu_seconds() - self._cpu0
+        self.stop()
+        result.wall, result.cpu, result.other_load = self.wall, self.cpu_time, self.other_load
         result.gc_seconds = _GC.seconds - self._gc0
         result.gc_full = _GC.full - self._full0
-        core1 = core_busy_seconds(self.cpu)
-        if self._core0 is not None and core1 is not None and result.wall > 0:
-            others = core1 - self._core0 - result.cpu
-            result.other_load = max(0.0, others / result.wall)
-
-
-def _error_kind(exc: BaseException) -> str:
-    kind = type(exc).__name__
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and type(cause).__name__ != kind:
-        kind += f" <- {type(cause).__name__}"
-    return kind
 
 
 def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
@@ -403,7 +217,7 @@ def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
 
     from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 
-    log = EventLog()
+    log = harness.EventLog()
     log.install()
     members = len(spec.base_urls)
     batch_size = max(1, spec.in_flight // (members * BATCHES_PER_MEMBER))
@@ -413,25 +227,25 @@ def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
         batch_size=batch_size,
         max_concurrent_batches_per_client=BATCHES_PER_MEMBER,
     )
-    options = VLLMOnlineRuntimeOptions(max_completion_tokens=MAX_TOKENS)
+    options = VLLMOnlineRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
     workdir = Path(spec.workdir)
 
     def job(path: str, out: str) -> Any:
         return pool.annotate(
-            path, TEMPLATE, workdir / out, id_column="id", options=options, progress=False
+            path, harness.TEMPLATE, workdir / out, id_column="id", options=options, progress=False
         )
 
     try:
         if spec.warmup_path:
             job(spec.warmup_path, "warmup")
-        clock = Clock(spec.cpu)
+        clock = JobClock(spec.cpu)
         start = clock.start()
         done = job(spec.input_path, "run")
-        clock.stop(result)
+        clock.finish(result)
         end = time.monotonic()
     finally:
         pool.close()
-    result.phases = phase_times(log, start, end)
+    result.phases = harness.phase_times(log, start, end)
     result.ok = done.num_succeeded
     result.out_rows = pq.read_metadata(done.output_path).num_rows
     if done.num_failed:
@@ -463,16 +277,16 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
 
             async def one(row: dict[str, Any]) -> None:
                 nonlocal good
-                prompt = TEMPLATE.format(**row)
+                prompt = harness.TEMPLATE.format(**row)
                 async with semaphore:
                     try:
                         completion = await client.chat.completions.create(
                             model=MODEL,
                             messages=[{"role": "user", "content": prompt}],
-                            max_completion_tokens=MAX_TOKENS,
+                            max_completion_tokens=harness.MAX_TOKENS,
                         )
                     except Exception as exc:
-                        kind = _error_kind(exc)
+                        kind = harness.error_kind(exc)
                         errors[kind] += 1
                         samples.setdefault(kind, (str(exc) or repr(exc))[:300])
                         out.write(json.dumps({"id": row["id"], "error": str(exc)}) + "\n")
@@ -488,7 +302,7 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
                     **row,
                 }
                 out.write(json.dumps(record) + "\n")
-                if choice.message.content == EXPECTED_TEXT:
+                if choice.message.content == ANSWER:
                     good += 1
 
             await asyncio.gather(*(one(row) for row in rows))
@@ -515,10 +329,10 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
             if spec.warmup_path:
                 await job(client, spec.warmup_path, workdir / "warmup.jsonl")
                 errors.clear()
-            clock = Clock(spec.cpu)
+            clock = JobClock(spec.cpu)
             clock.start()
             result.ok = await job(client, spec.input_path, workdir / "run.jsonl")
-            clock.stop(result)
+            clock.finish(result)
         finally:
             await client.close()
         with (workdir / "run.jsonl").open("rb") as out:
@@ -531,32 +345,24 @@ def _worker_sdk(spec: CaseSpec, result: CaseResult, use_aiohttp: bool) -> None:
 
 def worker(spec: CaseSpec) -> None:
     """Measure one case in this process and print its result line."""
-    os.sched_setaffinity(0, {spec.cpu})
-    raise_nofile_limit()
+    harness.pin_worker(spec.cpu)
     result = CaseResult(label=spec.label, kind=spec.kind, in_flight=spec.in_flight, rows=spec.rows)
-    lock = threading.Lock()
-    reported = False
 
     def report(status: str | None = None, note: str = "") -> None:
-        nonlocal reported
-        with lock:
-            if reported:
-                return
-            reported = True
+        if not watchdog.claim():
+            return
         if status is not None:
             result.status = status
         if note:
             result.note = note
-        result.peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        sys.stdout.write(RESULT_MARKER + json.dumps(asdict(result)) + "\n")
-        sys.stdout.flush()
+        result.peak_rss_kb = harness.peak_rss_kb()
+        harness.report_result(RESULT_MARKER, result)
 
     def expire() -> None:
         report("timeout", f"stopped at the {spec.timeout:.0f} s limit")
         os._exit(0)
 
-    watchdog = threading.Timer(spec.timeout, expire)
-    watchdog.daemon = True
+    watchdog = harness.Watchdog(spec.timeout, expire)
     watchdog.start()
     if spec.kind == "ours_gc":
         gc.set_threshold(*GC_VARIANT)
@@ -568,7 +374,6 @@ def worker(spec: CaseSpec) -> None:
     except Exception as exc:
         report("crashed", f"{type(exc).__name__}: {exc}")
         raise
-    watchdog.cancel()
     report()
 
 
@@ -579,60 +384,23 @@ def worker(spec: CaseSpec) -> None:
 
 def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResult:
     """Run ``spec`` in a fresh worker subprocess; add nginx's side of the picture."""
-    core0, nginx0, tcp0 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
-    wall0 = time.perf_counter()
-    result = _run_worker(spec)
-    wall = time.perf_counter() - wall0
-    core1, nginx1, tcp1 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
-    if None not in (core0, core1, nginx0, nginx1) and wall > 0:
-        assert core0 is not None and core1 is not None
-        assert nginx0 is not None and nginx1 is not None
-        result.server_other_load = max(0.0, ((core1 - core0) - (nginx1 - nginx0)) / wall)
-    result.tcp = {
-        name: tcp1[name] - tcp0.get(name, 0) for name in tcp1 if tcp1[name] > tcp0.get(name, 0)
-    }
+    result = harness.watch_server(server, server_cpu, partial(_run_worker, spec))
     shutil.rmtree(spec.workdir, ignore_errors=True)
     return result
 
 
 def _run_worker(spec: CaseSpec) -> CaseResult:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(spec))]
-    base = CaseResult(label=spec.label, kind=spec.kind, in_flight=spec.in_flight, rows=spec.rows)
     Path(spec.workdir).mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=spec.timeout + 60,
-            stdin=subprocess.DEVNULL,
+    done = harness.run_worker(__file__, spec, RESULT_MARKER, spec.timeout + 60)
+    if done.data is None:
+        status, note = done.failure(12)
+        return CaseResult(
+            spec.label, spec.kind, spec.in_flight, spec.rows, status=status, note=note
         )
-    except subprocess.TimeoutExpired:
-        base.status = "timeout"
-        base.note = f"the worker did not report within {spec.timeout + 60:.0f} s and was killed"
-        return base
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            result = CaseResult(**json.loads(line[len(RESULT_MARKER) :]))
-            if result.status == "crashed" or done.stderr.strip():
-                result.note = (result.note + "\n" + _tail(done.stderr)).strip()
-            return result
-    base.status = "crashed"
-    base.note = f"the worker exited with code {done.returncode}:\n{_tail(done.stderr)}"
-    return base
-
-
-def _tail(text: str, lines: int = 12) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def noise(result: CaseResult) -> float:
-    """The largest share of either core other work took during the case (0 if unknown)."""
-    return max(result.other_load or 0.0, result.server_other_load or 0.0)
-
-
-def _percent(share: float | None) -> str:
-    return "-" if share is None else f"{100 * share:.0f}"
+    result = CaseResult(**done.data)
+    if result.status == "crashed" or done.stderr.strip():
+        result.note = done.note_with_stderr(result.note, 12)
+    return result
 
 
 def _figure(value: float | None, fmt: str = ",.0f", missing: str = "-") -> str:
@@ -641,20 +409,8 @@ def _figure(value: float | None, fmt: str = ",.0f", missing: str = "-") -> str:
 
 def print_results(results: Sequence[CaseResult]) -> None:
     """The main table, the phase table of our jobs, then notes on failed or noisy rows."""
-    header = (
-        "job",
-        "in flight",
-        "rows",
-        "ok",
-        "wall s",
-        "rows/s",
-        "stream rows/s",
-        "CPU us/row",
-        "RSS MB",
-        "GC s (full)",
-        "requeued",
-        "other % cl/srv",
-    )
+    header = ["job", "in flight", "rows", "ok", "wall s", "rows/s", "stream rows/s"]
+    header += ["CPU us/row", "RSS MB", "GC s (full)", "requeued", "other % cl/srv"]
     rows = []
     for r in results:
         if r.status == "unavailable":
@@ -673,58 +429,46 @@ def print_results(results: Sequence[CaseResult]) -> None:
                 f"{r.peak_rss_kb / 1024:.0f}" if r.peak_rss_kb else "-",
                 f"{r.gc_seconds:.2f} ({r.gc_full})" if r.wall else "-",
                 f"{r.requeued:,}" if r.kind.startswith("ours") else "-",
-                _percent(r.other_load) + "/" + _percent(r.server_other_load),
+                harness.percent(r.other_load) + "/" + harness.percent(r.server_other_load),
             )
         )
-    print_table(header, rows)
+    harness.print_table(header, rows)
     ours = [r for r in results if r.kind.startswith("ours") and r.phases]
     if ours:
         print("\nour job's phases (seconds; from its log events):")
         phase_rows = [
             (
                 f"{r.label} @ {r.in_flight:,}",
-                *(f"{r.phases[p]:.3f}" if p in r.phases else "-" for p in _PHASES),
+                *(f"{r.phases[p]:.3f}" if p in r.phases else "-" for p in harness.PHASES),
                 f"{r.wall:.3f}",
                 _figure(r.report_wall, ".3f"),
                 _figure(r.report_rps),
             )
             for r in ours
         ]
-        print_table(
+        harness.print_table(
             (
                 "job",
-                *_PHASES,
+                *harness.PHASES,
                 "total",
                 "report wall_seconds",
                 "report rows_per_second",
             ),
             phase_rows,
         )
-    noisy = [r for r in results if noise(r) > NOISY]
-    if noisy:
-        print(
-            f"\nnoisy: {len(noisy)} case(s) lost more than {NOISY:.0%} of the client's or "
-            "nginx's core to other work; their figures are low. Rerun on an idle machine, "
-            "or with --wait-idle and --attempts."
-        )
-    notes = [r for r in results if not r.passed or r.tcp or r.note]
-    if notes:
-        print()
-    for r in notes:
-        status = "passed" if r.passed else r.status
-        if not r.passed and r.status == "ok":
-            status = f"failed: {r.rows - r.ok:,} of {r.rows:,} rows without the expected answer"
-        print(f"* {r.label} at {r.in_flight:,} in flight: {status}")
-        for note_line in r.note.strip().splitlines():
-            print(f"    {note_line}")
-        for kind, count in sorted(r.errors.items(), key=lambda item: -item[1]):
-            print(f"    {count:,} x {kind}: {r.samples.get(kind, '')}")
-        if r.tcp:
-            counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
-            print(f"    kernel TCP counters during the case: {counters}")
+    harness.print_noisy(results, NOISY)
+    harness.print_notes([r for r in results if not r.passed or r.tcp or r.note], _headline)
 
 
-_PHASES = ("setup", "streaming", "consolidation", "finish")
+def _headline(r: CaseResult) -> str:
+    status = "passed" if r.passed else r.status
+    if not r.passed and r.status == "ok":
+        status = f"failed: {r.rows - r.ok:,} of {r.rows:,} rows without the expected answer"
+    return f"{r.label} at {r.in_flight:,} in flight: {status}"
+
+
+def _title(spec: CaseSpec) -> str:
+    return f"{spec.label} at {spec.in_flight:,} in flight"
 
 
 def _find(results: Sequence[CaseResult], kind: str, in_flight: int) -> CaseResult | None:
@@ -734,37 +478,25 @@ def _find(results: Sequence[CaseResult], kind: str, in_flight: int) -> CaseResul
 def print_targets(results: Sequence[CaseResult]) -> None:
     """The two target lines, PASS or MISS."""
     print()
-    ours = _find(results, "ours", 4096)
-    if ours is None:
-        text = "not run"
-    elif ours.rps is None:
-        text = "no figure, the run failed (MISS)"
-    else:
-        verdict = "PASS" if ours.rps >= TARGET_RPS_4096 else "MISS"
-        text = f"{ours.rps:,.0f} rows/s (target >= {TARGET_RPS_4096:,.0f}): {verdict}"
+    text = harness.rate_verdict(_find(results, "ours", 4096), TARGET_RPS_4096, "rows/s")
     print(f"ours end to end at 4,096 in flight: {text}")
     ours, sdk = _find(results, "ours", 512), _find(results, "sdk", 512)
-    if ours is None or sdk is None:
-        text = "not run"
-    elif ours.rps is None or sdk.rps is None:
-        failed = "ours" if ours.rps is None else "the SDK's"
-        text = f"no figure, {failed} run did not pass (MISS)"
-    else:
-        ratio = ours.rps / sdk.rps
-        verdict = "PASS" if ratio >= TARGET_RATIO_512 else "MISS"
-        text = f"{ratio:.1f} x (target >= {TARGET_RATIO_512:.0f}x): {verdict}"
+    text = harness.ratio_verdict(ours, sdk, TARGET_RATIO_512)
     print(f"ours / SDK default at 512 in flight, end to end: {text}")
 
 
 def build_cases(
     args: argparse.Namespace, base_urls: Sequence[str], cpu: int, folder: Path
 ) -> list[CaseSpec]:
-    """The cases to run, in order, with their inputs written to ``folder``."""
+    """The cases to run, in order, with their inputs written to ``folder``.
+
+    ``--only`` (a set of case kinds, or None) filters them.
+    """
     inputs: dict[int, str] = {}
 
     def input_of(rows: int) -> str:
         if rows not in inputs:
-            inputs[rows] = str(write_input(folder / f"input-{rows}.jsonl", rows))
+            inputs[rows] = str(harness.write_input(folder / f"input-{rows}.jsonl", rows))
         return inputs[rows]
 
     table: list[tuple[CaseKind, str, int]] = [
@@ -773,11 +505,10 @@ def build_cases(
         ("sdk", "openai AsyncOpenAI default + gather", args.sdk_rows),
         ("sdk_aiohttp", "openai AsyncOpenAI + DefaultAioHttpClient", args.sdk_rows),
     ]
-    only = set(filter(None, args.only.split(","))) or None
     cases = []
     for in_flight in args.in_flight:
         for kind, label, rows in table:
-            if only is not None and kind not in only:
+            if args.only is not None and kind not in args.only:
                 continue
             if kind == "ours_gc" and not args.gc_variant:
                 continue
@@ -801,14 +532,12 @@ def build_cases(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--rows", type=int, default=40_000, help="rows of our timed job (default 40,000)"
-    )
-    parser.add_argument(
+    harness.add_number(parser, "--rows", 40_000, "rows of our timed job (default 40,000)")
+    harness.add_number(
+        parser,
         "--sdk-rows",
-        type=int,
-        default=5_000,
-        help="rows of the SDK loops' timed jobs (default 5,000; they are slow)",
+        5_000,
+        "rows of the SDK loops' timed jobs (default 5,000; they are slow)",
     )
     parser.add_argument(
         "--in-flight",
@@ -831,114 +560,45 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="no warm-up job: the timed job opens its connections itself",
     )
-    parser.add_argument(
-        "--case-timeout",
-        type=float,
-        default=180.0,
-        help="seconds one case may take, warm-up included (default 180)",
-    )
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each case, wait up to this long for the CPUs to go idle (default 0)",
-    )
-    parser.add_argument(
-        "--attempts",
-        type=int,
-        default=1,
-        help="measure a case up to this many times while other work takes more than "
-        f"{100 * NOISY:.0f}%% of either core, keeping the quietest run (default 1)",
-    )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    harness.add_case_timeout(parser, 180.0)
+    harness.add_wait_idle(parser, "case", "default 0")
+    harness.add_attempts(parser, NOISY)
+    harness.add_worker(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.sdk_rows = 8_000, 1_000
-    try:
-        args.in_flight = [int(c) for c in args.in_flight.split(",") if c.strip()]
-    except ValueError:
-        parser.error("--in-flight takes comma-separated integers")
+    args.in_flight = harness.integers(parser, "--in-flight", args.in_flight)
     if min([args.rows, args.sdk_rows, args.attempts, *args.in_flight]) < 1:
         parser.error("--rows, --sdk-rows, --in-flight and --attempts must be positive")
-    unknown = set(filter(None, args.only.split(","))) - set(CASES)
-    if unknown:
-        parser.error(f"--only takes {', '.join(CASES)}; unknown: {', '.join(sorted(unknown))}")
+    args.only = harness.chosen(parser, "--only", args.only, CASES)
     return args
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+def measure(
+    args: argparse.Namespace, server: CannedServer, client_cpu: int, server_cpu: int
+) -> int:
+    """Print the set-up, write the inputs, run every job against ``server``, print tables."""
+    print(harness.versions("python", "openai", "aiohttp", "uvloop", "pyarrow", "llm-annotator"))
+    print(
+        f"jobs pinned to CPU {client_cpu}, nginx (1 worker, 4 ports) to CPU {server_cpu}; "
+        f"pool: 4 members, {BATCHES_PER_MEMBER} batches each, batch_size = in flight / "
+        f"{4 * BATCHES_PER_MEMBER}; max_completion_tokens {harness.MAX_TOKENS}; "
+        + ("no warm-up" if args.cold else "one untimed warm-up job of c rows per case")
+    )
+    if client_cpu == server_cpu:
+        print("warning: only one CPU is available, so nginx shares it with the jobs")
+    harness.print_background([client_cpu, server_cpu], "case")
+    retry = harness.Retry(args.attempts, args.wait_idle, NOISY, AGAIN)
+    reports = (print_results, print_targets)
+    with harness.scratch_folder("annotate-overhead-") as folder:
+        cases = build_cases(args, server.base_urls, client_cpu, folder)
+        cpus = (client_cpu, server_cpu)
+        return harness.measure_cases(server, cpus, cases, run_case, _title, retry, reports, 12)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
-    args = parse_args(argv)
-    if args.worker:
-        data = json.loads(args.worker)
-        data["base_urls"] = tuple(data["base_urls"])
-        worker(CaseSpec(**data))
-        return 0
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    raise_nofile_limit()
-    client_cpu, server_cpu = pick_cpus()
-    try:
-        server = CannedServer(ports=4, cpu=server_cpu)
-        server.start()
-    except NginxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    folder = Path(tempfile.mkdtemp(prefix="annotate-overhead-"))
-    try:
-        print(
-            f"python {platform.python_version()}, openai {version('openai')}, "
-            f"aiohttp {version('aiohttp')}, uvloop {version('uvloop')}, "
-            f"pyarrow {version('pyarrow')}, llm-annotator {version('llm-annotator')}"
-        )
-        print(
-            f"jobs pinned to CPU {client_cpu}, nginx (1 worker, 4 ports) to CPU {server_cpu}; "
-            f"pool: 4 members, {BATCHES_PER_MEMBER} batches each, batch_size = in flight / "
-            f"{4 * BATCHES_PER_MEMBER}; max_completion_tokens {MAX_TOKENS}; "
-            + ("no warm-up" if args.cold else "one untimed warm-up job of c rows per case")
-        )
-        if client_cpu == server_cpu:
-            print("warning: only one CPU is available, so nginx shares it with the jobs")
-        busy = background_load([client_cpu, server_cpu])
-        if busy:
-            shown = ", ".join(f"CPU {cpu} {share:.0%}" for cpu, share in busy.items())
-            print(f"CPU busy before the first case (nginx idle): {shown}")
-        print()
-        results = []
-        for spec in build_cases(args, server.base_urls, client_cpu, folder):
-            print(f"running {spec.label} at {spec.in_flight:,} in flight ...", flush=True)
-            best: CaseResult | None = None
-            for attempt in range(1, args.attempts + 1):
-                if args.wait_idle > 0:
-                    wait_for_idle([client_cpu, server_cpu], args.wait_idle)
-                result = run_case(spec, server, server_cpu)
-                if best is None or noise(result) < noise(best):
-                    best = result
-                if noise(result) <= NOISY or attempt == args.attempts:
-                    break
-                print(f"  noisy ({noise(result):.0%}); measuring again", flush=True)
-            assert best is not None
-            results.append(best)
-        print()
-        print_results(results)
-        print_targets(results)
-        log = server.error_log().strip()
-        if log:
-            print("\nnginx error log (tail):\n" + _tail(log))
-        if any(r.status == "crashed" for r in results):
-            print("\nerror: a case could not be measured (see above)", file=sys.stderr)
-            return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-    return 0
+    return harness.main_over_nginx(parse_args(argv), CaseSpec, worker, measure)
 
 
 if __name__ == "__main__":

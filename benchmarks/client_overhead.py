@@ -34,25 +34,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import resource
-import signal
-import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass, field
-from importlib import metadata
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
+import _harness as harness
+from _nginx import ANSWER, MODEL, CannedServer
 
 Messages = list[dict[str, str]]
 CaseKind = Literal["sdk", "sdk_aiohttp", "floor", "ours_sync", "ours_async"]
@@ -65,11 +61,14 @@ GROUPS = ("sdk", "floor", "ours")
 
 NOISY = 0.2
 """Above this share of the client's core taken by other work, a row is called noisy."""
+AGAIN = (
+    "  noisy ({noise:.0%} of the core went to other work); "
+    "measuring again ({attempt} of {attempts})"
+)
+"""What a noisy case prints before it is measured again (see ``harness.Retry``)."""
 
 TARGET_RPS_4096 = 4000.0
 TARGET_RATIO_512 = 15.0
-MAX_TOKENS = 16
-EXPECTED_TEXT = "positive"
 
 
 # --------------------------------------------------------------------------------------
@@ -102,50 +101,26 @@ class CaseSpec:
 
 
 @dataclass
-class CaseResult:
-    """What one worker measured.
+class CaseResult(harness.CaseFigures):
+    """What one worker measured (the figures of every case: ``harness.CaseFigures``).
+
+    ``ok`` counts the successful responses of the timed part; ``errors`` the failed
+    requests by kind, warm-up failures too (marked).
 
     Attributes:
         label: The row's name.
         concurrency: Requests in flight.
         requests: Requests in the timed part.
-        status: ``"ok"`` when the case ran to its end, ``"timeout"`` when it hit its
-            time limit, ``"unavailable"`` when the client cannot be built here,
-            ``"crashed"`` when the worker died.
-        ok: Successful responses in the timed part.
-        errors: Failed requests by kind (warm-up failures are counted too, marked).
-        samples: One error message per kind, to show what went wrong.
-        wall: Seconds of wall time of the timed part.
-        cpu: Seconds of CPU time (user + system, all threads) of the timed part.
-        peak_rss_kb: The worker's peak resident set size, in KiB.
         loop: Which event loop ran the requests.
-        other_load: Share of the client's core that went to anything else (other
-            processes, interrupts, a hypervisor) during the timed part; None where
-            unknown. A high figure means a noisy measurement.
-        server_other_load: The same share for nginx's core, over the whole case.
-        tcp: Machine-wide TCP counters that rose during the case (listen queue
-            overflows, SYN retransmits, ...); other programs can add to them too.
         connections: TCP connections nginx accepted during the case (warm-up
             included), or None when nginx cannot tell.
-        note: Anything else worth printing (why a client is unavailable, ...).
     """
 
     label: str
     concurrency: int
     requests: int
-    status: str = "ok"
-    ok: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    samples: dict[str, str] = field(default_factory=dict)
-    wall: float = 0.0
-    cpu: float = 0.0
-    peak_rss_kb: int = 0
     loop: str = ""
-    other_load: float | None = None
-    server_other_load: float | None = None
-    tcp: dict[str, int] = field(default_factory=dict)
     connections: int | None = None
-    note: str = ""
 
     @property
     def passed(self) -> bool:
@@ -170,38 +145,6 @@ class CaseResult:
 # --------------------------------------------------------------------------------------
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def core_busy_seconds(cpu: int) -> float | None:
-    """Seconds core ``cpu`` has spent busy since boot (anything but idle and I/O wait).
-
-    Read from ``/proc/stat``; None where it cannot be read. Steal time of a virtual
-    machine counts as busy: the core was not available to this process.
-    """
-    try:
-        with open("/proc/stat") as stat:
-            for line in stat:
-                if line.startswith(f"cpu{cpu} "):
-                    ticks = [int(v) for v in line.split()[1:]]
-                    busy = sum(ticks) - ticks[3] - ticks[4]
-                    # guest time is already inside user time
-                    busy -= sum(ticks[8:10]) if len(ticks) >= 10 else 0
-                    return busy / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _conversations(count: int) -> list[Messages]:
-    return [
-        [{"role": "user", "content": f"Classify the sentiment of review {i}: great product."}]
-        for i in range(count)
-    ]
-
-
 def _batch_total(spec: CaseSpec) -> tuple[int, int]:
     """(batches, requests) of a batch-driven case: whole batches of ``c`` each."""
     batches = max(1, -(-spec.requests // spec.concurrency))
@@ -221,13 +164,8 @@ class Recorder:
         self.errors: Counter[str] = Counter()
         self.samples: dict[str, str] = {}
         self.warming = True
-        self._wall0: float | None = None
-        self._cpu0 = 0.0
-        self._core0: float | None = None
-        self._lock = threading.Lock()
-        self._reported = False
-        self._watchdog = threading.Timer(spec.timeout, self._expire)
-        self._watchdog.daemon = True
+        self._clock: harness.Clock | None = None
+        self._watchdog = harness.Watchdog(spec.timeout, self._expire)
 
     def arm(self) -> None:
         """Start the time limit."""
@@ -247,39 +185,32 @@ class Recorder:
     def start_timing(self) -> None:
         """End the warm-up and start the clocks."""
         self.warming = False
-        self._core0 = core_busy_seconds(self.spec.cpu)
-        self._cpu0 = _cpu_seconds()
-        self._wall0 = time.perf_counter()
+        self._clock = harness.Clock(self.spec.cpu)
+        self._clock.start()
 
     def stop_timing(self) -> None:
         """Stop the clocks."""
-        if self._wall0 is not None:
-            self.result.wall = time.perf_counter() - self._wall0
-            self.result.cpu = _cpu_seconds() - self._cpu0
-            core1 = core_busy_seconds(self.spec.cpu)
-            if self._core0 is not None and core1 is not None and self.result.wall > 0:
-                others = core1 - self._core0 - self.result.cpu
-                self.result.other_load = max(0.0, others / self.result.wall)
+        if self._clock is not None:
+            self._clock.stop()
+            self.result.wall = self._clock.wall
+            self.result.cpu = self._clock.cpu_time
+            self.result.other_load = self._clock.other_load
 
     def report(self, status: str = "ok", note: str = "") -> None:
         """Print the result line for the parent (once; later calls do nothing)."""
-        with self._lock:
-            if self._reported:
-                return
-            self._reported = True
-            self._watchdog.cancel()
+        if not self._watchdog.claim():
+            return
         result = self.result
         result.status = status
         if note:
             result.note = note
         result.errors = dict(self.errors)
         result.samples = dict(self.samples)
-        result.peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        sys.stdout.write(RESULT_MARKER + json.dumps(asdict(result)) + "\n")
-        sys.stdout.flush()
+        result.peak_rss_kb = harness.peak_rss_kb()
+        harness.report_result(RESULT_MARKER, result)
 
     def _expire(self) -> None:
-        if self._wall0 is not None and self.result.wall == 0.0:
+        if self._clock is not None and self.result.wall == 0.0:
             self.stop_timing()
         done = self.result.ok + sum(v for k, v in self.errors.items() if "warm-up" not in k)
         note = (
@@ -291,26 +222,9 @@ class Recorder:
         os._exit(0)
 
 
-def _error_kind(exc: BaseException) -> str:
-    """The exception's type, and the type of the exception it wraps, if any."""
-    kind = type(exc).__name__
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and type(cause).__name__ != kind:
-        kind += f" <- {type(cause).__name__}"
-    return kind
-
-
-def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def _run_async(rec: Recorder, main: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
     """Run ``main`` on a new loop (uvloop's if asked and installed), noting which."""
-    factory = _uvloop_factory() if use_uvloop else None
+    factory = harness.uvloop_factory() if use_uvloop else None
     rec.result.loop = "uvloop" if factory is not None else "asyncio"
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main)
@@ -330,7 +244,7 @@ async def _limited(
             try:
                 kind = await call(i)
             except Exception as exc:
-                rec.failure(_error_kind(exc), str(exc) or repr(exc))
+                rec.failure(harness.error_kind(exc), str(exc) or repr(exc))
                 return
         if kind is None:
             rec.success()
@@ -343,7 +257,7 @@ async def _limited(
 def _worker_sdk(rec: Recorder, spec: CaseSpec, use_aiohttp: bool) -> None:
     import openai
 
-    conversations = _conversations(spec.concurrency)
+    conversations = harness.sample_conversations(spec.concurrency)
 
     async def main() -> None:
         http_client = None
@@ -365,9 +279,9 @@ def _worker_sdk(rec: Recorder, spec: CaseSpec, use_aiohttp: bool) -> None:
             completion = await client.chat.completions.create(
                 model=MODEL,
                 messages=conversations[i % len(conversations)],  # type: ignore[arg-type]
-                max_tokens=MAX_TOKENS,
+                max_tokens=harness.MAX_TOKENS,
             )
-            if completion.choices[0].message.content != EXPECTED_TEXT:
+            if completion.choices[0].message.content != ANSWER:
                 return "unexpected body"
             return None
 
@@ -386,7 +300,7 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
     import aiohttp
     import orjson
 
-    conversations = _conversations(spec.concurrency)
+    conversations = harness.sample_conversations(spec.concurrency)
     urls = [f"{base}/chat/completions" for base in spec.base_urls]
     headers = {"Content-Type": "application/json", "Authorization": "Bearer x"}
     batches, _ = _batch_total(spec)
@@ -397,7 +311,7 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
             async def post(i: int, messages: Messages) -> None:
-                payload = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS}
+                payload = {"model": MODEL, "messages": messages, "max_tokens": harness.MAX_TOKENS}
                 try:
                     async with session.post(
                         urls[i % len(urls)], data=orjson.dumps(payload), headers=headers
@@ -410,9 +324,9 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
                             return
                     content = orjson.loads(body)["choices"][0]["message"]["content"]
                 except Exception as exc:
-                    rec.failure(_error_kind(exc), str(exc) or repr(exc))
+                    rec.failure(harness.error_kind(exc), str(exc) or repr(exc))
                     return
-                if content == EXPECTED_TEXT:
+                if content == ANSWER:
                     rec.success()
                 else:
                     rec.failure("unexpected body", repr(content))
@@ -430,14 +344,14 @@ def _worker_floor(rec: Recorder, spec: CaseSpec) -> None:
 
 
 def _ours_options() -> Any:
-    """Options asking for at most ``MAX_TOKENS`` tokens, like the SDK rows."""
+    """Options asking for at most ``harness.MAX_TOKENS`` tokens, like the SDK rows."""
     from llm_annotator.clients.base import ProviderRuntimeOptions
 
     try:
         from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
     except ImportError:
-        return ProviderRuntimeOptions(max_completion_tokens=MAX_TOKENS)
-    return VLLMOnlineRuntimeOptions(max_completion_tokens=MAX_TOKENS)
+        return ProviderRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
+    return VLLMOnlineRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
 
 
 def _tally_responses(rec: Recorder, responses: Sequence[Any], expected: int) -> None:
@@ -445,7 +359,7 @@ def _tally_responses(rec: Recorder, responses: Sequence[Any], expected: int) -> 
         rec.failure("wrong response count", f"{len(responses)} responses for {expected} inputs")
     good = 0
     for response in responses:
-        if response.ok and response.text == EXPECTED_TEXT:
+        if response.ok and response.text == ANSWER:
             good += 1
         elif response.ok:
             rec.failure("unexpected text", repr(response.text))
@@ -454,30 +368,41 @@ def _tally_responses(rec: Recorder, responses: Sequence[Any], expected: int) -> 
     rec.success(good)
 
 
-def _import_ours(rec: Recorder) -> Any:
+@dataclass
+class _Ours:
+    """What both cases of our client need: its class, one batch, the batch count, options."""
+
+    client_class: Any
+    conversations: list[Messages]
+    batches: int
+    options: Any
+
+
+def _prepare_ours(rec: Recorder, spec: CaseSpec) -> _Ours | None:
+    """Our client's case set up, or None (reported unavailable) when it cannot be imported."""
     try:
         from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
     except ImportError as exc:
         rec.report("unavailable", f"VLLMOnlineClient cannot be imported: {exc}")
         return None
-    return VLLMOnlineClient
+    conversations = harness.sample_conversations(spec.concurrency)
+    batches, _ = _batch_total(spec)
+    return _Ours(VLLMOnlineClient, conversations, batches, _ours_options())
 
 
 def _worker_ours_sync(rec: Recorder, spec: CaseSpec) -> None:
-    client_class = _import_ours(rec)
-    if client_class is None:
+    ours = _prepare_ours(rec, spec)
+    if ours is None:
         return
-    conversations = _conversations(spec.concurrency)
-    batches, _ = _batch_total(spec)
-    options = _ours_options()
-    client = client_class(model=MODEL, base_url=spec.base_urls[0], max_retries=0)
+    conversations, options = ours.conversations, ours.options
+    client = ours.client_class(model=MODEL, base_url=spec.base_urls[0], max_retries=0)
 
     def batch() -> None:
         try:
             responses = client.batch_generate(messages=conversations, options=options)
         except Exception as exc:
             for _ in conversations:
-                rec.failure(_error_kind(exc), str(exc) or repr(exc))
+                rec.failure(harness.error_kind(exc), str(exc) or repr(exc))
             return
         _tally_responses(rec, responses, len(conversations))
 
@@ -485,7 +410,7 @@ def _worker_ours_sync(rec: Recorder, spec: CaseSpec) -> None:
         batch()
         rec.result.loop = _library_loop_name()
         rec.start_timing()
-        for _ in range(batches):
+        for _ in range(ours.batches):
             batch()
         rec.stop_timing()
     finally:
@@ -508,18 +433,18 @@ def _library_loop_name() -> str:
 
 
 def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
-    client_class = _import_ours(rec)
-    if client_class is None:
+    ours = _prepare_ours(rec, spec)
+    if ours is None:
         return
-    conversations = _conversations(spec.concurrency)
-    batches, _ = _batch_total(spec)
-    options = _ours_options()
+    conversations, options = ours.conversations, ours.options
     ways = len(spec.base_urls)
     cut = [len(conversations) * k // ways for k in range(ways + 1)]
     parts = [conversations[cut[k] : cut[k + 1]] for k in range(ways)]
 
     async def main() -> None:
-        clients = [client_class(model=MODEL, base_url=url, max_retries=0) for url in spec.base_urls]
+        clients = [
+            ours.client_class(model=MODEL, base_url=url, max_retries=0) for url in spec.base_urls
+        ]
 
         async def batch() -> None:
             outcomes = await asyncio.gather(
@@ -532,14 +457,14 @@ def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
             for part, outcome in zip(parts, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     for _ in part:
-                        rec.failure(_error_kind(outcome), str(outcome) or repr(outcome))
+                        rec.failure(harness.error_kind(outcome), str(outcome) or repr(outcome))
                 else:
                     _tally_responses(rec, outcome, len(part))
 
         try:
             await batch()
             rec.start_timing()
-            for _ in range(batches):
+            for _ in range(ours.batches):
                 await batch()
             rec.stop_timing()
         finally:
@@ -550,8 +475,7 @@ def _worker_ours_async(rec: Recorder, spec: CaseSpec) -> None:
 
 def worker(spec: CaseSpec) -> None:
     """Measure one case in this process and print its result line."""
-    os.sched_setaffinity(0, {spec.cpu})
-    raise_nofile_limit()
+    harness.pin_worker(spec.cpu)
     requests = spec.requests
     if spec.kind in ("floor", "ours_sync", "ours_async"):
         _, requests = _batch_total(spec)
@@ -580,82 +504,27 @@ def worker(spec: CaseSpec) -> None:
 def run_case(spec: CaseSpec, server: CannedServer, server_cpu: int) -> CaseResult:
     """Run ``spec`` in a fresh worker subprocess and read back its result.
 
-    Around it, nginx's counters give the connections the client opened; nginx's CPU
-    time and its core's busy time give the share of that core other work took; the
-    kernel's TCP counters tell whether connection attempts were dropped.
+    Around it, nginx's counters give the connections the client opened, and
+    ``harness.watch_server`` the share of nginx's core other work took and the TCP
+    counters that rose.
     """
     before = server.counters()
-    core0, nginx0, tcp0 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
-    wall0 = time.perf_counter()
-    result = _run_worker(spec)
-    wall = time.perf_counter() - wall0
-    core1, nginx1, tcp1 = core_busy_seconds(server_cpu), server.cpu_seconds(), tcp_counters()
+    result = harness.watch_server(server, server_cpu, partial(_run_worker, spec))
     after = server.counters()
     if before is not None and after is not None:
         result.connections = after[0] - before[0]
-    if core0 is not None and core1 is not None and nginx0 is not None and nginx1 is not None:
-        others = (core1 - core0) - (nginx1 - nginx0)
-        result.server_other_load = max(0.0, others / wall) if wall > 0 else None
-    result.tcp = {
-        name: tcp1[name] - tcp0.get(name, 0) for name in tcp1 if tcp1[name] > tcp0.get(name, 0)
-    }
     return result
 
 
-TCP_COUNTERS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts")
-"""Kernel counters (``/proc/net/netstat``, TcpExt) that show dropped connection attempts."""
-
-
-def tcp_counters() -> dict[str, int]:
-    """The machine-wide values of :data:`TCP_COUNTERS` ({} where unreadable)."""
-    try:
-        lines = Path("/proc/net/netstat").read_text().splitlines()
-    except OSError:
-        return {}
-    for names, values in zip(lines[::2], lines[1::2], strict=False):
-        if names.startswith("TcpExt:"):
-            table = dict(zip(names.split()[1:], values.split()[1:], strict=False))
-            return {name: int(table[name]) for name in TCP_COUNTERS if name in table}
-    return {}
-
-
 def _run_worker(spec: CaseSpec) -> CaseResult:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(spec))]
-    base = CaseResult(label=spec.label, concurrency=spec.concurrency, requests=spec.requests)
-    try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=spec.timeout + 30,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        base.status = "timeout"
-        base.note = f"the worker did not report within {spec.timeout + 30:.0f} s and was killed"
-        return base
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            data = json.loads(line[len(RESULT_MARKER) :])
-            result = CaseResult(**data)
-            if result.status == "crashed":
-                result.note += "\n" + _tail(done.stderr)
-            return result
-    base.status = "crashed"
-    base.note = f"the worker exited with code {done.returncode}:\n{_tail(done.stderr)}"
-    return base
-
-
-def _tail(text: str, lines: int = 15) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def _pick_cpus() -> tuple[int, int]:
-    """(client CPU, server CPU): two different cores when this process may use two."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) == 1:
-        return cpus[0], cpus[0]
-    return cpus[0], cpus[1]
+    done = harness.run_worker(__file__, spec, RESULT_MARKER, spec.timeout + 30)
+    if done.data is None:
+        status, note = done.failure(15)
+        return CaseResult(spec.label, spec.concurrency, spec.requests, status=status, note=note)
+    result = CaseResult(**done.data)
+    if result.status == "crashed":
+        result.note += "\n" + done.tail(15)
+    return result
 
 
 def _sysctl(name: str) -> str:
@@ -666,15 +535,8 @@ def _sysctl(name: str) -> str:
         return "?"
 
 
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def build_cases(args: argparse.Namespace, base_urls: Sequence[str], cpu: int) -> list[CaseSpec]:
-    """The cases to run, in order, filtered by ``--only``."""
+    """The cases to run, in order, filtered by ``--only`` (a set of groups, or None)."""
     ours_n = args.requests
     sdk_n = args.sdk_requests
     urls = tuple(base_urls)
@@ -690,12 +552,15 @@ def build_cases(args: argparse.Namespace, base_urls: Sequence[str], cpu: int) ->
         ("ours", "ours_async", "ours: abatch_generate x4 ports", 512, ours_n, urls),
         ("ours", "ours_async", "ours: abatch_generate x4 ports", 4096, ours_n, urls),
     ]
-    only = set(filter(None, args.only.split(","))) or None
     return [
         CaseSpec(kind, label, c, n, case_urls, cpu, args.case_timeout)
         for group, kind, label, c, n, case_urls in table
-        if only is None or group in only
+        if args.only is None or group in args.only
     ]
+
+
+def _title(spec: CaseSpec) -> str:
+    return f"{spec.label} at {spec.concurrency:,} in flight"
 
 
 def _label(result: CaseResult) -> str:
@@ -704,20 +569,10 @@ def _label(result: CaseResult) -> str:
     return result.label
 
 
-def print_table(results: Sequence[CaseResult]) -> None:
+def print_results(results: Sequence[CaseResult]) -> None:
     """Print one row per case, then the errors and notes of the rows that need them."""
-    header = (
-        "client",
-        "in flight",
-        "requests",
-        "ok",
-        "wall s",
-        "req/s",
-        "CPU us/req",
-        "RSS MB",
-        "conns",
-        "other % cl/srv",
-    )
+    header = ["client", "in flight", "requests", "ok", "wall s", "req/s", "CPU us/req"]
+    header += ["RSS MB", "conns", "other % cl/srv"]
     rows: list[tuple[str, ...]] = []
     for r in results:
         if r.status == "unavailable":
@@ -735,50 +590,22 @@ def print_table(results: Sequence[CaseResult]) -> None:
                 f"{cpu:,.0f}" if cpu is not None else "-",
                 f"{r.peak_rss_kb / 1024:.0f}" if r.peak_rss_kb else "-",
                 f"{r.connections:,}" if r.connections is not None else "-",
-                _percent(r.other_load) + "/" + _percent(r.server_other_load),
+                harness.percent(r.other_load) + "/" + harness.percent(r.server_other_load),
             )
         )
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
-        return "  ".join([first, *rest])
-
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
-    noisy = [r for r in results if _noise(r) > NOISY]
-    if noisy:
-        print(
-            f"\nnoisy: {len(noisy)} case(s) lost more than {NOISY:.0%} of the client's or "
-            "nginx's core to other work ('other %': client core / nginx core); their "
-            "figures are low. Rerun on an idle machine, or with --wait-idle and --attempts."
-        )
-    notes = [r for r in results if not r.passed or r.tcp]
-    if notes:
-        print()
-    for r in notes:
-        status = r.status
-        if r.passed:
-            status = "passed"
-        elif status == "ok":
-            failed = r.requests - r.ok
-            status = f"failed: {failed:,} of {r.requests:,} timed requests did not succeed"
-        print(f"* {_label(r)} at {r.concurrency:,} in flight: {status}")
-        if r.note:
-            for note_line in r.note.strip().splitlines():
-                print(f"    {note_line}")
-        for kind, count in sorted(r.errors.items(), key=lambda item: -item[1]):
-            print(f"    {count:,} x {kind}: {r.samples.get(kind, '')}")
-        if r.tcp:
-            counters = ", ".join(f"{name} +{value:,}" for name, value in r.tcp.items())
-            print(f"    kernel TCP counters during the case: {counters}")
+    harness.print_table(header, rows)
+    harness.print_noisy(results, NOISY, " ('other %': client core / nginx core)")
+    harness.print_notes([r for r in results if not r.passed or r.tcp], _headline)
 
 
-def _percent(share: float | None) -> str:
-    return "-" if share is None else f"{100 * share:.0f}"
+def _headline(r: CaseResult) -> str:
+    status = r.status
+    if r.passed:
+        status = "passed"
+    elif status == "ok":
+        failed = r.requests - r.ok
+        status = f"failed: {failed:,} of {r.requests:,} timed requests did not succeed"
+    return f"{_label(r)} at {r.concurrency:,} in flight: {status}"
 
 
 def _find(results: Sequence[CaseResult], label_start: str, c: int) -> CaseResult | None:
@@ -796,48 +623,34 @@ def print_targets(results: Sequence[CaseResult]) -> None:
         ("ours (abatch_generate x4 ports)", "ours: abatch_generate"),
     ):
         row = _find(results, prefix, 4096)
-        if row is None:
-            text = "not run"
-        elif row.status == "unavailable":
+        if row is not None and row.status == "unavailable":
             text = "n/a (client not available)"
-        elif row.rps is None:
-            text = "no figure, the run failed (MISS)"
         else:
-            verdict = "PASS" if row.rps >= TARGET_RPS_4096 else "MISS"
-            text = f"{row.rps:,.0f} req/s (target >= {TARGET_RPS_4096:,.0f}): {verdict}"
+            text = harness.rate_verdict(row, TARGET_RPS_4096, "req/s")
         print(f"{name} at 4096 in flight: {text}")
     sdk = _find(results, "openai AsyncOpenAI default", 512)
     for name, prefix in (
         ("ours", "ours: batch_generate"),
         ("ours (abatch_generate x4 ports)", "ours: abatch_generate"),
     ):
-        row = _find(results, prefix, 512)
-        if row is None or sdk is None:
-            text = "not run"
-        elif row.rps is None or sdk.rps is None:
-            failed = "ours" if row.rps is None else "the SDK's"
-            text = f"no figure, {failed} run did not pass (MISS)"
-        else:
-            ratio = row.rps / sdk.rps
-            verdict = "PASS" if ratio >= TARGET_RATIO_512 else "MISS"
-            text = f"{ratio:.1f} x (target >= {TARGET_RATIO_512:.0f}x): {verdict}"
+        text = harness.ratio_verdict(_find(results, prefix, 512), sdk, TARGET_RATIO_512)
         print(f"{name} / SDK default at 512: {text}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
+    harness.add_number(
+        parser,
         "--requests",
-        type=int,
-        default=40_000,
-        help="timed requests per case for our client and the aiohttp floor (default 40,000)",
+        40_000,
+        "timed requests per case for our client and the aiohttp floor (default 40,000)",
     )
-    parser.add_argument(
+    harness.add_number(
+        parser,
         "--sdk-requests",
-        type=int,
-        default=10_000,
-        help="timed requests per case for the OpenAI SDK (default 10,000)",
+        10_000,
+        "timed requests per case for the OpenAI SDK (default 10,000)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: about 2,000 requests per case"
@@ -847,165 +660,57 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="",
         help="comma-separated groups to run: sdk, floor, ours (default: all)",
     )
-    parser.add_argument(
-        "--case-timeout",
-        type=float,
-        default=60.0,
-        help="seconds one case may take, warm-up included (default 60)",
-    )
-    parser.add_argument(
+    harness.add_case_timeout(parser, 60.0)
+    harness.add_number(
+        parser,
         "--backlog",
-        type=int,
-        default=4096,
-        help="nginx listen backlog per port (nginx's own default is 511; default 4096)",
+        4096,
+        "nginx listen backlog per port (nginx's own default is 511; default 4096)",
     )
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each case, wait up to this long for the CPUs to go idle "
-        "(for shared machines; default 0: do not wait)",
-    )
-    parser.add_argument(
-        "--attempts",
-        type=int,
-        default=1,
-        help="measure a case up to this many times while other work takes more than "
-        f"{100 * NOISY:.0f}%% of either core, keeping the quietest run (default 1)",
-    )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    harness.add_wait_idle(parser, "case", "for shared machines; default 0: do not wait")
+    harness.add_attempts(parser, NOISY)
+    harness.add_worker(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.requests = args.sdk_requests = 2_000
     if min(args.requests, args.sdk_requests, args.attempts) < 1 or args.case_timeout <= 0:
         parser.error("--requests, --sdk-requests, --attempts and --case-timeout must be positive")
-    unknown = set(filter(None, args.only.split(","))) - set(GROUPS)
-    if unknown:
-        parser.error(f"--only takes {', '.join(GROUPS)}; unknown: {', '.join(sorted(unknown))}")
+    args.only = harness.chosen(parser, "--only", args.only, GROUPS)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
-    if args.worker:
-        data = json.loads(args.worker)
-        data["base_urls"] = tuple(data["base_urls"])
-        worker(CaseSpec(**data))
-        return 0
-    # A plain `kill` should stop nginx too: turn SIGTERM into an orderly exit.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    raise_nofile_limit()
-    client_cpu, server_cpu = _pick_cpus()
-    try:
-        server = CannedServer(ports=4, cpu=server_cpu, backlog=args.backlog)
-        server.start()
-    except NginxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
+    return harness.main_over_nginx(args, CaseSpec, worker, measure, backlog=args.backlog)
+
+
+def measure(
+    args: argparse.Namespace, server: CannedServer, client_cpu: int, server_cpu: int
+) -> int:
+    """Print the set-up, measure every case against ``server``, print the tables."""
+    print(harness.versions("python", "openai", "httpx2", "aiohttp", "uvloop", "llm-annotator"))
+    somaxconn = _sysctl("net.core.somaxconn")
+    syn_backlog = _sysctl("net.ipv4.tcp_max_syn_backlog")
+    print(
+        f"clients pinned to CPU {client_cpu}, nginx (1 worker) to CPU {server_cpu}; "
+        f"listen backlog {args.backlog} (somaxconn {somaxconn}, "
+        f"tcp_max_syn_backlog {syn_backlog}); open-file limit "
+        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    )
+    if client_cpu == server_cpu:
+        print("warning: only one CPU is available, so nginx shares it with the clients")
+    background = harness.print_background([client_cpu, server_cpu], "case")
+    if background and max(background.values()) > 0.2:
         print(
-            f"python {platform.python_version()}, openai {_version('openai')}, "
-            f"httpx2 {_version('httpx2')}, aiohttp {_version('aiohttp')}, "
-            f"uvloop {_version('uvloop')}, llm-annotator {_version('llm-annotator')}"
+            "warning: other processes keep these CPUs busy; the figures below will "
+            "be low and noisy (see the 'other %' column)"
         )
-        somaxconn = _sysctl("net.core.somaxconn")
-        syn_backlog = _sysctl("net.ipv4.tcp_max_syn_backlog")
-        print(
-            f"clients pinned to CPU {client_cpu}, nginx (1 worker) to CPU {server_cpu}; "
-            f"listen backlog {args.backlog} (somaxconn {somaxconn}, "
-            f"tcp_max_syn_backlog {syn_backlog}); open-file limit "
-            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
-        )
-        if client_cpu == server_cpu:
-            print("warning: only one CPU is available, so nginx shares it with the clients")
-        background = _background_load([client_cpu, server_cpu])
-        if background:
-            shown = ", ".join(f"CPU {cpu} {share:.0%}" for cpu, share in background.items())
-            print(f"CPU busy before the first case (nginx idle): {shown}")
-            if max(background.values()) > 0.2:
-                print(
-                    "warning: other processes keep these CPUs busy; the figures below will "
-                    "be low and noisy (see the 'other %' column)"
-                )
-        print()
-        results: list[CaseResult] = []
-        for spec in build_cases(args, server.base_urls, client_cpu):
-            print(f"running {spec.label} at {spec.concurrency:,} in flight ...", flush=True)
-            best: CaseResult | None = None
-            for attempt in range(1, args.attempts + 1):
-                if args.wait_idle > 0:
-                    _wait_for_idle([client_cpu, server_cpu], args.wait_idle)
-                result = run_case(spec, server, server_cpu)
-                if best is None or _noise(result) < _noise(best):
-                    best = result
-                if _noise(result) <= NOISY or attempt == args.attempts:
-                    break
-                print(
-                    f"  noisy ({_noise(result):.0%} of the core went to other work); "
-                    f"measuring again ({attempt + 1} of {args.attempts})",
-                    flush=True,
-                )
-            assert best is not None
-            results.append(best)
-        print()
-        print_table(results)
-        print_targets(results)
-        log = server.error_log().strip()
-        if log:
-            print("\nnginx error log (tail):\n" + _tail(log))
-        if any(r.status == "crashed" for r in results):
-            print("\nerror: a case could not be measured (see above)", file=sys.stderr)
-            return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        server.stop()
-    return 0
-
-
-def _background_load(cpus: Sequence[int], seconds: float = 1.0) -> dict[int, float]:
-    """The busy share of each core over ``seconds`` while the benchmark itself is idle."""
-    unique = sorted(set(cpus))
-    before = [core_busy_seconds(cpu) for cpu in unique]
-    time.sleep(seconds)
-    after = [core_busy_seconds(cpu) for cpu in unique]
-    return {
-        cpu: min(1.0, (b1 - b0) / seconds)
-        for cpu, b0, b1 in zip(unique, before, after, strict=True)
-        if b0 is not None and b1 is not None
-    }
-
-
-def _noise(result: CaseResult) -> float:
-    """The largest share of either core that other work took during the case (0 if unknown)."""
-    return max(result.other_load or 0.0, result.server_other_load or 0.0)
-
-
-def _wait_for_idle(cpus: Sequence[int], budget: float, threshold: float = 0.1) -> None:
-    """Wait up to ``budget`` seconds until no core in ``cpus`` is busier than ``threshold``.
-
-    On a shared machine another job's burst of work would otherwise land in the middle
-    of a case. Gives up (and says so) when the budget runs out.
-    """
-    deadline = time.monotonic() + budget
-    waited = False
-    for _ in range(int(budget) + 2):
-        load = _background_load(cpus, seconds=1.0)
-        if not load or max(load.values()) <= threshold:
-            return
-        if time.monotonic() >= deadline:
-            break
-        if not waited:
-            print("  waiting for the CPUs to go idle ...", flush=True)
-            waited = True
-    print(f"  still busy after {budget:.0f} s; measuring anyway", flush=True)
-
-
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+    retry = harness.Retry(args.attempts, args.wait_idle, NOISY, AGAIN)
+    cases = build_cases(args, server.base_urls, client_cpu)
+    reports = (print_results, print_targets)
+    cpus = (client_cpu, server_cpu)
+    return harness.measure_cases(server, cpus, cases, run_case, _title, retry, reports, 15)
 
 
 if __name__ == "__main__":

@@ -29,48 +29,26 @@ Run it as::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import tracemalloc
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _nginx import MODEL, CannedServer, NginxError, raise_nofile_limit
-from annotate_overhead import (
-    CONSOLIDATED,
-    STORE_CLOSED,
-    TEMPLATE,
-    EventLog,
-    background_load,
-    cpu_seconds,
-    phase_times,
-    pick_cpus,
-    print_table,
-    version,
-    wait_for_idle,
-    write_input,
-)
-from client_overhead import core_busy_seconds
+import _harness as harness
+from _nginx import MODEL, CannedServer
 
 RESULT_MARKER = "@@input-scale-result "
 TARGET_PEAK_MB = 1024.0
 TARGET_FLAT_RATIO = 1.25
-MAX_TOKENS = 16
 SAMPLE_INTERVAL = 0.02
 """Seconds between two reads of the process's RSS."""
-PHASES = ("setup", "streaming", "consolidation", "finish")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -146,9 +124,9 @@ class RssSampler:
         self._sample()  # the phase that ends gets its last sample
         if name == "job_started":
             self.phase = "streaming"
-        elif name in STORE_CLOSED:
+        elif name in harness.STORE_CLOSED:
             self.phase = "consolidation"
-        elif name in CONSOLIDATED:
+        elif name in harness.CONSOLIDATED:
             self.phase = "finish"
 
     def _sample(self) -> None:
@@ -168,48 +146,43 @@ def worker(spec: SizeSpec) -> None:
 
     from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 
-    os.sched_setaffinity(0, {spec.cpu})
-    raise_nofile_limit()
+    harness.pin_worker(spec.cpu)
     result = SizeResult(rows=spec.rows)
     workdir = Path(spec.workdir)
     sampler = RssSampler()
 
     def on_event(name: str) -> None:
         sampler.on_event(name)
-        if spec.trace and (name in STORE_CLOSED or name in CONSOLIDATED):
-            key = "streamed" if name in STORE_CLOSED else "consolidated"
+        if spec.trace and (name in harness.STORE_CLOSED or name in harness.CONSOLIDATED):
+            key = "streamed" if name in harness.STORE_CLOSED else "consolidated"
             path = workdir / f"{key}.snapshot"
             tracemalloc.take_snapshot().dump(str(path))
             result.snapshots[key] = str(path)
 
-    log = EventLog(on_event)
+    log = harness.EventLog(on_event)
     log.install()
     pool = VLLMQueueAnnotator(list(spec.base_urls), model=MODEL)
-    options = VLLMOnlineRuntimeOptions(max_completion_tokens=MAX_TOKENS)
+    options = VLLMOnlineRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
     try:
         if spec.trace:
             tracemalloc.start(8)
         result.rss_before_mb = _rss_mb()
         sampler.start()
-        core0, cpu0 = core_busy_seconds(spec.cpu), cpu_seconds()
-        wall0 = time.perf_counter()
-        start = time.monotonic()
+        clock = harness.Clock(spec.cpu)
+        start = clock.start()
         done = pool.annotate(
             spec.input_path,
-            TEMPLATE,
+            harness.TEMPLATE,
             workdir / "run",
             id_column="id",
             options=options,
             progress=False,
         )
-        result.wall = time.perf_counter() - wall0
+        clock.stop()
         end = time.monotonic()
-        result.cpu = cpu_seconds() - cpu0
-        core1 = core_busy_seconds(spec.cpu)
         sampler.stop()
-        if core0 is not None and core1 is not None and result.wall > 0:
-            result.other_load = max(0.0, (core1 - core0 - result.cpu) / result.wall)
-        result.phases = phase_times(log, start, end)
+        result.wall, result.cpu, result.other_load = clock.wall, clock.cpu_time, clock.other_load
+        result.phases = harness.phase_times(log, start, end)
         result.peak_by_phase_mb = sampler.peaks
         result.arrow_peak_mb = pa.default_memory_pool().max_memory() / 2**20
         result.succeeded = done.num_succeeded
@@ -218,9 +191,8 @@ def worker(spec: SizeSpec) -> None:
         result.status, result.note = "crashed", f"{type(exc).__name__}: {exc}"
     finally:
         pool.close()
-    result.peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    sys.stdout.write(RESULT_MARKER + json.dumps(asdict(result)) + "\n")
-    sys.stdout.flush()
+    result.peak_rss_kb = harness.peak_rss_kb()
+    harness.report_result(RESULT_MARKER, result)
 
 
 # --------------------------------------------------------------------------------------
@@ -228,27 +200,43 @@ def worker(spec: SizeSpec) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def run_size(spec: SizeSpec) -> SizeResult:
-    """Run one job in a fresh worker subprocess and read back its result."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(spec))]
-    Path(spec.workdir).mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=spec.timeout, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired:
-        return SizeResult(rows=spec.rows, status="timeout", note=f"over {spec.timeout:.0f} s")
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            result = SizeResult(**json.loads(line[len(RESULT_MARKER) :]))
-            if done.stderr.strip():
-                tail = "\n".join(done.stderr.strip().splitlines()[-12:])
-                result.note = (result.note + "\n" + tail).strip()
-            return result
-    tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-    return SizeResult(
-        rows=spec.rows, status="crashed", note=f"exit code {done.returncode}:\n{tail}"
+def run_size(
+    args: argparse.Namespace, rows: int, server: CannedServer, cpus: tuple[int, int], folder: Path
+) -> SizeResult:
+    """Write an input of ``rows`` rows to ``folder`` and run its job; the job's result."""
+    print(f"writing {rows:,} rows ...", flush=True)
+    path = harness.write_input(folder / f"input-{rows}.jsonl", rows)
+    if args.wait_idle > 0:
+        harness.wait_for_idle(args.wait_idle, cpus)
+    print(f"annotating {rows:,} rows ...", flush=True)
+    spec = SizeSpec(
+        rows=rows,
+        input_path=str(path),
+        workdir=str(folder / f"job-{rows}"),
+        base_urls=tuple(server.base_urls),
+        cpu=cpus[0],
+        timeout=args.timeout,
+        trace=args.trace,
     )
+    result = _run_worker(spec)
+    path.unlink()
+    shutil.rmtree(Path(spec.workdir) / "run", ignore_errors=True)
+    return result
+
+
+def _run_worker(spec: SizeSpec) -> SizeResult:
+    """Run one job in a fresh worker subprocess and read back its result."""
+    Path(spec.workdir).mkdir(parents=True, exist_ok=True)
+    done = harness.run_worker(__file__, spec, RESULT_MARKER, spec.timeout)
+    if done.returncode is None:
+        return SizeResult(rows=spec.rows, status="timeout", note=f"over {spec.timeout:.0f} s")
+    if done.data is None:
+        note = f"exit code {done.returncode}:\n{done.tail(15)}"
+        return SizeResult(rows=spec.rows, status="crashed", note=note)
+    result = SizeResult(**done.data)
+    if done.stderr.strip():
+        result.note = done.note_with_stderr(result.note, 12)
+    return result
 
 
 def _mb(value: float | None) -> str:
@@ -257,18 +245,9 @@ def _mb(value: float | None) -> str:
 
 def print_results(results: Sequence[SizeResult]) -> None:
     """The table of sizes, then notes."""
-    header = (
-        "rows",
-        "ok",
-        "wall s",
-        "rows/s",
-        "CPU us/row",
-        "peak RSS MB",
-        *(f"RSS {p} MB" for p in PHASES[:3]),
-        "arrow peak MB",
-        *(f"{p} s" for p in ("scan+open", *PHASES[1:3])),
-        "other %",
-    )
+    header = ["rows", "ok", "wall s", "rows/s", "CPU us/row", "peak RSS MB"]
+    header += [f"RSS {p} MB" for p in harness.PHASES[:3]] + ["arrow peak MB"]
+    header += [f"{p} s" for p in ("scan+open", *harness.PHASES[1:3])] + ["other %"]
     rows = []
     for r in results:
         rows.append(
@@ -279,13 +258,13 @@ def print_results(results: Sequence[SizeResult]) -> None:
                 f"{r.rows / r.wall:,.0f}" if r.passed and r.wall else "-",
                 f"{r.cpu / r.rows * 1e6:,.0f}" if r.passed else "-",
                 f"{r.peak_rss_kb / 1024:,.0f}",
-                *(_mb(r.peak_by_phase_mb.get(p)) for p in PHASES[:3]),
+                *(_mb(r.peak_by_phase_mb.get(p)) for p in harness.PHASES[:3]),
                 f"{r.arrow_peak_mb:,.0f}",
-                *(f"{r.phases[p]:.2f}" if p in r.phases else "-" for p in PHASES[:3]),
-                "-" if r.other_load is None else f"{100 * r.other_load:.0f}",
+                *(f"{r.phases[p]:.2f}" if p in r.phases else "-" for p in harness.PHASES[:3]),
+                harness.percent(r.other_load),
             )
         )
-    print_table(header, rows)
+    harness.print_table(header, rows)
     for r in results:
         if r.note:
             print(f"\n* {r.rows:,} rows: {r.status}")
@@ -308,7 +287,7 @@ def print_verdict(small: SizeResult, large: SizeResult) -> None:
         f"peak RSS {peak_small:,.0f} MB at {small.rows:,} rows, {peak_large:,.0f} MB at "
         f"{large.rows:,} rows: x{ratio:.2f}, {slope:,.0f} bytes per extra row"
     )
-    for phase in PHASES[:3]:
+    for phase in harness.PHASES[:3]:
         a, b = small.peak_by_phase_mb.get(phase), large.peak_by_phase_mb.get(phase)
         if a is not None and b is not None:
             print(
@@ -368,98 +347,44 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run tracemalloc in each job and print what grew most (slow)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        help="seconds one job may take (default 1800)",
-    )
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each job, wait up to this long for the CPUs to go idle (default 0)",
-    )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    harness.add_number(parser, "--timeout", 1800.0, "seconds one job may take (default 1800)")
+    harness.add_wait_idle(parser, "job", "default 0")
+    harness.add_worker(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes = "10000,100000"
-    try:
-        args.sizes = sorted(int(s) for s in args.sizes.split(",") if s.strip())
-    except ValueError:
-        parser.error("--sizes takes comma-separated integers")
+    args.sizes = sorted(harness.integers(parser, "--sizes", args.sizes))
     if len(args.sizes) < 2 or args.sizes[0] < 1:
         parser.error("--sizes needs at least two positive row counts")
     return args
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
-    args = parse_args(argv)
-    if args.worker:
-        data: dict[str, Any] = json.loads(args.worker)
-        data["base_urls"] = tuple(data["base_urls"])
-        worker(SizeSpec(**data))
-        return 0
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    raise_nofile_limit()
-    client_cpu, server_cpu = pick_cpus()
-    try:
-        server = CannedServer(ports=4, cpu=server_cpu)
-        server.start()
-    except NginxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    folder = Path(tempfile.mkdtemp(prefix="input-scale-"))
-    try:
-        print(
-            f"llm-annotator {version('llm-annotator')}, pyarrow {version('pyarrow')}; "
-            f"jobs pinned to CPU {client_cpu}, nginx to CPU {server_cpu}; pool: 4 members, "
-            "batch_size 256, 4 batches each (4,096 in flight)"
-            + ("; tracemalloc on" if args.trace else "")
-        )
-        busy = background_load([client_cpu, server_cpu])
-        if busy:
-            shown = ", ".join(f"CPU {cpu} {share:.0%}" for cpu, share in busy.items())
-            print(f"CPU busy before the first job (nginx idle): {shown}")
-        results = []
-        for rows in args.sizes:
-            print(f"writing {rows:,} rows ...", flush=True)
-            path = write_input(folder / f"input-{rows}.jsonl", rows)
-            if args.wait_idle > 0:
-                wait_for_idle([client_cpu, server_cpu], args.wait_idle)
-            print(f"annotating {rows:,} rows ...", flush=True)
-            spec = SizeSpec(
-                rows=rows,
-                input_path=str(path),
-                workdir=str(folder / f"job-{rows}"),
-                base_urls=tuple(server.base_urls),
-                cpu=client_cpu,
-                timeout=args.timeout,
-                trace=args.trace,
-            )
-            results.append(run_size(spec))
-            path.unlink()
-            shutil.rmtree(Path(spec.workdir) / "run", ignore_errors=True)
+    return harness.main_over_nginx(parse_args(argv), SizeSpec, worker, measure)
+
+
+def measure(
+    args: argparse.Namespace, server: CannedServer, client_cpu: int, server_cpu: int
+) -> int:
+    """Print the set-up, run one job per input size against ``server``, print the results."""
+    print(
+        f"{harness.versions('llm-annotator', 'pyarrow')}; "
+        f"jobs pinned to CPU {client_cpu}, nginx to CPU {server_cpu}; pool: 4 members, "
+        "batch_size 256, 4 batches each (4,096 in flight)"
+        + ("; tracemalloc on" if args.trace else "")
+    )
+    harness.print_background([client_cpu, server_cpu], "job")
+    cpus = (client_cpu, server_cpu)
+    # The folder holds the inputs, and the --trace snapshots that print_growth reads.
+    with harness.scratch_folder("input-scale-") as folder:
+        results = [run_size(args, rows, server, cpus, folder) for rows in args.sizes]
         print()
         print_results(results)
         print_verdict(results[0], results[-1])
         if args.trace:
             print_growth(results[0], results[-1])
-        if any(r.status == "crashed" for r in results):
-            return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-    return 0
+    return 1 if any(r.status == "crashed" for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -32,29 +32,25 @@ import argparse
 import contextlib
 import math
 import os
-import platform
 import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _harness as harness
+from _nginx import MODEL, raise_nofile_limit
 from _sim_server import ServerModel, ServerStats, SimServer
 from llm_annotator import VLLMQueueAnnotator
 
-MODEL = "bench"
 POLL = 0.05
 """Seconds between two reads of the pool's completed count."""
-NOISY = 0.15
-"""Above this share of the machine taken by other processes, a run is called noisy."""
 TARGET_RATIO = 1.05
 TARGET_FAULT_SLACK = 10.0
 DEFAULT_SERVERS = "A:20:32,B:40:32,C:60:24,D:80:16"
@@ -118,21 +114,6 @@ class RunResult:
         return self.makespan - self.drained
 
 
-class EventLog:
-    """Keeps the pool's structlog events (with the time they came) instead of printing them."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[float, str, dict[str, Any]]] = []
-
-    def __call__(self, _logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
-        self.events.append((time.monotonic(), str(event.get("event")), dict(event)))
-        raise structlog.DropEvent
-
-    def first(self, name: str, since: float) -> float | None:
-        """The time of the first event ``name`` at or after ``since``."""
-        return next((t for t, e, _ in self.events if e == name and t >= since), None)
-
-
 def lower_bound(models: Sequence[ServerModel], samples: int) -> float:
     """Seconds the servers need at full load, with the work split in the best way."""
     return samples / sum(m.throughput for m in models)
@@ -148,40 +129,12 @@ def fault_lower_bound(
     return kill_time + (samples - total * kill_time) / (total - killed.throughput)
 
 
-def conversations(count: int) -> list[list[dict[str, str]]]:
-    return [
-        [{"role": "user", "content": f"Classify the sentiment of review {i}: great product."}]
-        for i in range(count)
-    ]
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def machine_busy_seconds() -> float | None:
-    """Seconds all CPUs together have spent busy since boot, from ``/proc/stat``."""
-    try:
-        with open("/proc/stat") as stat:
-            ticks = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and I/O wait
-    busy -= sum(ticks[8:10]) if len(ticks) >= 10 else 0  # guest time is in user time
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _cpus() -> int:
-    return os.cpu_count() or 1
-
-
 def run_once(
     servers: Sequence[SimServer],
     batch_size: int,
     samples: int,
     batches_per_server: int,
-    events: EventLog,
+    events: harness.EventLog,
     kill: SimServer | None = None,
     kill_at: float = 0.3,
 ) -> RunResult:
@@ -200,7 +153,7 @@ def run_once(
         batch_size=batch_size,
         max_concurrent_batches_per_client=batches_per_server,
     )
-    messages = conversations(samples)
+    messages = harness.sample_conversations(samples)
     outcome: dict[str, Any] = {}
     started = threading.Event()
 
@@ -214,8 +167,8 @@ def run_once(
         outcome["end"] = time.monotonic()
 
     worker = threading.Thread(target=call, name="pool-call")
-    cpu0 = _cpu_seconds()
-    machine0 = machine_busy_seconds()
+    cpu0 = harness.cpu_seconds()
+    machine0 = harness.busy_seconds()
     servers_cpu = -sum(server.cpu_seconds() for server in servers)
     worker.start()
     started.wait()
@@ -239,12 +192,12 @@ def run_once(
             kill.kill()
             result.killed, result.kill_time, result.done_at_kill = kill.model.name, now, done
     wall = time.monotonic() - start
-    result.client_cpu = _cpu_seconds() - cpu0
+    result.client_cpu = harness.cpu_seconds() - cpu0
     servers_cpu += sum(server.cpu_seconds() for server in servers)
-    machine1 = machine_busy_seconds()
-    if machine0 is not None and machine1 is not None:
-        ours = result.client_cpu + servers_cpu
-        result.other_load = max(0.0, machine1 - machine0 - ours) / (wall * _cpus())
+    machine1 = harness.busy_seconds()
+    result.other_load = harness.machine_other_load(
+        machine0, machine1, result.client_cpu + servers_cpu, wall
+    )
     if "error" in outcome:
         pool.close()
         raise RuntimeError(f"batch_generate raised: {outcome['error']!r}") from outcome["error"]
@@ -266,7 +219,7 @@ def run_once(
     for server in servers:
         result.server_stats[server.model.name] = server.stats() if server.alive else None
     if result.killed is not None:
-        evicted = events.first("member_evicted", start + result.kill_time)
+        evicted = events.first(("member_evicted",), start + result.kill_time)
         if evicted is not None:
             result.evicted_after = evicted - start - result.kill_time
     return result
@@ -275,18 +228,6 @@ def run_once(
 # --------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True))
-
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
 
 
 def _counts(result: RunResult, models: Sequence[ServerModel]) -> str:
@@ -305,10 +246,6 @@ def lagged_bound(result: RunResult, models: Sequence[ServerModel]) -> float:
         lag = stats.overshoot / stats.completed if stats is not None and stats.completed else 0.0
         total += m.capacity / (m.base_latency * (1 + m.alpha) + lag)
     return result.samples / total
-
-
-def _percent(share: float | None) -> str:
-    return "-" if share is None else f"{100 * share:.0f}"
 
 
 def print_efficiency(results: Sequence[RunResult], models: Sequence[ServerModel]) -> None:
@@ -332,15 +269,15 @@ def print_efficiency(results: Sequence[RunResult], models: Sequence[ServerModel]
                 f"{r.tail:.2f}",
                 f"{r.drain:.2f}",
                 _counts(r, models),
-                _percent(r.client_cpu / r.makespan),
-                _percent(r.other_load),
+                harness.percent(r.client_cpu / r.makespan),
+                harness.percent(r.other_load),
                 "PASS" if ratio <= TARGET_RATIO and r.ok == r.samples else "MISS",
             )
         )
     header = ["batch", "N", "makespan s", "bound s", "ratio", "bound+lag s", "ratio+lag"]
     header += ["first s", "tail 99->100% s", "drain s", f"completed {names}"]
     header += ["client CPU %", "other CPU %", f"ratio <= {TARGET_RATIO:.2f}"]
-    _table(header, rows)
+    harness.print_table(header, rows, first_left=False)
     ideal = "/".join(f"{m.throughput / sum(x.throughput for x in models):.1%}" for m in models)
     print(f"ideal split of the work {names}: {ideal}")
     print(
@@ -358,9 +295,10 @@ def print_efficiency(results: Sequence[RunResult], models: Sequence[ServerModel]
     for r in results:
         for m in models:
             detail.append(_server_row(r, m))
-    _table(
+    harness.print_table(
         ("batch", "server", "completed", "share", "busy s", "full s", "idle at end s", "lag ms"),
         detail,
+        first_left=False,
     )
 
 
@@ -392,10 +330,10 @@ def _error_note(results: Sequence[RunResult]) -> None:
 
 
 def _noise_note(results: Sequence[RunResult]) -> None:
-    noisy = [r for r in results if (r.other_load or 0.0) > NOISY]
+    noisy = [r for r in results if (r.other_load or 0.0) > harness.MACHINE_NOISY]
     if noisy:
         print(
-            f"noisy: other processes took more than {NOISY:.0%} of the CPUs during "
+            f"noisy: other processes took more than {harness.MACHINE_NOISY:.0%} of the CPUs during "
             f"{len(noisy)} run(s); their makespans are long. Rerun on an idle machine, or "
             "with --attempts."
         )
@@ -430,7 +368,7 @@ def print_faults(
                 f"{faulty.tail:.2f}",
                 f"{faulty.drain:.2f}",
                 _counts(faulty, models),
-                f"{_percent(clean.other_load)}/{_percent(faulty.other_load)}",
+                f"{harness.percent(clean.other_load)}/{harness.percent(faulty.other_load)}",
                 verdict if ok else f"MISS ({faulty.samples - faulty.ok} error rows)",
             )
         )
@@ -439,7 +377,7 @@ def print_faults(
     header += ["fault s", "fault bound s", "ratio", "extra s", "explained s", "tail s"]
     header += ["drain s", f"completed {names}", "other CPU %"]
     header += [f"extra <= expl.+{TARGET_FAULT_SLACK:.0f}"]
-    _table(header, rows)
+    harness.print_table(header, rows, first_left=False)
     print(
         "evicted +s: from the kill to the eviction; requeued: samples taken back from the "
         "killed server;\nexplained: fault bound - bound without the fault; other CPU %: "
@@ -468,7 +406,7 @@ def parse_servers(text: str, alpha: float) -> list[ServerModel]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=20_000, help="N per run (20,000)")
+    harness.add_number(parser, "--samples", 20_000, "N per run (20,000)")
     parser.add_argument(
         "--batch-sizes", default="32,128,256", help="pool batch sizes to try (32,128,256)"
     )
@@ -478,35 +416,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=DEFAULT_SERVERS,
         help=f"name:base latency ms:capacity of each server ({DEFAULT_SERVERS})",
     )
-    parser.add_argument("--alpha", type=float, default=0.5, help="slow-down of a full server (0.5)")
-    parser.add_argument(
-        "--batches-per-server",
-        type=int,
-        default=4,
-        help="max_concurrent_batches_per_client (4)",
-    )
+    harness.add_number(parser, "--alpha", 0.5, "slow-down of a full server (0.5)")
+    harness.add_number(parser, "--batches-per-server", 4, "max_concurrent_batches_per_client (4)")
     parser.add_argument("--kill", default="A", help="the server to kill in the fault runs (A)")
-    parser.add_argument(
-        "--kill-at", type=float, default=0.3, help="share of samples done at the kill (0.3)"
-    )
+    harness.add_number(parser, "--kill-at", 0.3, "share of samples done at the kill (0.3)")
     parser.add_argument("--no-fault", action="store_true", help="skip the fault runs")
-    parser.add_argument(
+    harness.add_number(
+        parser,
         "--attempts",
-        type=int,
-        default=1,
-        help=f"measure a run up to this many times while other processes take more than "
-        f"{100 * NOISY:.0f}%% of the CPUs, keeping the quietest (1)",
+        1,
+        f"measure a run up to this many times while other processes take more than "
+        f"{100 * harness.MACHINE_NOISY:.0f}%% of the CPUs, keeping the quietest (1)",
     )
     parser.add_argument(
         "--no-pin", action="store_true", help="do not pin the client and servers to CPUs"
     )
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each run, wait up to this long for the CPUs to go idle (0: do not wait)",
-    )
+    harness.add_wait_idle(parser, "run", "0: do not wait")
     args = parser.parse_args(argv)
     if args.quick:
         args.samples = 4_000
@@ -520,63 +445,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def wait_for_idle(budget: float, threshold: float = 0.1) -> None:
-    """Wait up to ``budget`` seconds until the CPUs are busy less than ``threshold``.
-
-    Between runs the benchmark itself is idle, so whatever keeps the CPUs busy is other
-    work that would land in the middle of the next run.
-    """
-    deadline = time.monotonic() + budget
-    said = False
-    while True:
-        before = machine_busy_seconds()
-        time.sleep(1.0)
-        after = machine_busy_seconds()
-        if before is None or after is None or (after - before) / _cpus() <= threshold:
-            return
-        if time.monotonic() >= deadline:
-            print(f"  still busy after {budget:.0f} s; measuring anyway", flush=True)
-            return
-        if not said:
-            print("  waiting for the CPUs to go idle ...", flush=True)
-            said = True
-
-
-def quietest(attempts: int, measure: Callable[[], RunResult], wait_idle: float = 0.0) -> RunResult:
-    """Measure up to ``attempts`` times while other processes load the machine; keep the
-    run they disturbed least. With ``wait_idle``, wait that long at most for the CPUs to
+def quietest(args: argparse.Namespace, measure: Callable[[], RunResult]) -> RunResult:
+    """Measure up to ``--attempts`` times while other processes load the machine; keep the
+    run they disturbed least. With ``--wait-idle``, wait that long at most for the CPUs to
     go idle before each attempt."""
-    best: RunResult | None = None
-    for attempt in range(1, attempts + 1):
-        if wait_idle > 0:
-            wait_for_idle(wait_idle)
-        result = measure()
-        if best is None or (result.other_load or 0.0) < (best.other_load or 0.0):
-            best = result
-        if (result.other_load or 0.0) <= NOISY or attempt == attempts:
-            break
-        print(
-            f"  noisy ({result.other_load:.0%} of the CPUs went to other processes); "
-            f"measuring again ({attempt + 1} of {attempts})",
-            flush=True,
-        )
-    assert best is not None
-    return best
+    again = (
+        "  noisy ({noise:.0%} of the CPUs went to other processes); "
+        "measuring again ({attempt} of {attempts})"
+    )
+    retry = harness.Retry(args.attempts, args.wait_idle, harness.MACHINE_NOISY, again)
+    return harness.quietest(measure, lambda result: result.other_load or 0.0, retry, None)
 
 
 def _pick_cpus(pin: bool) -> tuple[int | None, int | None]:
     """(client CPU, server CPU), or Nones when not pinning or only one CPU is usable."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not pin or len(cpus) < 2:
+    client_cpu, server_cpu = harness.pick_cpus()
+    if not pin or client_cpu == server_cpu:
         return None, None
-    return cpus[0], cpus[1]
+    return client_cpu, server_cpu
 
 
 def print_setup(args: argparse.Namespace, client_cpu: int | None, server_cpu: int | None) -> None:
     models: list[ServerModel] = args.models
     total = sum(m.throughput for m in models)
     print(
-        f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
+        f"{harness.versions('python')}, {os.cpu_count()} CPUs, "
         f"open-file limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; "
         + (
             f"client pinned to CPU {client_cpu}, servers to CPU {server_cpu}"
@@ -604,14 +497,12 @@ def print_setup(args: argparse.Namespace, client_cpu: int | None, server_cpu: in
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
-    from _nginx import raise_nofile_limit
-
     raise_nofile_limit()  # the servers inherit it
     client_cpu, server_cpu = _pick_cpus(not args.no_pin)
     if client_cpu is not None:
         os.sched_setaffinity(0, {client_cpu})  # before the pool's loop thread exists
-    events = EventLog()
-    structlog.configure(processors=[events])
+    events = harness.EventLog(echo=False)
+    events.install()
     models: list[ServerModel] = args.models
     servers = [SimServer(m, MODEL, server_cpu) for m in models]
     try:
@@ -625,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             measure = partial(
                 run_once, servers, batch_size, args.samples, args.batches_per_server, events
             )
-            clean[batch_size] = quietest(args.attempts, measure, args.wait_idle)
+            clean[batch_size] = quietest(args, measure)
         print("\nPool efficiency (makespan against total work / total capacity)\n")
         print_efficiency(list(clean.values()), models)
         if args.no_fault:
@@ -650,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         for batch_size in args.batch_sizes:
             print(f"running batch size {batch_size}, killing {args.kill} ...", flush=True)
-            faulty = quietest(args.attempts, partial(faulty_run, batch_size), args.wait_idle)
+            faulty = quietest(args, partial(faulty_run, batch_size))
             pairs.append((clean[batch_size], faulty))
         print(
             f"\nFault cost ({args.kill} SIGKILLed at {args.kill_at:.0%} done; fault bound = "

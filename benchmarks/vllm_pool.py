@@ -34,10 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
-import resource
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -50,7 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from annotate_overhead import EventLog, print_table, version
+import _harness as harness
+from _nginx import group_cpu_seconds
 
 TARGET_SHARE = 0.95
 MAX_TOKENS = 8
@@ -58,8 +56,6 @@ TEMPERATURE = 1.0
 BATCHES_PER_MEMBER = 4
 TEMPLATE = "Is this review positive or negative? Answer in one word.\n\nReview: {text}"
 WAYS = ("pool", "plain", "annotate")
-NOISY = 0.15
-"""Above this share of the machine's CPU taken by other processes, a run is noisy."""
 
 
 @dataclass
@@ -94,39 +90,6 @@ class RunResult:
     def rps(self) -> float:
         """Answers per second (errors count: a failed run is flagged, not hidden)."""
         return self.samples / self.wall if self.wall else 0.0
-
-
-def _machine_busy() -> float | None:
-    """Seconds all cores have spent busy since boot, from ``/proc/stat``."""
-    try:
-        with open("/proc/stat") as stat:
-            ticks = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(ticks) - ticks[3] - ticks[4] - (sum(ticks[8:10]) if len(ticks) >= 10 else 0)
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _group_cpu(groups: Sequence[int]) -> float:
-    """CPU seconds (user + system) of the running processes in the given process groups."""
-    wanted = set(groups)
-    ticks = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) in wanted:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _tally(result: RunResult, responses: Sequence[Any]) -> None:
@@ -186,18 +149,19 @@ class Bench:
             "annotate": self._annotate,
             "plain": self._plain,
         }
-        busy0, own0, servers0 = _machine_busy(), _own_cpu(), _group_cpu(self.groups)
+        busy0, own0 = harness.busy_seconds(), harness.cpu_seconds()
+        servers0 = group_cpu_seconds(self.groups)
         wall0 = time.perf_counter()
         methods[way](result)
         wall = time.perf_counter() - wall0
-        busy1, own1, servers1 = _machine_busy(), _own_cpu(), _group_cpu(self.groups)
+        busy1, own1 = harness.busy_seconds(), harness.cpu_seconds()
+        servers1 = group_cpu_seconds(self.groups)
         if not result.wall:
             result.wall = wall
         result.client_cpu = own1 - own0
         result.server_cpu = servers1 - servers0
-        if busy0 is not None and busy1 is not None and wall > 0:
-            others = (busy1 - busy0) - result.client_cpu - result.server_cpu
-            result.other_load = max(0.0, others / (wall * (os.cpu_count() or 1)))
+        ours = result.client_cpu + result.server_cpu
+        result.other_load = harness.machine_other_load(busy0, busy1, ours, wall)
         return result
 
     def _pool(self, result: RunResult) -> None:
@@ -260,32 +224,14 @@ class Bench:
                 await asyncio.gather(*(client.aclose() for client in clients))
             return [response for part in answers for response in part]
 
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=harness.uvloop_factory()) as runner:
             _tally(result, runner.run(main()))
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def print_runs(runs: Sequence[RunResult]) -> None:
     """One line per run."""
-    header = (
-        "round",
-        "way",
-        "samples",
-        "ok",
-        "wall s",
-        "rows/s",
-        "out tok/s",
-        "client CPU s",
-        "servers CPU s",
-        "other %",
-    )
+    header = ["round", "way", "samples", "ok", "wall s", "rows/s", "out tok/s"]
+    header += ["client CPU s", "servers CPU s", "other %"]
     rows = [
         (
             str(r.round),
@@ -297,20 +243,20 @@ def print_runs(runs: Sequence[RunResult]) -> None:
             f"{r.output_tokens / r.wall:,.0f}" if r.wall else "-",
             f"{r.client_cpu:.1f}",
             f"{r.server_cpu:.1f}",
-            "-" if r.other_load is None else f"{100 * r.other_load:.0f}",
+            harness.percent(r.other_load),
         )
         for r in runs
     ]
-    print_table(header, rows)
+    harness.print_table(header, rows)
     failed = [r for r in runs if r.errors or r.ok != r.samples]
     for r in failed:
         shown = ", ".join(f"{count:,} x {kind}" for kind, count in r.errors.items())
         print(f"* round {r.round} {r.way}: {r.samples - r.ok:,} without an answer ({shown})")
-    noisy = [r for r in runs if (r.other_load or 0.0) > NOISY]
+    noisy = [r for r in runs if (r.other_load or 0.0) > harness.MACHINE_NOISY]
     if noisy:
         print(
             f"noisy: {len(noisy)} run(s) shared the machine with other processes taking more "
-            f"than {NOISY:.0%} of its CPU; the medians below are less certain."
+            f"than {harness.MACHINE_NOISY:.0%} of its CPU; the medians below are less certain."
         )
 
 
@@ -320,21 +266,21 @@ def print_summary(runs: Sequence[RunResult]) -> None:
     medians: dict[str, float] = {}
     rows = []
     for way in WAYS:
-        mine = [r.rps for r in runs if r.way == way and not r.errors and r.ok == r.samples]
-        if not mine:
+        good = [r.rps for r in runs if r.way == way and not r.errors and r.ok == r.samples]
+        if not good:
             rows.append((way, "0", "-", "-", "-"))
             continue
-        medians[way] = statistics.median(mine)
+        medians[way] = statistics.median(good)
         rows.append(
             (
                 way,
-                str(len(mine)),
+                str(len(good)),
                 f"{medians[way]:,.0f}",
-                f"{min(mine):,.0f}",
-                f"{max(mine):,.0f}",
+                f"{min(good):,.0f}",
+                f"{max(good):,.0f}",
             )
         )
-    print_table(("way", "good runs", "median rows/s", "min", "max"), rows)
+    harness.print_table(("way", "good runs", "median rows/s", "min", "max"), rows)
     print()
     plain = medians.get("plain")
     for way, name in (("pool", "pool.batch_generate"), ("annotate", "pool.annotate")):
@@ -350,24 +296,12 @@ def print_summary(runs: Sequence[RunResult]) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--samples", type=int, default=4000, help="conversations per run (default 4,000)"
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="runs of each way, alternated (default 3)"
-    )
-    parser.add_argument(
-        "--in-flight",
-        type=int,
-        default=256,
-        help="requests in flight per server (default 256)",
-    )
+    harness.add_number(parser, "--samples", 4000, "conversations per run (default 4,000)")
+    harness.add_number(parser, "--rounds", 3, "runs of each way, alternated (default 3)")
+    harness.add_number(parser, "--in-flight", 256, "requests in flight per server (default 256)")
     parser.add_argument("--quick", action="store_true", help="N=1,000, 2 rounds")
-    parser.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="seconds the servers may take to start (default 600)",
+    harness.add_number(
+        parser, "--startup-timeout", 600.0, "seconds the servers may take to start (default 600)"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -377,20 +311,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    EventLog().install()  # the library's events would interleave with the tables
+    harness.exit_on_sigterm()
+    harness.EventLog().install()  # the library's events would interleave with the tables
     from llm_annotator.errors import LLMAnnotatorError
     from llm_annotator.local import start_local_servers
 
     print(
-        f"python {platform.python_version()}, llm-annotator {version('llm-annotator')}, "
+        f"{harness.versions('python', 'llm-annotator')}, "
         f"{os.cpu_count()} CPUs; starting 2 vLLM servers on the tiny model ...",
         flush=True,
     )
