@@ -340,3 +340,18 @@ def test_a_row_the_store_claims_without_a_result_fails_the_job_loudly(
     ):
         pool.annotate(data, TEMPLATE, tmp_path / "run", progress=False)
     assert len(servers[0].requests) == 19
+
+
+def test_the_job_arguments_are_the_same_everywhere(tmp_path: Path) -> None:
+    """JobArgs (the typed keywords) and JobSpec (the arguments with their defaults) name
+    the same arguments, and an unknown keyword is refused by name before anything runs."""
+    import dataclasses
+
+    from llm_annotator.jobs.annotate import JobArgs, JobSpec
+
+    fields = {f.name for f in dataclasses.fields(JobSpec)}
+    assert set(JobArgs.__annotations__) == fields - {"data", "prompt_template", "output_dir"}
+    client = VLLMOnlineClient(base_url="http://127.0.0.1:9/v1", model="m")
+    with pytest.raises(TypeError, match="'retry_error'"):
+        Annotator(client).annotate(rows(1), TEMPLATE, tmp_path / "run", retry_error=True)  # type: ignore[call-arg]
+    assert not (tmp_path / "run").exists()

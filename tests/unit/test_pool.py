@@ -599,3 +599,19 @@ def test_last_batches_shrink_to_an_even_share_of_the_queue() -> None:
         return sizes
 
     assert asyncio.run(scenario()) == [7, 5, 4, 3, 2, 1, 1, 1, 1]
+
+
+def test_every_setting_is_an_argument_with_the_same_default() -> None:
+    """Each PoolConfig field is an argument of VLLMQueueAnnotator with the config's
+    default, and reads back from the pool as given."""
+    import dataclasses
+    import inspect
+
+    from llm_annotator.pool.config import PoolConfig
+
+    parameters = inspect.signature(VLLMQueueAnnotator).parameters
+    for field in dataclasses.fields(PoolConfig):
+        assert parameters[field.name].default == field.default, field.name
+    pool = VLLMQueueAnnotator(["http://127.0.0.1:9/v1"], batch_size=7, stall_window=45)
+    assert (pool.batch_size, pool.stall_window, pool.config.batch_size) == (7, 45.0, 7)
+    pool.close()

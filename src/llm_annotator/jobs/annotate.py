@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, Unpack
 
 import orjson
 import structlog
@@ -97,21 +97,48 @@ class JobArgs(TypedDict, total=False):
 
 
 @dataclass(frozen=True, slots=True)
-class _Spec:
-    """What defines one job: the arguments of :meth:`Annotator.annotate`."""
+class JobSpec:
+    """What defines one job: the arguments of :meth:`Annotator.annotate`, with their
+    defaults, written once (:class:`JobArgs` types the keywords)."""
 
     data: Any
     prompt_template: str
     output_dir: Path
-    system_message: str | None
-    id_column: str | None
-    options: Any
-    gen_kwargs: dict[str, Any] | None
-    columns: Sequence[str] | None
-    retry_errors: bool
-    force: bool
-    write_jsonl: bool
-    max_regenerations: int
+    system_message: str | None = None
+    id_column: str | None = None
+    options: Any = None
+    gen_kwargs: dict[str, Any] | None = None
+    columns: Sequence[str] | None = None
+    retry_errors: bool = False
+    force: bool = False
+    write_jsonl: bool = False
+    max_regenerations: int = MAX_REGENERATIONS
+
+    @classmethod
+    def of(
+        cls,
+        data: Any,
+        prompt_template: str,
+        output_dir: str | os.PathLike[str],
+        job: Mapping[str, Any],
+    ) -> JobSpec:
+        """The spec of a call's arguments.
+
+        Raises:
+            TypeError: If ``job`` names an argument that does not exist.
+        """
+        unknown = sorted(set(job) - _JOB_ARGS)
+        if unknown:
+            raise TypeError(
+                f"annotate() got unexpected keyword arguments {unknown}; "
+                f"it takes {sorted(_JOB_ARGS)}"
+            )
+        return cls(data, prompt_template, Path(output_dir), **job)
+
+
+_JOB_ARGS = frozenset(JobArgs.__annotations__)
+"""The keyword arguments of a job (``tests/unit/test_annotate.py`` checks that
+:class:`JobSpec` has the same)."""
 
 
 class _Item:
@@ -186,16 +213,8 @@ class Annotator:
         prompt_template: str,
         output_dir: str | os.PathLike[str],
         *,
-        system_message: str | None = None,
-        id_column: str | None = None,
-        options: Any = None,
-        gen_kwargs: dict[str, Any] | None = None,
-        columns: Sequence[str] | None = None,
-        retry_errors: bool = False,
-        force: bool = False,
-        write_jsonl: bool = False,
-        max_regenerations: int = MAX_REGENERATIONS,
         handle_signals: bool = True,
+        **job: Unpack[JobArgs],
     ) -> AnnotationResult:
         """Annotate ``data`` into ``output_dir``; resume it if it holds this job already.
 
@@ -228,21 +247,8 @@ class Annotator:
             RunInterruptedError: A signal stopped the job; everything done is written.
             PoolExhaustedError: Every server stayed down; everything done is written.
         """
+        spec = JobSpec.of(data, prompt_template, output_dir, job)
         interrupt = Interrupt(self.stop_grace)
-        spec = _Spec(
-            data,
-            prompt_template,
-            Path(output_dir),
-            system_message,
-            id_column,
-            options,
-            gen_kwargs,
-            columns,
-            retry_errors,
-            force,
-            write_jsonl,
-            max_regenerations,
-        )
         with handling_signals(interrupt, enabled=handle_signals):
             return run_sync(self._annotate(spec, interrupt))
 
@@ -252,37 +258,16 @@ class Annotator:
         prompt_template: str,
         output_dir: str | os.PathLike[str],
         *,
-        system_message: str | None = None,
-        id_column: str | None = None,
-        options: Any = None,
-        gen_kwargs: dict[str, Any] | None = None,
-        columns: Sequence[str] | None = None,
-        retry_errors: bool = False,
-        force: bool = False,
-        write_jsonl: bool = False,
-        max_regenerations: int = MAX_REGENERATIONS,
         stop: asyncio.Event | None = None,
+        **job: Unpack[JobArgs],
     ) -> AnnotationResult:
         """Async twin of :meth:`annotate`. Signals are the caller's to handle: set
         ``stop`` for a clean stop, or cancel the task to stop at once."""
+        spec = JobSpec.of(data, prompt_template, output_dir, job)
         interrupt = Interrupt(self.stop_grace, stop=stop)
-        spec = _Spec(
-            data,
-            prompt_template,
-            Path(output_dir),
-            system_message,
-            id_column,
-            options,
-            gen_kwargs,
-            columns,
-            retry_errors,
-            force,
-            write_jsonl,
-            max_regenerations,
-        )
         return await self._annotate(spec, interrupt)
 
-    async def _annotate(self, spec: _Spec, interrupt: Interrupt) -> AnnotationResult:
+    async def _annotate(self, spec: JobSpec, interrupt: Interrupt) -> AnnotationResult:
         interrupt.bind()
         try:
             return await self._annotate_bound(spec, interrupt)
@@ -297,7 +282,7 @@ class Annotator:
                 signum=interrupt.signals[0] if interrupt.signals else None,
             ) from None
 
-    async def _annotate_bound(self, spec: _Spec, interrupt: Interrupt) -> AnnotationResult:
+    async def _annotate_bound(self, spec: JobSpec, interrupt: Interrupt) -> AnnotationResult:
         started = time.monotonic()
         template = PromptTemplate(spec.prompt_template)
         raw_schema = getattr(spec.options, "output_schema", None)
@@ -663,7 +648,7 @@ def _healthy(client: Client[Any]) -> int:
     return client.statistics().healthy if isinstance(client, Streamer) else 1
 
 
-async def _open_store(spec: _Spec, fingerprint: dict[str, Any]) -> ResultStore:
+async def _open_store(spec: JobSpec, fingerprint: dict[str, Any]) -> ResultStore:
     """Open the run's store in a thread; if the job is cancelled meanwhile (a signal),
     the store is still closed, so that its lock and empty shard do not linger."""
     opening = asyncio.ensure_future(

@@ -171,26 +171,10 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         stall_window: float = default.STALL_WINDOW,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        given = locals()  # the arguments, before anything else is named here
         if isinstance(base_urls, str):
             raise ConfigurationError("base_urls must be a list of URLs, not one string")
-        self.config = PoolConfig(
-            model=model,
-            batch_size=batch_size,
-            max_concurrent_batches_per_client=max_concurrent_batches_per_client,
-            timeout=timeout,
-            connect_timeout=connect_timeout,
-            health_check_interval=health_check_interval,
-            health_check_timeout=health_check_timeout,
-            max_failed_health_checks=max_failed_health_checks,
-            max_sample_evictions=max_sample_evictions,
-            max_sample_retries=max_sample_retries,
-            all_down_timeout=all_down_timeout,
-            on_error=on_error,
-            hedge_tail=hedge_tail,
-            max_response_bytes=max_response_bytes,
-            max_server_faults=max_server_faults,
-            stall_window=stall_window,
-        )
+        self.config = PoolConfig(**{name: given[name] for name in PoolConfig.names()})
         clients_built = ClientFactory.build(self.config, api_key, verify)
         state = PoolState(self.config, clock, clients_built, discovery)
         self._state = state

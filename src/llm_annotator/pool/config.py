@@ -54,6 +54,11 @@ class PoolConfig:
     max_server_faults: int = default.MAX_SERVER_FAULTS
     stall_window: float = default.STALL_WINDOW
 
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The settings' names, in order (each is also an argument of the pool)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ConfigurationError(
