@@ -201,7 +201,7 @@ def test_only_the_job_writes_the_store_and_many_bad_rows_stay_bounded(
     gets its record, the good ones answered, and every record is written by the job's
     own task (never from inside the pool's input reader), with at most a bounded
     number of error records waiting for it at any time."""
-    from llm_annotator.jobs import annotate as job_module
+    from llm_annotator.jobs import runner as job_module
     from llm_annotator.jobs.store import ResultStore
 
     records = [{"text": f"t{i}"} if i % 1000 == 0 else {"other": i} for i in range(10_000)]
@@ -209,7 +209,7 @@ def test_only_the_job_writes_the_store_and_many_bad_rows_stay_bounded(
     writers: set[asyncio.Task[Any] | None] = set()
     waiting: list[int] = []
     original_append = ResultStore.append
-    original_put = job_module._Job._put_ready
+    original_put = job_module.JobRun._put_ready
 
     def append(self: ResultStore, record: dict[str, Any]) -> None:
         writers.add(asyncio.current_task())
@@ -220,7 +220,7 @@ def test_only_the_job_writes_the_store_and_many_bad_rows_stay_bounded(
         await original_put(self, record)
 
     monkeypatch.setattr(ResultStore, "append", append)
-    monkeypatch.setattr(job_module._Job, "_put_ready", put_ready)
+    monkeypatch.setattr(job_module.JobRun, "_put_ready", put_ready)
 
     async def job() -> tuple[Any, asyncio.Task[Any] | None]:
         async with pool_of([fake_server]) as pool:

@@ -4,52 +4,54 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import time
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import Any, Unpack
 
-import orjson
 import structlog
 
 from llm_annotator._constants import (
     BATCH_SIZE,
     FLUSH_INTERVAL,
     MAX_CONCURRENT_BATCHES,
-    MAX_REGENERATIONS,
     STOP_GRACE,
     SYNC_INTERVAL,
 )
 from llm_annotator._sync import run_sync
 from llm_annotator._validate import positive_int
-from llm_annotator.clients.base import Client, Messages
+from llm_annotator.clients.base import Client
 from llm_annotator.errors import (
     ConfigurationError,
     InputError,
     JobError,
-    PromptError,
     RunInterruptedError,
 )
 from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.fingerprint import make_fingerprint
-from llm_annotator.jobs.ids import RowId
 from llm_annotator.jobs.inputs import RowSource, open_input
 from llm_annotator.jobs.interrupt import Interrupt, handling_signals
 from llm_annotator.jobs.progress import Progress
-from llm_annotator.jobs.prompts import PromptTemplate, build_messages
+from llm_annotator.jobs.prompts import PromptTemplate
 from llm_annotator.jobs.records import RecordBuilder
+from llm_annotator.jobs.report import (
+    REPORT_NAME,
+    healthy_servers,
+    hedged_requests,
+    job_report,
+    write_json,
+)
+from llm_annotator.jobs.runner import JobRun, varies
 from llm_annotator.jobs.schema import OutputSchema
+from llm_annotator.jobs.spec import JobArgs, JobSpec
 from llm_annotator.jobs.store import ResultStore, output_write_error
-from llm_annotator.jobs.streaming import ModelSource, Streamer, stream
-from llm_annotator.response import Response
+from llm_annotator.jobs.streaming import ModelSource
 
 log = structlog.get_logger(__name__)
 
-REPORT_NAME = "report.json"
+__all__ = ["REPORT_NAME", "AnnotationResult", "Annotator", "JobArgs", "JobSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,80 +81,6 @@ class AnnotationResult:
     num_resumed: int
     num_sent: int
     seconds: float
-
-
-class JobArgs(TypedDict, total=False):
-    """The keyword arguments of a job, written once: :meth:`Annotator.annotate` takes
-    them, and ``VLLMQueueAnnotator.annotate`` forwards them (see there for each)."""
-
-    system_message: str | None
-    id_column: str | None
-    options: Any
-    gen_kwargs: dict[str, Any] | None
-    columns: Sequence[str] | None
-    retry_errors: bool
-    force: bool
-    write_jsonl: bool
-    max_regenerations: int
-
-
-@dataclass(frozen=True, slots=True)
-class JobSpec:
-    """What defines one job: the arguments of :meth:`Annotator.annotate`, with their
-    defaults, written once (:class:`JobArgs` types the keywords)."""
-
-    data: Any
-    prompt_template: str
-    output_dir: Path
-    system_message: str | None = None
-    id_column: str | None = None
-    options: Any = None
-    gen_kwargs: dict[str, Any] | None = None
-    columns: Sequence[str] | None = None
-    retry_errors: bool = False
-    force: bool = False
-    write_jsonl: bool = False
-    max_regenerations: int = MAX_REGENERATIONS
-
-    @classmethod
-    def of(
-        cls,
-        data: Any,
-        prompt_template: str,
-        output_dir: str | os.PathLike[str],
-        job: Mapping[str, Any],
-    ) -> JobSpec:
-        """The spec of a call's arguments.
-
-        Raises:
-            TypeError: If ``job`` names an argument that does not exist.
-        """
-        unknown = sorted(set(job) - _JOB_ARGS)
-        if unknown:
-            raise TypeError(
-                f"annotate() got unexpected keyword arguments {unknown}; "
-                f"it takes {sorted(_JOB_ARGS)}"
-            )
-        return cls(data, prompt_template, Path(output_dir), **job)
-
-
-_JOB_ARGS = frozenset(JobArgs.__annotations__)
-"""The keyword arguments of a job (``tests/unit/test_annotate.py`` checks that
-:class:`JobSpec` has the same)."""
-
-
-class _Item:
-    """One row on its way through the model (the key of the stream)."""
-
-    __slots__ = ("attempt", "id", "messages", "values")
-
-    def __init__(
-        self, row_id: RowId, values: dict[str, Any], messages: Messages, attempt: int
-    ) -> None:
-        self.id = row_id
-        self.values = values
-        self.messages = messages
-        self.attempt = attempt
 
 
 class Annotator:
@@ -307,7 +235,7 @@ class Annotator:
         )
         store = await _open_store(spec, fingerprint)
         resumed = store.num_done
-        hedged_before = _hedged(self.client)
+        hedged_before = hedged_requests(self.client)
         log.info(
             "job_started",
             input=source.description,
@@ -316,7 +244,7 @@ class Annotator:
             output_dir=str(spec.output_dir),
             model=model,
         )
-        job = _Job(
+        job = JobRun(
             annotator=self,
             source=source,
             template=template,
@@ -324,9 +252,9 @@ class Annotator:
             builder=RecordBuilder(schema, spec.columns),
             schema=schema,
             store=store,
-            regenerate=spec.max_regenerations if _varies(spec.options, spec.gen_kwargs) else 0,
+            regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
             progress=Progress(
-                total, resumed, healthy=lambda: _healthy(self.client), bar=self.progress
+                total, resumed, healthy=lambda: healthy_servers(self.client), bar=self.progress
             ),
         )
         interrupt.sending = True
@@ -365,11 +293,11 @@ class Annotator:
                 error, error.filename or spec.output_dir, spec.output_dir, done=done
             ) from None
         seconds = time.monotonic() - started
-        report = _report(job, result, total, resumed, seconds, self.client)
-        report["this_run"]["hedged_requests"] = _hedged(self.client) - hedged_before
+        report = job_report(job, result, total, resumed, seconds, self.client)
+        report["this_run"]["hedged_requests"] = hedged_requests(self.client) - hedged_before
         report_path = spec.output_dir / REPORT_NAME
         try:
-            await asyncio.to_thread(_write_json, report_path, report)
+            await asyncio.to_thread(write_json, report_path, report)
         except OSError as error:
             raise output_write_error(error, report_path, spec.output_dir, done=done) from None
         log.info(
@@ -406,211 +334,6 @@ class Annotator:
         )
 
 
-_READY_LIMIT = 4096
-"""Records of rows that need no request (unreadable rows, templates that fail) held
-for the consumer at most; the input waits beyond that."""
-
-
-class _Job:
-    """The moving parts of one run: rows out to the model, records into the store.
-
-    Three parts, each with one job:
-
-    - the *requests* (:meth:`_requests`, read by the client's stream) only produce: a
-      row that needs no request (unreadable, or its template fails) becomes a record
-      put in :attr:`ready`; the others become requests, regenerations first;
-    - the *pump* (:meth:`_pump`) moves the stream's answers into :attr:`answers`;
-    - the *consumer* (:meth:`_consume`, the job's own task) is the only writer of the
-      store: it concludes every answer (a record, or a regeneration put on the job's
-      queue :attr:`retries`) and writes the ready records.
-    """
-
-    def __init__(
-        self,
-        *,
-        annotator: Annotator,
-        source: RowSource,
-        template: PromptTemplate,
-        system_message: str | None,
-        builder: RecordBuilder,
-        schema: OutputSchema | None,
-        store: ResultStore,
-        regenerate: int,
-        progress: Progress,
-    ) -> None:
-        self.annotator = annotator
-        self.source = source
-        self.template = template
-        self.system_message = system_message
-        self.builder = builder
-        self.schema = schema
-        self.store = store
-        self.regenerate = regenerate
-        self.progress = progress
-        self.retries: deque[_Item] = deque()
-        """Regenerations, owned by the job: the requests send them first."""
-        self.retry_ready = asyncio.Event()
-        self.ready: deque[dict[str, Any]] = deque()
-        """Error records of rows that were never sent, for the consumer to write."""
-        self.answers: deque[tuple[_Item, Response]] = deque()
-        self._wake = asyncio.Event()
-        self._drained = asyncio.Event()
-        self._stream_over = False
-        self._failure: Exception | None = None
-        self.out = 0
-        """Items handed to the model and not yet concluded."""
-        self.sent = 0
-        self.regenerated = 0
-        self.prompt_tokens = 0
-
-    async def run(
-        self, options: Any, gen_kwargs: dict[str, Any] | None, interrupt: Interrupt
-    ) -> None:
-        annotator = self.annotator
-        results = stream(
-            annotator.client,
-            self._requests(),
-            options=options,
-            gen_kwargs=gen_kwargs,
-            stop=interrupt.stop,
-            batch_size=annotator.batch_size,
-            max_concurrent_batches=annotator.max_concurrent_batches,
-        )
-        pump = asyncio.ensure_future(self._pump(results))
-        try:
-            await self._consume()
-        finally:
-            if not pump.done():
-                pump.cancel()  # closes the stream: the work in flight is cancelled
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
-
-    async def _pump(self, results: AsyncGenerator[tuple[_Item, Response], None]) -> None:
-        """Move the stream's answers to the consumer; hand it the stream's failure."""
-        try:
-            async with contextlib.aclosing(results):
-                async for pair in results:
-                    self.answers.append(pair)
-                    self._wake.set()
-        except Exception as exc:  # PoolExhaustedError, a failed input: the job's to raise
-            self._failure = exc
-        finally:
-            self._stream_over = True
-            self._wake.set()
-
-    async def _consume(self) -> None:
-        """Write every record, in the job's task, until the stream is over."""
-        annotator, store = self.annotator, self.store
-        answers, ready = self.answers, self.ready
-        flushed = synced = time.monotonic()
-        while True:
-            while ready or answers:
-                while ready:
-                    self._write(ready.popleft(), failed=True)
-                self._drained.set()
-                while answers:
-                    item, response = answers.popleft()
-                    self._conclude(item, response)
-                now = time.monotonic()
-                if now - flushed >= annotator.flush_interval:
-                    store.flush()
-                    flushed = now
-                    if now - synced >= annotator.sync_interval:
-                        await asyncio.to_thread(store.sync)
-                        synced = time.monotonic()
-            if self._stream_over:
-                if self._failure is not None:
-                    raise self._failure
-                return
-            self._wake.clear()
-            await self._wake.wait()
-
-    async def _requests(self) -> AsyncIterator[tuple[_Item, Messages]]:
-        """Rows not done yet, as prompts; regenerations go first. Rows that need no
-        request become records for the consumer (never written here)."""
-        store, retries = self.store, self.retries
-        scanned = 0
-        for row in self.source:
-            scanned += 1
-            if scanned % 4096 == 0:
-                await asyncio.sleep(0)  # a long run of done rows must not starve the loop
-            while retries:
-                item = retries.popleft()
-                yield item, item.messages
-            if store.is_done(row.id):
-                continue
-            if row.error is not None:
-                await self._put_ready(self.builder.error_record(row.id, {}, row.error))
-                continue
-            try:
-                prompt = self.template.render(row.values, row.where)
-            except PromptError as exc:
-                await self._put_ready(self.builder.error_record(row.id, row.values, str(exc)))
-                continue
-            messages = build_messages(prompt, self.system_message)
-            self.out += 1
-            self.sent += 1
-            yield _Item(row.id, row.values, messages, 0), messages
-        while True:
-            while retries:
-                item = retries.popleft()
-                yield item, item.messages
-            if self.out == 0:
-                return
-            self.retry_ready.clear()
-            await self.retry_ready.wait()
-
-    async def _put_ready(self, record: dict[str, Any]) -> None:
-        """Hand a record to the consumer; wait while it has many to write."""
-        self.ready.append(record)
-        self._wake.set()
-        if len(self.ready) >= _READY_LIMIT:
-            self._drained.clear()
-            await self._drained.wait()
-
-    def _conclude(self, item: _Item, response: Response) -> None:
-        """Write the row's record, or send it again for a better answer."""
-        # Every answer's tokens count, regenerated ones too: what the servers generated
-        # for this run. The bar's and report.json's rates are both this one figure.
-        self.progress.add_tokens(response.num_output_tokens or 0)
-        self.prompt_tokens += response.num_prompt_tokens or 0
-        parsed = None
-        if self.schema is not None and response.ok:
-            parsed = self.schema.parse(response.text, response.finish_reason)
-            if not parsed.valid:
-                if item.attempt < self.regenerate:
-                    item.attempt += 1
-                    self.regenerated += 1
-                    self.retries.append(item)
-                    self.retry_ready.set()
-                    return
-                response = _invalid(response, parsed.error, parsed.kind)
-        self.out -= 1
-        if self.out == 0:
-            self.retry_ready.set()  # the stream of items may end now
-        record = self.builder.build(item.id, item.values, response, parsed)
-        self._write(record, failed=not response.ok)
-
-    def _write(self, record: dict[str, Any], *, failed: bool) -> None:
-        self.store.append(record)
-        self.progress.add(failed=int(failed))
-
-
-def _invalid(response: Response, error: str | None, kind: Any) -> Response:
-    """The Response as an error row that keeps the raw text."""
-    return dataclasses.replace(
-        response,
-        error=error or "the answer does not follow the output_schema",
-        error_type=str(kind) if kind is not None else "invalid_output",
-    )
-
-
-def _varies(options: Any, gen_kwargs: dict[str, Any] | None) -> bool:
-    """Whether generating again can give another answer (no fixed seed)."""
-    seed = (gen_kwargs or {}).get("seed", getattr(options, "seed", None))
-    return seed is None
-
-
 def _check_columns(
     source: RowSource, template: PromptTemplate, columns: Sequence[str] | None
 ) -> None:
@@ -639,15 +362,6 @@ async def _model_of(client: Client[Any]) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def _hedged(client: Client[Any]) -> int:
-    """Duplicate requests the pool sent to shorten the tail (first answer kept)."""
-    return client.statistics().hedged if isinstance(client, Streamer) else 0
-
-
-def _healthy(client: Client[Any]) -> int:
-    return client.statistics().healthy if isinstance(client, Streamer) else 1
-
-
 async def _open_store(spec: JobSpec, fingerprint: dict[str, Any]) -> ResultStore:
     """Open the run's store in a thread; if the job is cancelled meanwhile (a signal),
     the store is still closed, so that its lock and empty shard do not linger."""
@@ -667,47 +381,3 @@ async def _open_store(spec: JobSpec, fingerprint: dict[str, Any]) -> ResultStore
             store = await opening
             await asyncio.to_thread(store.close)
         raise
-
-
-def _report(
-    job: _Job, result: Any, total: int, resumed: int, seconds: float, client: Client[Any]
-) -> dict[str, Any]:
-    per_server: dict[str, Any] = {}
-    if isinstance(client, Streamer):
-        for member in client.statistics().members:
-            per_server[member.server] = {
-                "state": member.state,
-                "completed": member.completed,
-                "errors": member.errors,
-                "evictions": member.evictions,
-                "readmissions": member.readmissions,
-                "requeued": member.requeued,
-                "hedged": member.hedged,
-            }
-    elapsed = max(seconds, 1e-9)
-    return {
-        "rows": result.num_rows,
-        "input_rows": total,
-        "succeeded": result.num_succeeded,
-        "failed": result.num_failed,
-        "by_finish_reason": result.by_finish_reason,
-        "by_error_type": result.by_error_type,
-        "prompt_tokens": result.prompt_tokens,
-        "output_tokens": result.output_tokens,
-        "this_run": {
-            "resumed_rows": resumed,
-            "sent_rows": job.sent,
-            "regenerations": job.regenerated,
-            "wall_seconds": round(seconds, 3),
-            "rows_per_second": round(job.progress.rows / elapsed, 2),
-            "output_tokens_per_second": round(job.progress.output_tokens / elapsed, 2),
-            "prompt_tokens_per_second": round(job.prompt_tokens / elapsed, 2),
-        },
-        "per_server": per_server,
-    }
-
-
-def _write_json(path: Path, value: Mapping[str, Any]) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_bytes(orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
-    os.replace(temporary, path)

@@ -8,6 +8,8 @@ from typing import Any, TypeGuard, cast
 
 import numpy as np
 
+from llm_annotator._validate import positive_int
+
 RowId = int | str
 """A row's id: its position in the input, or the value of the id column."""
 
@@ -81,8 +83,7 @@ class IdSet:
     __slots__ = ("_bits", "_merge_threshold", "_num_bits", "_recent", "_sorted")
 
     def __init__(self, *, merge_threshold: int = _MERGE_THRESHOLD) -> None:
-        if merge_threshold < 1:
-            raise ValueError(f"merge_threshold must be at least 1, not {merge_threshold}")
+        positive_int("merge_threshold", merge_threshold)
         self._merge_threshold = merge_threshold
         self._bits = bytearray()
         self._num_bits = 0

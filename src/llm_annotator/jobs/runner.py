@@ -1,0 +1,246 @@
+"""The job loop: rows out to the model, records into the store, regenerations back in."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from llm_annotator.clients.base import Messages
+from llm_annotator.errors import PromptError
+from llm_annotator.jobs.ids import RowId
+from llm_annotator.jobs.inputs import RowSource
+from llm_annotator.jobs.interrupt import Interrupt
+from llm_annotator.jobs.progress import Progress
+from llm_annotator.jobs.prompts import PromptTemplate, build_messages
+from llm_annotator.jobs.records import RecordBuilder
+from llm_annotator.jobs.schema import OutputSchema
+from llm_annotator.jobs.store import ResultStore
+from llm_annotator.jobs.streaming import stream
+from llm_annotator.response import Response
+
+if TYPE_CHECKING:
+    from llm_annotator.jobs.annotate import Annotator
+
+
+class _Item:
+    """One row on its way through the model (the key of the stream)."""
+
+    __slots__ = ("attempt", "id", "messages", "values")
+
+    def __init__(
+        self, row_id: RowId, values: dict[str, Any], messages: Messages, attempt: int
+    ) -> None:
+        self.id = row_id
+        self.values = values
+        self.messages = messages
+        self.attempt = attempt
+
+
+_READY_LIMIT = 4096
+"""Records of rows that need no request (unreadable rows, templates that fail) held
+for the consumer at most; the input waits beyond that."""
+
+
+class JobRun:
+    """The moving parts of one run: rows out to the model, records into the store.
+
+    Three parts, each with one job:
+
+    - the *requests* (:meth:`_requests`, read by the client's stream) only produce: a
+      row that needs no request (unreadable, or its template fails) becomes a record
+      put in :attr:`ready`; the others become requests, regenerations first;
+    - the *pump* (:meth:`_pump`) moves the stream's answers into :attr:`answers`;
+    - the *consumer* (:meth:`_consume`, the job's own task) is the only writer of the
+      store: it concludes every answer (a record, or a regeneration put on the job's
+      queue :attr:`retries`) and writes the ready records.
+    """
+
+    def __init__(
+        self,
+        *,
+        annotator: Annotator,
+        source: RowSource,
+        template: PromptTemplate,
+        system_message: str | None,
+        builder: RecordBuilder,
+        schema: OutputSchema | None,
+        store: ResultStore,
+        regenerate: int,
+        progress: Progress,
+    ) -> None:
+        self.annotator = annotator
+        self.source = source
+        self.template = template
+        self.system_message = system_message
+        self.builder = builder
+        self.schema = schema
+        self.store = store
+        self.regenerate = regenerate
+        self.progress = progress
+        self.retries: deque[_Item] = deque()
+        """Regenerations, owned by the job: the requests send them first."""
+        self.retry_ready = asyncio.Event()
+        self.ready: deque[dict[str, Any]] = deque()
+        """Error records of rows that were never sent, for the consumer to write."""
+        self.answers: deque[tuple[_Item, Response]] = deque()
+        self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._stream_over = False
+        self._failure: Exception | None = None
+        self.out = 0
+        """Items handed to the model and not yet concluded."""
+        self.sent = 0
+        self.regenerated = 0
+        self.prompt_tokens = 0
+
+    async def run(
+        self, options: Any, gen_kwargs: dict[str, Any] | None, interrupt: Interrupt
+    ) -> None:
+        annotator = self.annotator
+        results = stream(
+            annotator.client,
+            self._requests(),
+            options=options,
+            gen_kwargs=gen_kwargs,
+            stop=interrupt.stop,
+            batch_size=annotator.batch_size,
+            max_concurrent_batches=annotator.max_concurrent_batches,
+        )
+        pump = asyncio.ensure_future(self._pump(results))
+        try:
+            await self._consume()
+        finally:
+            if not pump.done():
+                pump.cancel()  # closes the stream: the work in flight is cancelled
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+
+    async def _pump(self, results: AsyncGenerator[tuple[_Item, Response], None]) -> None:
+        """Move the stream's answers to the consumer; hand it the stream's failure."""
+        try:
+            async with contextlib.aclosing(results):
+                async for pair in results:
+                    self.answers.append(pair)
+                    self._wake.set()
+        except Exception as exc:  # PoolExhaustedError, a failed input: the job's to raise
+            self._failure = exc
+        finally:
+            self._stream_over = True
+            self._wake.set()
+
+    async def _consume(self) -> None:
+        """Write every record, in the job's task, until the stream is over."""
+        annotator, store = self.annotator, self.store
+        answers, ready = self.answers, self.ready
+        flushed = synced = time.monotonic()
+        while True:
+            while ready or answers:
+                while ready:
+                    self._write(ready.popleft(), failed=True)
+                self._drained.set()
+                while answers:
+                    item, response = answers.popleft()
+                    self._conclude(item, response)
+                now = time.monotonic()
+                if now - flushed >= annotator.flush_interval:
+                    store.flush()
+                    flushed = now
+                    if now - synced >= annotator.sync_interval:
+                        await asyncio.to_thread(store.sync)
+                        synced = time.monotonic()
+            if self._stream_over:
+                if self._failure is not None:
+                    raise self._failure
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _requests(self) -> AsyncIterator[tuple[_Item, Messages]]:
+        """Rows not done yet, as prompts; regenerations go first. Rows that need no
+        request become records for the consumer (never written here)."""
+        store, retries = self.store, self.retries
+        scanned = 0
+        for row in self.source:
+            scanned += 1
+            if scanned % 4096 == 0:
+                await asyncio.sleep(0)  # a long run of done rows must not starve the loop
+            while retries:
+                item = retries.popleft()
+                yield item, item.messages
+            if store.is_done(row.id):
+                continue
+            if row.error is not None:
+                await self._put_ready(self.builder.error_record(row.id, {}, row.error))
+                continue
+            try:
+                prompt = self.template.render(row.values, row.where)
+            except PromptError as exc:
+                await self._put_ready(self.builder.error_record(row.id, row.values, str(exc)))
+                continue
+            messages = build_messages(prompt, self.system_message)
+            self.out += 1
+            self.sent += 1
+            yield _Item(row.id, row.values, messages, 0), messages
+        while True:
+            while retries:
+                item = retries.popleft()
+                yield item, item.messages
+            if self.out == 0:
+                return
+            self.retry_ready.clear()
+            await self.retry_ready.wait()
+
+    async def _put_ready(self, record: dict[str, Any]) -> None:
+        """Hand a record to the consumer; wait while it has many to write."""
+        self.ready.append(record)
+        self._wake.set()
+        if len(self.ready) >= _READY_LIMIT:
+            self._drained.clear()
+            await self._drained.wait()
+
+    def _conclude(self, item: _Item, response: Response) -> None:
+        """Write the row's record, or send it again for a better answer."""
+        # Every answer's tokens count, regenerated ones too: what the servers generated
+        # for this run. The bar's and report.json's rates are both this one figure.
+        self.progress.add_tokens(response.num_output_tokens or 0)
+        self.prompt_tokens += response.num_prompt_tokens or 0
+        parsed = None
+        if self.schema is not None and response.ok:
+            parsed = self.schema.parse(response.text, response.finish_reason)
+            if not parsed.valid:
+                if item.attempt < self.regenerate:
+                    item.attempt += 1
+                    self.regenerated += 1
+                    self.retries.append(item)
+                    self.retry_ready.set()
+                    return
+                response = _invalid(response, parsed.error, parsed.kind)
+        self.out -= 1
+        if self.out == 0:
+            self.retry_ready.set()  # the stream of items may end now
+        record = self.builder.build(item.id, item.values, response, parsed)
+        self._write(record, failed=not response.ok)
+
+    def _write(self, record: dict[str, Any], *, failed: bool) -> None:
+        self.store.append(record)
+        self.progress.add(failed=int(failed))
+
+
+def _invalid(response: Response, error: str | None, kind: Any) -> Response:
+    """The Response as an error row that keeps the raw text."""
+    return dataclasses.replace(
+        response,
+        error=error or "the answer does not follow the output_schema",
+        error_type=str(kind) if kind is not None else "invalid_output",
+    )
+
+
+def varies(options: Any, gen_kwargs: dict[str, Any] | None) -> bool:
+    """Whether generating again can give another answer (no fixed seed)."""
+    seed = (gen_kwargs or {}).get("seed", getattr(options, "seed", None))
+    return seed is None
