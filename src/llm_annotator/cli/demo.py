@@ -15,8 +15,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import orjson
 import pyarrow.parquet as pq
@@ -38,6 +39,27 @@ _VERDICTS = (
 )
 
 PROMPT = "Classify the sentiment of this review as positive or negative: {text}"
+
+SENTIMENT_SCHEMA = {
+    "type": "object",
+    "properties": {"label": {"type": "string", "enum": ["positive", "negative"]}},
+    "required": ["label"],
+    "additionalProperties": False,
+}
+"""The answer the labelled reviews are annotated with."""
+
+
+def labelled_reviews() -> list[dict[str, Any]]:
+    """The bundled labelled sample: 100 short reviews of shops, films, hotels, gadgets
+    and the like, half positive and half negative, each with its gold ``label``.
+
+    Examples:
+        >>> rows = labelled_reviews()
+        >>> len(rows), rows[1]
+        (100, {'id': 1, 'text': 'The food was awful and cold.', 'label': 'negative'})
+    """
+    data = resources.files("llm_annotator.cli").joinpath("data", "reviews.jsonl")
+    return [orjson.loads(line) for line in data.read_bytes().splitlines() if line]
 
 
 def demo_rows(count: int) -> list[str]:

