@@ -63,12 +63,8 @@ def small_server(
 ) -> Iterator[LocalServers]:
     """One vLLM server on the small real model, shared by the tests that need answers
     that mean something (served as ``small``). Tests must leave it running."""
-    servers = start_local_servers(
-        1,
-        small_model,
-        served_model_name="small",
-        python=vllm_python,
-        log_dir=tmp_path_factory.mktemp("vllm-small-logs"),
+    servers = start_local_servers(  # by its built-in name, as serve-local --model small
+        1, "small", python=vllm_python, log_dir=tmp_path_factory.mktemp("vllm-small-logs")
     )
     with servers:
         yield servers

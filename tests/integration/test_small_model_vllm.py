@@ -19,9 +19,11 @@ from llm_annotator.local import LocalServers
 
 pytestmark = pytest.mark.integration
 
-MIN_ACCURACY = 0.80
-"""Measured here: see the closing figures printed by the test; the margin covers a
-change of vLLM or torch build, not a broken pipeline (which scores about 0.5)."""
+MIN_ACCURACY = 0.90
+"""Measured here with vLLM CPU 0.32: 0.98 (98 of 100; the two misses are "The speaker
+crackles and the bass is muddy." and "A predictable plot and wooden acting.", both
+labelled positive). The margin allows for another vLLM or torch build; a broken
+pipeline (prompts not rendered, the schema ignored, labels shuffled) scores about 0.5."""
 
 
 def test_schema_labels_of_the_bundled_reviews_agree_with_the_gold_labels(
@@ -51,7 +53,10 @@ def test_schema_labels_of_the_bundled_reviews_agree_with_the_gold_labels(
     right = sum(r["label"] == r["input_label"] for r in rows)
     accuracy = right / len(rows)
     wrong = [(r["text"], r["label"]) for r in rows if r["label"] != r["input_label"]]
-    print(f"accuracy {accuracy:.2f} on {len(rows)} reviews; wrong: {wrong}")
+    print(
+        f"accuracy {accuracy:.2f} on {len(rows)} reviews in {result.seconds:.1f} s "
+        f"({len(rows) / result.seconds:.1f} rows/s on one server); wrong: {wrong}"
+    )
     assert accuracy >= MIN_ACCURACY
 
 
