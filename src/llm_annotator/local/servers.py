@@ -188,7 +188,9 @@ def ensure_small_model(directory: str | Path | None = None, *, python: str | Non
     target = Path(directory) if directory is not None else cache_dir() / SMALL_MODEL_DIRNAME
 
     def with_tools(interpreter: str) -> dict[str, str]:
-        return {"PYTHONPATH": str(_small_model_tools(interpreter))}
+        tools = str(_small_model_tools(interpreter))
+        given = os.environ.get("PYTHONPATH")
+        return {"PYTHONPATH": tools + os.pathsep + given if given else tools}
 
     return _write_model("small", _SMALL_MODEL_SCRIPT, target, python, prepare=with_tools)
 
@@ -289,6 +291,7 @@ def _run_step(
 def _move_into_place(scratch: Path, target: Path) -> bool:
     """Rename a finished scratch folder to ``target``; False if another process got
     there first (its copy, identical, is kept)."""
+    scratch.chmod(0o755)  # mkdtemp makes it private; a cache may be shared
     try:
         # Replaces a missing or empty target atomically.
         scratch.rename(target)
@@ -653,12 +656,13 @@ def start_local_servers(
     if model is not None and _looks_like_path(str(model)) and not Path(model).expanduser().exists():
         raise ConfigurationError(f"model folder {model} does not exist")
     interpreter = python or find_vllm_python()
-    if model is None or model == "tiny":
-        model_name = str(ensure_tiny_model(python=interpreter))
-    elif model == "small":
+    built_in = model is None or (str(model) in BUILT_IN_MODELS and not Path(str(model)).exists())
+    if built_in and model == "small":
         model_name = str(ensure_small_model(python=interpreter))
+    elif built_in:
+        model_name = str(ensure_tiny_model(python=interpreter))
     elif _looks_like_path(str(model)):
-        model_name = str(Path(model).expanduser().absolute())
+        model_name = str(Path(str(model)).expanduser().absolute())
     else:
         model_name = str(model)  # a Hugging Face model name
     logs = (
@@ -675,7 +679,7 @@ def start_local_servers(
                 f"cannot use {announce_in} as the servers folder: {error}"
             ) from error
     if served_model_name is None:
-        served_model_name = "small" if model == "small" else "tiny"
+        served_model_name = "small" if built_in and model == "small" else "tiny"
     spec = _LaunchSpec(
         python=interpreter,
         model=model_name,
