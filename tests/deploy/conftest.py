@@ -43,6 +43,10 @@ _FINISHED_STATES = frozenset(
 _POLL_INTERVAL = 0.5
 
 
+_SCONTROL_TRIES = 5
+"""Tries of one ``scontrol show job`` before its failure fails the test."""
+
+
 def poll(condition: Callable[[], bool], timeout: float, interval: float = _POLL_INTERVAL) -> bool:
     """Check ``condition`` until it holds or ``timeout`` seconds have passed.
 
@@ -159,14 +163,22 @@ class SlurmCluster:
         Returns:
             Task (``12_1``, or ``12`` for a plain job) -> state; empty if unknown.
         """
-        result = subprocess.run(
-            ["scontrol", "--oneliner", "show", "job", job_id],
-            env=dict(self.env),
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        for attempt in range(_SCONTROL_TRIES):
+            result = subprocess.run(
+                ["scontrol", "--oneliner", "show", "job", job_id],
+                env=dict(self.env),
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            # A busy controller may time out ("Socket timed out"): that says nothing
+            # about the job, so ask again rather than take it for a finished one.
+            if result.returncode == 0 or "Invalid job id" in result.stderr:
+                break
+            if attempt == _SCONTROL_TRIES - 1:
+                raise RuntimeError(f"scontrol show job {job_id} failed: {result.stderr.strip()}")
+            time.sleep(1.0)
         states = {}
         for line in result.stdout.splitlines():
             fields = dict(field.split("=", 1) for field in line.split() if "=" in field)
