@@ -62,9 +62,16 @@ def small_server(
     vllm_python: str, small_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalServers]:
     """One vLLM server on the small real model, shared by the tests that need answers
-    that mean something (served as ``small``). Tests must leave it running."""
+    that mean something (served as ``small``). Tests must leave it running.
+
+    It accepts a chat template sent with a request (vLLM refuses one with a 400 unless
+    ``--trust-request-chat-template`` is given)."""
     servers = start_local_servers(  # by its built-in name, as serve-local --model small
-        1, "small", python=vllm_python, log_dir=tmp_path_factory.mktemp("vllm-small-logs")
+        1,
+        "small",
+        python=vllm_python,
+        log_dir=tmp_path_factory.mktemp("vllm-small-logs"),
+        extra_args=["--trust-request-chat-template"],
     )
     with servers:
         yield servers

@@ -7,6 +7,8 @@ Every flag has a key of the same name in the file (``--max-completion-tokens`` i
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import math
 import os
 import signal
@@ -109,6 +111,15 @@ _SECONDS = _number(integer=False, low=0, low_open=True)
 _GRACE = _number(integer=False, low=0)
 
 
+def _retry_errors(value: Any) -> bool | list[str]:
+    """``retry_errors``: true or false, or a list of error types (a bare flag: all)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value or True
+    raise _BadValue(f"expected true, false or a list of error types, got {value!r}")
+
+
 def _log_format(value: Any) -> str:
     if value in ("json", "console"):
         return str(value)
@@ -156,7 +167,25 @@ _SETTINGS: tuple[_Setting, ...] = (
         f"with a schema: retries of invalid answers (default {default.MAX_REGENERATIONS})",
         default.MAX_REGENERATIONS,
     ),
-    _Setting("retry_errors", _bool, "send again the rows that ended in error", False),
+    _Setting(
+        "retry_errors",
+        _retry_errors,
+        "send again the rows that ended in error; with TYPEs (read_timeout server_error "
+        "...) only those whose error type is one of them",
+        False,
+        nargs="*",
+    ),
+    _Setting("limit", _POSITIVE_INT, "a trial run: annotate only the first LIMIT rows"),
+    _Setting(
+        "shuffle_seed", _SEED, "with --limit: draw the rows with this seed, not the first ones"
+    ),
+    _Setting(
+        "validate",
+        _text,
+        "MODULE:FUNCTION or FILE.py:FUNCTION, your answer check: it gets the answer text "
+        "and returns the parsed value (a dict becomes columns) or raises (the answer is "
+        "generated again, then an invalid_output error row)",
+    ),
     _Setting("force", _bool, "resume even if the directory was made with other settings", False),
     _Setting("jsonl", _bool, "also write annotations.jsonl", False),
     _Setting("hedge_tail", _bool, "near the end, also send slow servers' work to idle ones", True),
@@ -238,6 +267,15 @@ def add_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=setting.help
             )
+        elif setting.kind is _retry_errors:
+            parser.add_argument(flag, nargs="*", default=None, metavar="TYPE", help=setting.help)
+            parser.add_argument(
+                "--no-" + flag[2:],
+                dest=setting.flag,
+                action="store_const",
+                const=False,
+                help="(the default) keep error rows as they are",
+            )
         elif setting.nargs:
             parser.add_argument(flag, nargs=setting.nargs, default=None, help=setting.help)
         else:
@@ -273,7 +311,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     for name in known:
         value = getattr(args, name, None)
         if value is not None:
-            merged[name] = value
+            merged[name] = known[name].kind(value) if known[name].kind is _retry_errors else value
     missing = [name for name in _REQUIRED if not merged.get(name)]
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
@@ -348,6 +386,7 @@ def run_command(args: argparse.Namespace) -> int:
     from llm_annotator.pool.annotator import VLLMQueueAnnotator
 
     settings = settings_from(args)
+    validate = load_validator(settings["validate"]) if settings["validate"] else None
     schema = None
     if settings["output_schema"]:
         schema = OutputSchema.from_file(settings["output_schema"]).schema
@@ -392,6 +431,9 @@ def run_command(args: argparse.Namespace) -> int:
             force=settings["force"],
             write_jsonl=settings["jsonl"],
             max_regenerations=settings["max_regenerations"],
+            limit=settings["limit"],
+            shuffle_seed=settings["shuffle_seed"],
+            validate=validate,
         )
     except RunInterruptedError as stopped:
         print(f"llm-annotator run: {stopped}", file=sys.stderr, flush=True)
@@ -424,6 +466,56 @@ def run_command(args: argparse.Namespace) -> int:
         f"in {result.seconds:.1f} s"
     )
     return 0
+
+
+def load_validator(spec: str) -> Callable[[str], Any]:
+    """The callable that ``--validate`` names: ``module:function`` (the module found
+    from the working directory too) or ``path/to/file.py:function``.
+
+    Raises:
+        ConfigurationError: The module cannot be imported, has no such name, or the
+            name is not callable; the message says which.
+
+    Examples:
+        >>> load_validator("json:loads")('{"a": 1}')
+        {'a': 1}
+        >>> load_validator("json")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.ConfigurationError: --validate 'json': expected MODULE:FUNCTION ...
+    """
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigurationError(
+            f"--validate {spec!r}: expected MODULE:FUNCTION (my_checks:parse_label) or "
+            "FILE.py:FUNCTION"
+        )
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            if loader is None or loader.loader is None or not path.is_file():
+                raise ConfigurationError(f"--validate {spec!r}: no file {where}")
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[path.stem] = module
+            loader.loader.exec_module(module)
+        else:
+            if "" not in sys.path and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())  # as `python -m` would find it
+            module = importlib.import_module(where)
+    except ConfigurationError:
+        raise
+    except Exception as error:  # the user's module: any failure is theirs to see
+        raise ConfigurationError(
+            f"--validate {spec!r}: cannot import {where}: {type(error).__name__}: {error}"
+        ) from error
+    found = getattr(module, name, None)
+    if found is None:
+        raise ConfigurationError(f"--validate {spec!r}: {where} has no {name!r}")
+    if not callable(found):
+        raise ConfigurationError(f"--validate {spec!r}: {where}.{name} is not callable")
+    validate: Callable[[str], Any] = found
+    return validate
 
 
 def _discovery(settings: dict[str, Any]) -> ServerDiscovery | None:

@@ -44,8 +44,9 @@ from llm_annotator.jobs.report import (
     write_json,
 )
 from llm_annotator.jobs.runner import JobRun, varies
+from llm_annotator.jobs.sample import Sample
 from llm_annotator.jobs.schema import OutputSchema
-from llm_annotator.jobs.spec import JobArgs, JobSpec
+from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_name
 from llm_annotator.jobs.store import ResultStore, output_write_error
 from llm_annotator.jobs.streaming import ModelSource
 
@@ -157,11 +158,27 @@ class Annotator:
                 an ``output_schema`` there makes answers parsed and validated.
             gen_kwargs: Raw request parameters that override ``options``.
             columns: The input columns to keep in the output; None keeps all.
-            retry_errors: Send again the rows whose result is an error.
-            force: Resume even if the directory was made with other settings.
+            retry_errors: Send again the rows whose result is an error: True for
+                every error row, or a list of error types (``["read_timeout",
+                "server_error"]``) for those only.
+            force: Resume even if the directory was made with other settings (a trial
+                run on a ``limit`` included: the full run then keeps its rows).
             write_jsonl: Also write ``annotations.jsonl``.
-            max_regenerations: With an output schema, times an invalid or truncated
-                answer is generated again before it is kept as an error row.
+            max_regenerations: With an output schema or ``validate``, times an invalid
+                or truncated answer is generated again before it is kept as an error
+                row.
+            limit: A trial run: annotate only the first ``limit`` rows (with
+                ``shuffle_seed``, ``limit`` rows drawn from the whole input). Recorded
+                in the fingerprint, so a later full run in the same directory is
+                refused unless ``force`` is given; then it resumes, keeping the rows
+                done.
+            shuffle_seed: With ``limit``: draw the rows with this seed (the same rows
+                for the same seed and input) instead of taking the first ones.
+            validate: Your own answer check: called with the answer text, it returns
+                the parsed value (a dict becomes columns, anything else the column
+                ``validated``) or raises; an answer it refuses is generated again, as
+                one that does not follow the output schema, then kept as an
+                ``invalid_output`` error row. Recorded by name in the fingerprint.
             handle_signals: Turn SIGINT/SIGTERM into a clean stop (main thread only).
 
         Returns:
@@ -215,8 +232,12 @@ class Annotator:
         template = PromptTemplate(spec.prompt_template)
         raw_schema = getattr(spec.options, "output_schema", None)
         schema = OutputSchema(raw_schema) if raw_schema is not None else None
+        sample = Sample(spec.limit, spec.shuffle_seed)
+        retry = retry_choice(spec.retry_errors)
+        if spec.validate is not None and not callable(spec.validate):
+            raise ConfigurationError(f"validate must be a callable, got {spec.validate!r}")
         source = open_input(spec.data, id_column=spec.id_column)
-        total = await asyncio.to_thread(source.scan)
+        total = sample.size(input_rows := await asyncio.to_thread(source.scan))
         _check_columns(source, template, spec.columns)
         try:
             await asyncio.to_thread(Path(spec.output_dir).mkdir, parents=True, exist_ok=True)
@@ -232,25 +253,28 @@ class Annotator:
             output_schema=raw_schema,
             id_column=spec.id_column,
             columns=list(spec.columns) if spec.columns is not None else None,
+            **_extras(sample, spec),
         )
-        store = await _open_store(spec, fingerprint)
+        store = await _open_store(spec, fingerprint, retry)
         resumed = store.num_done
         hedged_before = hedged_requests(self.client)
         log.info(
             "job_started",
             input=source.description,
             rows=total,
+            sample=sample.describe(),
             done_before=resumed,
             output_dir=str(spec.output_dir),
             model=model,
         )
         job = JobRun(
             annotator=self,
-            source=source,
+            rows=sample.rows(source, input_rows),
             template=template,
             system_message=spec.system_message,
-            builder=RecordBuilder(schema, spec.columns),
+            builder=RecordBuilder(schema, spec.columns, validate=spec.validate is not None),
             schema=schema,
+            validate=spec.validate,
             store=store,
             regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
             progress=Progress(
@@ -362,7 +386,20 @@ async def _model_of(client: Client[Any]) -> str | None:
     return model if isinstance(model, str) else None
 
 
-async def _open_store(spec: JobSpec, fingerprint: dict[str, Any]) -> ResultStore:
+def _extras(sample: Sample, spec: JobSpec) -> dict[str, Any]:
+    """Fingerprint entries of the settings a job may leave out; left out when unused, so
+    that the fingerprint of a job without them is what it was before they existed."""
+    extras: dict[str, Any] = {}
+    if not sample.everything:
+        extras["sample"] = sample.fingerprint()
+    if spec.validate is not None:
+        extras["validate"] = validator_name(spec.validate)
+    return extras
+
+
+async def _open_store(
+    spec: JobSpec, fingerprint: dict[str, Any], retry: bool | frozenset[str]
+) -> ResultStore:
     """Open the run's store in a thread; if the job is cancelled meanwhile (a signal),
     the store is still closed, so that its lock and empty shard do not linger."""
     opening = asyncio.ensure_future(
@@ -371,7 +408,7 @@ async def _open_store(spec: JobSpec, fingerprint: dict[str, Any]) -> ResultStore
             spec.output_dir,
             fingerprint,
             force=spec.force,
-            retry_errors=spec.retry_errors,
+            retry_errors=retry,
         )
     )
     try:

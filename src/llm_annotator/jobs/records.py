@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from llm_annotator.errors import ConfigurationError
 from llm_annotator.jobs.ids import RowId
 from llm_annotator.jobs.schema import OutputSchema, Parsed
 from llm_annotator.response import Response
@@ -21,7 +22,9 @@ ANSWER_COLUMNS: tuple[str, ...] = (
 )
 """The columns every output row has besides its id and the input's columns."""
 VALID_COLUMN = "valid"
-"""With an output_schema: whether the answer parsed and followed it."""
+"""With an output_schema or a validate check: whether the answer passed."""
+VALIDATED_COLUMN = "validated"
+"""With a validate check that returns something other than a dict: what it returned."""
 INPUT_PREFIX = "input_"
 """Prefix given to an input column whose name is taken by an output column."""
 
@@ -34,9 +37,13 @@ class RecordBuilder:
     ``columns``); one whose name an output column already uses gets the prefix
     ``input_``, so nothing the user passed in is lost or overwritten.
 
+    A ``validate`` check's dict adds its keys as columns too (an input column of the
+    same name then gets the prefix as well).
+
     Args:
         schema: The output schema whose fields become columns, or None.
         columns: The input columns to keep, or None for all.
+        validate: Whether the answers are checked by a ``validate`` callable.
 
     Examples:
         >>> builder = RecordBuilder(None, columns=None)
@@ -45,21 +52,65 @@ class RecordBuilder:
         (3, 'positive', None, 'x')
     """
 
-    def __init__(self, schema: OutputSchema | None, columns: Sequence[str] | None) -> None:
+    def __init__(
+        self, schema: OutputSchema | None, columns: Sequence[str] | None, *, validate: bool = False
+    ) -> None:
         self.schema = schema
         self.columns = tuple(columns) if columns is not None else None
+        self.checked = schema is not None or validate
         taken = {"id", *ANSWER_COLUMNS}
         if schema is not None:
             taken.update(schema.columns)
+        if self.checked:
             taken.add(VALID_COLUMN)
         self.taken: Collection[str] = frozenset(taken)
+        self._reserved = frozenset({"id", *ANSWER_COLUMNS, VALID_COLUMN})
 
     def output_columns(self) -> list[str]:
-        """The output columns, in the order records list them."""
+        """The output columns known up front, in the order records list them."""
         names = ["id", *ANSWER_COLUMNS]
         if self.schema is not None:
-            names += [*self.schema.columns, VALID_COLUMN]
+            names += self.schema.columns
+        if self.checked:
+            names.append(VALID_COLUMN)
         return names
+
+    def validated(self, value: Any, parsed: Parsed | None) -> dict[str, Any]:
+        """The columns of what a ``validate`` check returned, after the schema's.
+
+        Raises:
+            ConfigurationError: The check returned a dict with a key that is not a
+                string or names a column every row has (``id``, ``response``, ...).
+
+        Examples:
+            >>> builder = RecordBuilder(None, None, validate=True)
+            >>> builder.validated({"label": "pos", "score": 0.9}, None)
+            {'label': 'pos', 'score': 0.9}
+            >>> builder.validated(3, None)
+            {'validated': 3}
+            >>> builder.validated({"error": 1}, None)
+            Traceback (most recent call last):
+            ...
+            llm_annotator.errors.ConfigurationError: validate returned a dict with the key ...
+        """
+        values = dict(parsed.values) if parsed is not None else {}
+        if not isinstance(value, dict):
+            values[VALIDATED_COLUMN] = value
+            return values
+        for key in value:
+            if not isinstance(key, str) or key in self._reserved:
+                raise ConfigurationError(
+                    f"validate returned a dict with the key {key!r}, which is "
+                    + ("not a string" if not isinstance(key, str) else "a column every row has")
+                    + f"; its keys become columns, so use others (not {sorted(self._reserved)})"
+                )
+        values.update(value)
+        return values
+
+    @staticmethod
+    def empty_validated(parsed: Parsed | None) -> dict[str, Any]:
+        """The columns of an answer a ``validate`` check refused: the schema's only."""
+        return dict(parsed.values) if parsed is not None else {}
 
     def build(
         self,
@@ -80,9 +131,10 @@ class RecordBuilder:
             "server": response.server,
             "model": response.model,
         }
-        if self.schema is not None:
+        if self.checked:
             if parsed is None:
-                record.update(dict.fromkeys(self.schema.columns))
+                if self.schema is not None:
+                    record.update(dict.fromkeys(self.schema.columns))
                 record[VALID_COLUMN] = False
             else:
                 record.update(parsed.values)
@@ -98,5 +150,5 @@ class RecordBuilder:
         taken = self.taken
         names = self.columns if self.columns is not None else values.keys()
         for name in names:
-            key = INPUT_PREFIX + name if name in taken else name
+            key = INPUT_PREFIX + name if name in taken or name in record else name
             record[key] = values.get(name)

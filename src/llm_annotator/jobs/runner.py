@@ -7,18 +7,19 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from llm_annotator.clients.base import Messages
-from llm_annotator.errors import PromptError
+from llm_annotator.errors import ErrorKind, PromptError
 from llm_annotator.jobs.ids import RowId
-from llm_annotator.jobs.inputs import RowSource
+from llm_annotator.jobs.inputs import Row
 from llm_annotator.jobs.interrupt import Interrupt
 from llm_annotator.jobs.progress import Progress
 from llm_annotator.jobs.prompts import PromptTemplate, build_messages
 from llm_annotator.jobs.records import RecordBuilder
-from llm_annotator.jobs.schema import OutputSchema
+from llm_annotator.jobs.schema import OutputSchema, Parsed
+from llm_annotator.jobs.spec import Validate
 from llm_annotator.jobs.store import ResultStore
 from llm_annotator.jobs.streaming import stream
 from llm_annotator.response import Response
@@ -67,21 +68,23 @@ class JobRun:
         self,
         *,
         annotator: Annotator,
-        source: RowSource,
+        rows: Iterator[Row],
         template: PromptTemplate,
         system_message: str | None,
         builder: RecordBuilder,
         schema: OutputSchema | None,
         store: ResultStore,
+        validate: Validate | None = None,
         regenerate: int,
         progress: Progress,
     ) -> None:
         self.annotator = annotator
-        self.source = source
+        self.rows = rows
         self.template = template
         self.system_message = system_message
         self.builder = builder
         self.schema = schema
+        self.validate = validate
         self.store = store
         self.regenerate = regenerate
         self.progress = progress
@@ -173,7 +176,7 @@ class JobRun:
         request become records for the consumer (never written here)."""
         store, retries = self.store, self.retries
         scanned = 0
-        for row in self.source:
+        for row in self.rows:
             scanned += 1
             if scanned % 4096 == 0:
                 await asyncio.sleep(0)  # a long run of done rows must not starve the loop
@@ -220,19 +223,37 @@ class JobRun:
         parsed = None
         if self.schema is not None and response.ok:
             parsed = self.schema.parse(response.text, response.finish_reason)
-            if not parsed.valid:
-                if item.attempt < self.regenerate:
-                    item.attempt += 1
-                    self.regenerated += 1
-                    self.retries.append(item)
-                    self.retry_ready.set()
-                    return
-                response = _invalid(response, parsed.error, parsed.kind)
+        if self.validate is not None and response.ok and (parsed is None or parsed.valid):
+            parsed = self._validated(response, parsed)
+        if parsed is not None and not parsed.valid:
+            if item.attempt < self.regenerate:
+                item.attempt += 1
+                self.regenerated += 1
+                self.retries.append(item)
+                self.retry_ready.set()
+                return
+            response = _invalid(response, parsed.error, parsed.kind)
         self.out -= 1
         if self.out == 0:
             self.retry_ready.set()  # the stream of items may end now
         record = self.builder.build(item.id, item.values, response, parsed)
         self._write(record, failed=not response.ok)
+
+    def _validated(self, response: Response, parsed: Parsed | None) -> Parsed:
+        """The user's check of one answer, as a :class:`Parsed` (its values joined to the
+        schema's); an exception it raises makes the answer invalid."""
+        assert self.validate is not None
+        try:
+            value = self.validate(response.text or "")
+        except Exception as error:  # the user's check refused it: any exception says so
+            message = f"validate refused the answer: {type(error).__name__}: {error}"
+            return Parsed(
+                values=self.builder.empty_validated(parsed),
+                valid=False,
+                error=message[:500],
+                kind=ErrorKind.INVALID_OUTPUT,
+            )
+        return Parsed(values=self.builder.validated(value, parsed), valid=True)
 
     def _write(self, record: dict[str, Any], *, failed: bool) -> None:
         self.store.append(record)

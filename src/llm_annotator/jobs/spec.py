@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
 from llm_annotator._constants import MAX_REGENERATIONS
+from llm_annotator.errors import ConfigurationError, ErrorKind
+
+Validate = Callable[[str], Any]
+"""A user's answer check: the answer text in, the parsed value out (a dict becomes
+columns), or an exception when the answer is not acceptable."""
 
 
 class JobArgs(TypedDict, total=False):
@@ -20,10 +25,13 @@ class JobArgs(TypedDict, total=False):
     options: Any
     gen_kwargs: dict[str, Any] | None
     columns: Sequence[str] | None
-    retry_errors: bool
+    retry_errors: bool | Collection[str]
     force: bool
     write_jsonl: bool
     max_regenerations: int
+    limit: int | None
+    shuffle_seed: int | None
+    validate: Validate | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +47,13 @@ class JobSpec:
     options: Any = None
     gen_kwargs: dict[str, Any] | None = None
     columns: Sequence[str] | None = None
-    retry_errors: bool = False
+    retry_errors: bool | Collection[str] = False
     force: bool = False
     write_jsonl: bool = False
     max_regenerations: int = MAX_REGENERATIONS
+    limit: int | None = None
+    shuffle_seed: int | None = None
+    validate: Validate | None = None
 
     @classmethod
     def of(
@@ -69,3 +80,55 @@ class JobSpec:
 _JOB_ARGS = frozenset(JobArgs.__annotations__)
 """The keyword arguments of a job (``tests/unit/test_annotate.py`` checks that
 :class:`JobSpec` has the same)."""
+
+
+ERROR_TYPES = frozenset(kind.value for kind in ErrorKind)
+"""Every ``error_type`` an error row can have."""
+
+
+def retry_choice(value: bool | Collection[str]) -> bool | frozenset[str]:
+    """``retry_errors`` as the store takes it: False, True (every error row), or the
+    error types to send again.
+
+    Raises:
+        ConfigurationError: A type that no error row can have; the message lists them.
+
+    Examples:
+        >>> retry_choice(True), retry_choice([])
+        (True, True)
+        >>> sorted(retry_choice(["read_timeout", "server_error"]))
+        ['read_timeout', 'server_error']
+        >>> retry_choice(["timeout"])
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.ConfigurationError: retry_errors: unknown error type 'timeout'; ...
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) or not isinstance(value, Collection):
+        raise ConfigurationError(
+            f"retry_errors must be True, False or a list of error types, got {value!r}"
+        )
+    types = frozenset(value)
+    if not types:
+        return True  # the CLI's bare --retry-errors
+    unknown = sorted(str(t) for t in types if t not in ERROR_TYPES)
+    if unknown:
+        raise ConfigurationError(
+            f"retry_errors: unknown error type {unknown[0]!r}; the error types are "
+            f"{', '.join(sorted(ERROR_TYPES))}"
+        )
+    return types
+
+
+def validator_name(validate: Validate) -> str:
+    """How the fingerprint names a ``validate`` callable: ``module:qualified.name``.
+
+    Examples:
+        >>> import json
+        >>> validator_name(json.loads)
+        'json:loads'
+    """
+    module = getattr(validate, "__module__", None) or "?"
+    name = getattr(validate, "__qualname__", None) or type(validate).__qualname__
+    return f"{module}:{name}"

@@ -202,16 +202,25 @@ class ResultStore:
     """
 
     def __init__(
-        self, directory: Path, lock: DirectoryLock, fingerprint: dict[str, Any], retry: bool
+        self,
+        directory: Path,
+        lock: DirectoryLock,
+        fingerprint: dict[str, Any],
+        retry: bool | frozenset[str],
     ) -> None:
         """Use :meth:`open`."""
         self._directory = directory
         self._lock = lock
         self._fingerprint = fingerprint
-        self._retry_errors = retry
+        self._retry_errors = bool(retry)
+        self._retry_types = retry if isinstance(retry, frozenset) else None
+        """With retry_errors of some types only: those types."""
         self._succeeded = IdSet()
         self._errors = IdSet()
         self._retried = IdSet()  # error ids written since open, with retry_errors
+        self._kept: set[RowId] = set()
+        """Error ids found at open whose type is not retried (retry_errors of some types):
+        done, though errors. Few, so a plain set."""
         self._recovered = 0  # ids in _errors that later got a success
         self._written = 0
         self._broken = False
@@ -228,7 +237,7 @@ class ResultStore:
         fingerprint: Mapping[str, Any],
         *,
         force: bool = False,
-        retry_errors: bool = False,
+        retry_errors: bool | frozenset[str] = False,
     ) -> ResultStore:
         """Open (or create) a run directory, read what is done, and start a new shard.
 
@@ -239,7 +248,8 @@ class ResultStore:
             force: Resume even if the directory was made with another fingerprint;
                 the new one is recorded and the old one kept in the history.
             retry_errors: Count ids whose best record is an error as not done, so
-                the job sends them again.
+                the job sends them again; a set of error types: only the ids whose
+                latest error is of one of those types.
 
         Raises:
             FingerprintMismatchError: If the directory holds results made with other
@@ -285,7 +295,9 @@ class ResultStore:
             shards=len(shards),
             done=store.num_done,
             errors=store.num_errors,
-            retry_errors=retry_errors,
+            retry_errors=sorted(retry_errors)
+            if isinstance(retry_errors, frozenset)
+            else retry_errors,
         )
         return store
 
@@ -326,7 +338,7 @@ class ResultStore:
     def num_done(self) -> int:
         """Ids with a result that counts as done (errors not, with ``retry_errors``)."""
         if self._retry_errors:
-            return len(self._succeeded) + len(self._retried)
+            return len(self._succeeded) + len(self._retried) + len(self._kept)
         return len(self._succeeded) + self.num_errors
 
     @property
@@ -345,7 +357,7 @@ class ResultStore:
             return True
         if not self._errors or row_id not in self._errors:
             return False
-        return not self._retry_errors or row_id in self._retried
+        return not self._retry_errors or row_id in self._retried or row_id in self._kept
 
     def append(self, record: Mapping[str, Any]) -> None:
         """Write one result record (buffered until :meth:`flush`) and mark its id done.
@@ -379,6 +391,8 @@ class ResultStore:
         self._note(row_id, error=failed)
         if failed and self._retry_errors:
             self._retried.add(row_id)
+        elif not failed:
+            self._kept.discard(row_id)
         self._written += 1
         if len(self._buffer) >= _WRITE_BUFFER:
             self.flush()
@@ -455,9 +469,22 @@ class ResultStore:
 
     def _scan(self) -> list[Path]:
         shards = shard_paths(self._directory)
+        types = self._retry_types
         for path in shards:
             for _, _, record in read_shard(path, repair=True):
-                self._note(record["id"], error=is_error_record(record))
+                row_id = record["id"]
+                failed = is_error_record(record)
+                self._note(row_id, error=failed)
+                if types is None:
+                    continue
+                if not failed:
+                    self._kept.discard(row_id)
+                elif row_id not in self._succeeded:
+                    # The latest error of an id decides whether it is sent again.
+                    if record.get("error_type") in types:
+                        self._kept.discard(row_id)
+                    else:
+                        self._kept.add(row_id)
         return shards
 
     def _start_shard(self, existing: list[Path]) -> None:
