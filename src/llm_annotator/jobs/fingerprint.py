@@ -214,10 +214,16 @@ def job_record(
         changes = describe_changes(old, canonical)
         if not force:
             listed = "".join(f"\n  {line}" for line in changes)
+            hint = "Pass force=True (CLI --force) to resume anyway"
+            if changes and all(line.startswith("sample") for line in changes):
+                hint = (
+                    f"It holds a trial run on a sample of the input ({_show(old.get('sample'))}"
+                    "). Pass force=True (CLI --force) to go on from it: the rows done are "
+                    "kept and only the others are sent"
+                )
             raise FingerprintMismatchError(
                 f"{where} holds results made with other settings:{listed}\n"
-                "Pass force=True (CLI --force) to resume anyway, or choose a new output "
-                "directory.",
+                f"{hint}, or choose a new output directory.",
                 changes=changes,
             )
         log.warning("fingerprint_changed_forced", output_dir=where, changes=changes)

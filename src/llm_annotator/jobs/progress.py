@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
 
@@ -29,6 +29,8 @@ class Progress:
         stream: Where the bar goes; None for standard error.
         bar: True for a bar, False for log lines, None to decide by the stream.
         clock: The clock (tests give their own).
+        on_show: Called with this object on every finished row (the job writes its
+            ``status.json`` so, when a write is due).
 
     Examples:
         >>> import io
@@ -49,6 +51,7 @@ class Progress:
         bar_interval: float = 0.5,
         log_interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        on_show: Callable[[Progress], None] | None = None,
     ) -> None:
         self.total = total
         self.done = done_before
@@ -63,6 +66,7 @@ class Progress:
         self.started = clock()
         self._shown = self.started
         self._drawn = False
+        self.on_show = on_show
 
     def add(self, *, rows: int = 1, failed: int = 0, output_tokens: int = 0) -> None:
         """Count finished rows and the output tokens of answers (every answer, a
@@ -71,6 +75,8 @@ class Progress:
         self.rows += rows
         self.failed += failed
         self.output_tokens += output_tokens
+        if self.on_show is not None:
+            self.on_show(self)
         now = self.clock()
         if now - self._shown >= self.interval:
             self._shown = now
@@ -85,12 +91,25 @@ class Progress:
         elapsed = max(self.clock() - self.started, 1e-9)
         return self.rows / elapsed, self.output_tokens / elapsed
 
+    def figures(self) -> dict[str, Any]:
+        """The figures of the progress, JSON-able (``status.json`` holds them)."""
+        rows_per_s, tokens_per_s = self.rates()
+        left = self.total - self.done
+        return {
+            "done": self.done,
+            "failed_this_run": self.failed,
+            "rows_per_second": round(rows_per_s, 2),
+            "output_tokens_per_second": round(tokens_per_s, 1),
+            "eta_seconds": round(left / rows_per_s, 1) if rows_per_s > 0 and left > 0 else None,
+            "healthy_servers": self.healthy(),
+        }
+
     def line(self) -> str:
         """The progress as one line of text."""
         rows_per_s, tokens_per_s = self.rates()
         share = self.done / self.total if self.total else 1.0
         left = self.total - self.done
-        eta = _duration(left / rows_per_s) if rows_per_s > 0 and left > 0 else "-"
+        eta = duration(left / rows_per_s) if rows_per_s > 0 and left > 0 else "-"
         filled = int(share * _BAR_WIDTH)
         bar = "#" * filled + "." * (_BAR_WIDTH - filled)
         return " | ".join(
@@ -131,11 +150,11 @@ class Progress:
             self.stream.flush()
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """``3725`` -> ``'1h02m'``; ``75`` -> ``'1m15s'``.
 
     Examples:
-        >>> _duration(3725), _duration(75), _duration(9)
+        >>> duration(3725), duration(75), duration(9)
         ('1h02m', '1m15s', '9s')
     """
     seconds = int(seconds)

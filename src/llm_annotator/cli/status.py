@@ -1,0 +1,89 @@
+"""``llm-annotator status RUN_DIR``: how a run stands, from another terminal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TextIO
+
+import orjson
+import structlog
+
+from llm_annotator.jobs.progress import duration
+from llm_annotator.jobs.status import RunStatus, run_status
+
+
+def show_status(status: RunStatus, out: TextIO) -> None:
+    """Print a run's status for people.
+
+    Examples:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> show_status(RunStatus("runs/a", "running", 41, 200, 120, 118, 2,
+        ...     {"read_timeout": 2}, {"http://a/v1": 70, "http://b/v1": 50},
+        ...     rows_per_second=8.0, eta_seconds=10.0, updated="2026-12-01T10:00:00+00:00",
+        ...     model="small"), out)
+        >>> print(out.getvalue())
+        runs/a: running (pid 41), status written 2026-12-01T10:00:00+00:00
+          rows: 120 of 200 done (60.0%): 118 answered, 2 failed; 8.0 rows/s, ETA 10s
+          failed by type: read_timeout 2
+          rows by server: http://a/v1 70, http://b/v1 50
+          model: small
+        <BLANKLINE>
+    """
+    who = f" (pid {status.pid})" if status.pid is not None else ""
+    when = f", status written {status.updated}" if status.updated else ""
+    print(f"{status.output_dir}: {status.state}{who}{when}", file=out)
+    total = status.total
+    of = f" of {total} done ({status.done / total:.1%})" if total else " done"
+    rate = ""
+    if status.rows_per_second is not None:
+        rate = f"; {status.rows_per_second:,.1f} rows/s"
+        if status.eta_seconds is not None:
+            rate += f", ETA {duration(status.eta_seconds)}"
+    print(
+        f"  rows: {status.done}{of}: {status.succeeded} answered, {status.failed} failed{rate}",
+        file=out,
+    )
+    if status.by_error_type:
+        kinds = ", ".join(f"{kind} {n}" for kind, n in status.by_error_type.items())
+        print(f"  failed by type: {kinds}", file=out)
+    if status.per_server:
+        servers = ", ".join(f"{server} {n}" for server, n in status.per_server.items())
+        print(f"  rows by server: {servers}", file=out)
+    if status.model:
+        print(f"  model: {status.model}", file=out)
+    if status.sample:
+        seed = status.sample.get("shuffle_seed")
+        drawn = f" drawn with shuffle_seed {seed}" if seed is not None else ""
+        print(f"  a trial run: limit {status.sample.get('limit')} rows{drawn}", file=out)
+    if status.error:
+        print(f"  error: {status.error}", file=out)
+
+
+def _status(args: argparse.Namespace) -> int:
+    # Reading a shard that a job is writing may meet a half-written last line: no warning.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    status = run_status(args.run_dir)
+    if args.json:
+        sys.stdout.write(orjson.dumps(status.to_json(), option=orjson.OPT_INDENT_2).decode())
+        sys.stdout.write("\n")
+    else:
+        show_status(status, sys.stdout)
+    return 0
+
+
+def add_status(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help="how a run directory stands: rows done, failed by type, per server",
+        description=(
+            "Read a run directory (while its job runs, or after) and print the rows done "
+            "of the total, the error rows by type, the rows by server, the job's last rate "
+            "and ETA, and whether it is running, finished, interrupted, failed or stopped."
+        ),
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the job's --output-dir")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=_status)
