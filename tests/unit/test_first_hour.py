@@ -78,8 +78,27 @@ def test_shuffle_seed_draws_the_same_rows_from_the_whole_input(
             ids.append([r["id"] for r in read_output(result.output_path)])
         everything = pool.annotate(rows(6), TEMPLATE, tmp_path / "all", progress=False, limit=50)
     assert ids[0] == ids[1] and ids[0] != ids[2]
+    job = orjson.loads((tmp_path / "r0" / "job.json").read_bytes())
+    assert job["fingerprint"]["sample"] == {"limit": 10, "shuffle_seed": 7, "input_rows": 200}
     assert len(set(ids[0])) == 10 and max(ids[0]) >= 50  # not just the first rows
     assert everything.num_rows == 6
+
+
+def test_a_seeded_trial_on_an_input_that_grew_is_another_job(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """The rows a seed draws depend on the input's size: resuming a seeded trial on an
+    input that grew is refused, not silently drawn anew; a trial in a directory that
+    holds a full run gets the plain hint."""
+    out = tmp_path / "run"
+    with pool_of([fake_server]) as pool:
+        pool.annotate(rows(50), TEMPLATE, out, progress=False, limit=5, shuffle_seed=2)
+        with pytest.raises(FingerprintMismatchError, match="input_rows: 50 -> 60"):
+            pool.annotate(rows(60), TEMPLATE, out, progress=False, limit=5, shuffle_seed=2)
+        pool.annotate(rows(4), TEMPLATE, tmp_path / "full", progress=False)
+        with pytest.raises(FingerprintMismatchError) as refused:
+            pool.annotate(rows(4), TEMPLATE, tmp_path / "full", progress=False, limit=2)
+    assert "trial run" not in str(refused.value) and "resume anyway" in str(refused.value)
 
 
 def test_selection_sampling_is_exact_and_uniform() -> None:
@@ -123,23 +142,58 @@ def parse_label(text: str) -> dict[str, Any]:
 
 
 def test_validate_turns_answers_into_columns(fake_server: FakeServer, tmp_path: Path) -> None:
-    """A dict the check returns becomes columns; an input column of the same name keeps
-    its value under input_<name>; the check's name is in the fingerprint."""
+    """A dict the check returns becomes columns; the check's name is in the
+    fingerprint. A key that is also an input column kept in the output is refused (the
+    input column would move between rows), and so is a column every row has."""
 
     async def labels(request: dict[str, Any]) -> web.StreamResponse:
         return completion("label: pos (0.9)")
 
     fake_server.handler = labels
     out = tmp_path / "run"
-    data = [{"text": f"t{i}", "label": "gold"} for i in range(6)]
+    data = [{"text": f"t{i}", "gold": "neg"} for i in range(6)]
     with pool_of([fake_server]) as pool:
         result = pool.annotate(data, TEMPLATE, out, progress=False, validate=parse_label)
-    table = read_output(result.output_path)
-    assert [(r["label"], r["score"], r["valid"], r["input_label"]) for r in table] == [
-        ("pos", 0.9, True, "gold")
-    ] * 6
-    job = orjson.loads((out / "job.json").read_bytes())
-    assert job["fingerprint"]["validate"] == "tests.unit.test_first_hour:parse_label"
+        table = read_output(result.output_path)
+        assert [(r["label"], r["score"], r["valid"], r["gold"]) for r in table] == [
+            ("pos", 0.9, True, "neg")
+        ] * 6
+        job = orjson.loads((out / "job.json").read_bytes())
+        assert job["fingerprint"]["validate"] == "tests.unit.test_first_hour:parse_label"
+        clash = [{"text": "t0", "label": "gold"}]
+        with pytest.raises(ConfigurationError, match="'label', which is also an input column"):
+            pool.annotate(clash, TEMPLATE, tmp_path / "clash", validate=parse_label)
+        kept = pool.annotate(
+            clash, TEMPLATE, tmp_path / "kept", validate=parse_label, columns=["text"]
+        )
+        assert read_output(kept.output_path)[0]["label"] == "pos"
+        with pytest.raises(ConfigurationError, match="'error', which is a column every row"):
+            pool.annotate(rows(3), TEMPLATE, tmp_path / "r", validate=lambda t: {"error": 1})
+
+
+def test_a_value_that_is_not_json_stops_the_job_naming_the_row(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    with pool_of([fake_server]) as pool, pytest.raises(ConfigurationError, match="row 0"):
+        pool.annotate(rows(1), TEMPLATE, tmp_path / "run", validate=lambda t: {"s": {1, 2}})
+
+
+def test_a_check_that_refuses_everything_alike_is_taken_for_a_bug(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """A check that raises NameError on every answer is not a model giving bad answers:
+    after 20 such refusals and none accepted the job stops and says so."""
+
+    def broken(text: str) -> Any:
+        return undefined_name  # type: ignore[name-defined]  # noqa: F821
+
+    out = tmp_path / "run"
+    with pool_of([fake_server]) as pool, pytest.raises(ConfigurationError, match="bug in the"):
+        pool.annotate(rows(100), TEMPLATE, out, progress=False, validate=broken)
+    # Stopped early: not 300 requests (each of 100 rows 3 times) and no row written.
+    assert len(fake_server.requests) < 300 and run_status(out).done == 0
+    assert run_status(out).state == "failed"
+    assert "NameError" in (run_status(out).error or "")
 
 
 def test_a_refused_answer_is_generated_again_then_kept_as_an_error_row(
@@ -202,15 +256,6 @@ def test_validate_runs_after_the_schema_and_a_plain_value_is_one_column(
         )
     table = read_output(result.output_path)
     assert [(r["label"], r["validated"], r["valid"]) for r in table] == [("positive", 21, True)] * 3
-
-
-def test_a_check_that_returns_a_reserved_column_stops_the_job_keeping_the_rows(
-    fake_server: FakeServer, tmp_path: Path
-) -> None:
-    """A dict with the key 'error' would overwrite a column every row has: the job
-    stops with a message that names the key (the user's check to fix)."""
-    with pool_of([fake_server]) as pool, pytest.raises(ConfigurationError, match="'error'"):
-        pool.annotate(rows(3), TEMPLATE, tmp_path / "run", validate=lambda t: {"error": 1})
 
 
 # -- retrying some error types ----------------------------------------------------------
@@ -331,6 +376,24 @@ def test_cli_takes_limit_shuffle_seed_validate_and_retry_error_types(
     )
     assert again.returncode == 0, again.stderr
     assert "this run sent 0" in again.stdout
+    # module:function, found from the working directory as python -m would
+    from_cwd = subprocess.run(
+        [
+            *command(fake_server, data, tmp_path / "cwd"),
+            "--limit",
+            "2",
+            "--validate",
+            "checks:label",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert from_cwd.returncode == 0, from_cwd.stderr
+    assert read_output(tmp_path / "cwd" / "annotations.parquet")[0]["word"] == "t0"
 
 
 @pytest.mark.parametrize(
@@ -377,6 +440,9 @@ def test_bare_retry_errors_means_every_type(tmp_path: Path) -> None:
         "o",
     ]
     assert settings(*base, "--retry-errors")["retry_errors"] is True
+    job = tmp_path / "job.toml"
+    job.write_text("retry_errors = []\n")
+    assert settings(*base, "--config", str(job))["retry_errors"] == []  # none, not all
     assert settings(*base, "--no-retry-errors")["retry_errors"] is False
     assert settings(*base, "--retry-errors", "oversized")["retry_errors"] == ["oversized"]
     assert settings(*base)["retry_errors"] is False
@@ -447,6 +513,41 @@ def test_status_of_a_running_then_finished_job(fake_server: FakeServer, tmp_path
     )
     assert "finished" in shown.stdout and "400 of 400 done" in shown.stdout
     assert "bad_request 40" in shown.stdout
+
+
+def test_status_of_a_job_on_another_host_trusts_a_fresh_status_file(tmp_path: Path) -> None:
+    """A job on a compute node holds its lock there, out of this host's sight: its
+    status.json says running, believed while fresh; once stale, the run is stopped."""
+    from datetime import UTC, datetime, timedelta
+
+    out = tmp_path / "run"
+    with ResultStore.open(out, {"m": 1}) as store:
+        store.append({"id": 1, "response": "a", "error": None, "server": "http://s/v1"})
+
+    def said(age: float) -> None:
+        when = (datetime.now(UTC) - timedelta(seconds=age)).isoformat(timespec="seconds")
+        body = {
+            "state": "running",
+            "pid": 4242,
+            "host": "node-elsewhere",
+            "updated": when,
+            "total": 10,
+            "rows_per_second": 2.5,
+            "eta_seconds": 3.6,
+        }
+        (out / "status.json").write_bytes(orjson.dumps(body))
+
+    said(1)
+    fresh = run_status(out)
+    assert (fresh.state, fresh.pid, fresh.host, fresh.total) == (
+        "running",
+        4242,
+        "node-elsewhere",
+        10,
+    )
+    assert fresh.rows_per_second == 2.5 and fresh.done == 1
+    said(600)
+    assert run_status(out).state == "stopped"
 
 
 def test_status_of_a_directory_that_holds_no_job(

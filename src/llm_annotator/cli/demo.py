@@ -29,9 +29,9 @@ import orjson
 import pyarrow.parquet as pq
 import structlog
 
-from llm_annotator.cli._signals import Interrupted, signals_interrupt
+from llm_annotator.cli._signals import Interrupted, signals_ignored, signals_interrupt
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
-from llm_annotator.errors import ConfigurationError
+from llm_annotator.errors import ConfigurationError, RunInterruptedError
 from llm_annotator.local import (
     SMALL_MODEL_DIRNAME,
     LocalServers,
@@ -151,7 +151,8 @@ def run_demo(settings: DemoSettings, *, out: TextIO) -> int:
             stats = pool.statistics()
     finally:
         if servers is not None:
-            servers.stop()
+            with signals_ignored():  # a second Ctrl-C must not leave servers running
+                servers.stop()
     rows = pq.read_table(result.output_path).to_pylist()
     report = orjson.loads(result.report_path.read_bytes())
     _summary(rows, result.seconds, report, stats, names, watch.killed_at, out)
@@ -250,6 +251,12 @@ class _Watch:
         print(f"  {time.monotonic() - self._started:6.1f} s  {text}", file=self.out, flush=True)
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except Exception as error:  # a bug here must not pass unseen: the kill is ours
+            self._say(f"the demo's watch stopped: {type(error).__name__}: {error}")
+
+    def _watch(self) -> None:
         states: dict[str, str] = {}
         shown, shown_answers = 0.0, -1
         while not self._stop.wait(_TICK):
@@ -356,7 +363,8 @@ def _summary(
             file=out,
         )
     if killed_at is not None:
-        print(f"  (a server was killed at {killed_at:.1f} s; no row was lost)", file=out)
+        lost = "no row was lost" if not failed else f"{len(failed)} rows are error rows"
+        print(f"  (a server was killed at {killed_at:.1f} s; {lost})", file=out)
     print(f"\n{'id':>4}  {'review':<52} {'gold':<9} model", file=out)
     for row in rows[:6]:
         answer = row.get("label") if not row["error"] else f"ERROR {row['error_type']}"
@@ -389,11 +397,11 @@ def _demo(args: argparse.Namespace) -> int:
         try:
             return run_demo(settings, out=sys.stdout)
         except Interrupted as interrupted:
-            print(
-                f"llm-annotator demo: stopped by {signal.Signals(interrupted.signum).name}",
-                file=sys.stderr,
-            )
-            return 128 + interrupted.signum
+            signum = interrupted.signum
+        except RunInterruptedError as stopped:  # a signal while the job ran
+            signum = stopped.signum or int(signal.SIGINT)
+        print(f"llm-annotator demo: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
 
 
 def add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

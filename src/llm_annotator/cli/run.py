@@ -112,11 +112,11 @@ _GRACE = _number(integer=False, low=0)
 
 
 def _retry_errors(value: Any) -> bool | list[str]:
-    """``retry_errors``: true or false, or a list of error types (a bare flag: all)."""
+    """``retry_errors``: true or false, or a list of error types (an empty one: none)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return value or True
+        return value
     raise _BadValue(f"expected true, false or a list of error types, got {value!r}")
 
 
@@ -311,7 +311,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     for name in known:
         value = getattr(args, name, None)
         if value is not None:
-            merged[name] = known[name].kind(value) if known[name].kind is _retry_errors else value
+            # A bare --retry-errors (no types) retries every error row.
+            merged[name] = True if value == [] and name == "retry_errors" else value
     missing = [name for name in _REQUIRED if not merged.get(name)]
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
@@ -493,11 +494,12 @@ def load_validator(spec: str) -> Callable[[str], Any]:
     try:
         if where.endswith(".py"):
             path = Path(where)
-            loader = importlib.util.spec_from_file_location(path.stem, path)
+            private = f"_llm_annotator_validate_{path.stem}"  # never shadows a real module
+            loader = importlib.util.spec_from_file_location(private, path)
             if loader is None or loader.loader is None or not path.is_file():
                 raise ConfigurationError(f"--validate {spec!r}: no file {where}")
             module = importlib.util.module_from_spec(loader)
-            sys.modules[path.stem] = module
+            sys.modules[loader.name] = module
             loader.loader.exec_module(module)
         else:
             if "" not in sys.path and os.getcwd() not in sys.path:

@@ -20,19 +20,20 @@ def show_status(status: RunStatus, out: TextIO) -> None:
     Examples:
         >>> import io
         >>> out = io.StringIO()
-        >>> show_status(RunStatus("runs/a", "running", 41, 200, 120, 118, 2,
+        >>> show_status(RunStatus("runs/a", "running", 41, "node-7", 200, 120, 118, 2,
         ...     {"read_timeout": 2}, {"http://a/v1": 70, "http://b/v1": 50},
         ...     rows_per_second=8.0, eta_seconds=10.0, updated="2026-12-01T10:00:00+00:00",
         ...     model="small"), out)
         >>> print(out.getvalue())
-        runs/a: running (pid 41), status written 2026-12-01T10:00:00+00:00
+        runs/a: running (pid 41 on node-7), status written 2026-12-01T10:00:00+00:00
           rows: 120 of 200 done (60.0%): 118 answered, 2 failed; 8.0 rows/s, ETA 10s
           failed by type: read_timeout 2
           rows by server: http://a/v1 70, http://b/v1 50
           model: small
         <BLANKLINE>
     """
-    who = f" (pid {status.pid})" if status.pid is not None else ""
+    on = f" on {status.host}" if status.host else ""
+    who = f" (pid {status.pid}{on})" if status.pid is not None else ""
     when = f", status written {status.updated}" if status.updated else ""
     print(f"{status.output_dir}: {status.state}{who}{when}", file=out)
     total = status.total

@@ -261,7 +261,7 @@ class Annotator:
             output_schema=raw_schema,
             id_column=spec.id_column,
             columns=list(spec.columns) if spec.columns is not None else None,
-            **_extras(sample, spec),
+            **_extras(sample, spec, input_rows),
         )
         store = await _open_store(spec, fingerprint, retry)
         resumed = store.num_done
@@ -290,24 +290,22 @@ class Annotator:
                 resumed,
                 healthy=lambda: healthy_servers(self.client),
                 bar=self.progress,
-                on_show=status.show,
             ),
         )
-        status.show(job.progress)  # the total, for status, before the first row ends
-        with status.final_state(job.progress):
-            return await self._run(spec, job, interrupt, total, resumed, started)
+        async with status.kept(job.progress):
+            return await self._run(spec, job, interrupt, status, resumed, started)
 
     async def _run(
         self,
         spec: JobSpec,
         job: JobRun,
         interrupt: Interrupt,
-        total: int,
+        status: StatusFile,
         resumed: int,
         started: float,
     ) -> AnnotationResult:
         """Run the job, consolidate its results and write its report."""
-        store = job.store
+        store, total = job.store, status.total
         hedged_before = hedged_requests(self.client)
         interrupt.sending = True
         try:
@@ -318,6 +316,9 @@ class Annotator:
             interrupt.uncancel()
         finally:
             job.progress.close()
+            if not interrupt.triggered:
+                status.state = "consolidating"
+                await asyncio.to_thread(status.write, job.progress.figures())
             await asyncio.to_thread(store.close)
         done = store.num_done
         if interrupt.triggered:
@@ -414,12 +415,12 @@ async def _model_of(client: Client[Any]) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def _extras(sample: Sample, spec: JobSpec) -> dict[str, Any]:
+def _extras(sample: Sample, spec: JobSpec, input_rows: int) -> dict[str, Any]:
     """Fingerprint entries of the settings a job may leave out; left out when unused, so
     that the fingerprint of a job without them is what it was before they existed."""
     extras: dict[str, Any] = {}
     if not sample.everything:
-        extras["sample"] = sample.fingerprint()
+        extras["sample"] = sample.fingerprint(input_rows)
     if spec.validate is not None:
         extras["validate"] = validator_name(spec.validate)
     return extras

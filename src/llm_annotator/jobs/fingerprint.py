@@ -215,9 +215,10 @@ def job_record(
         if not force:
             listed = "".join(f"\n  {line}" for line in changes)
             hint = "Pass force=True (CLI --force) to resume anyway"
-            if changes and all(line.startswith("sample") for line in changes):
+            trial = old.get("sample")
+            if trial and all(line.startswith("sample") for line in changes):
                 hint = (
-                    f"It holds a trial run on a sample of the input ({_show(old.get('sample'))}"
+                    f"It holds a trial run on a sample of the input ({_show(trial)}"
                     "). Pass force=True (CLI --force) to go on from it: the rows done are "
                     "kept and only the others are sent"
                 )

@@ -29,8 +29,6 @@ class Progress:
         stream: Where the bar goes; None for standard error.
         bar: True for a bar, False for log lines, None to decide by the stream.
         clock: The clock (tests give their own).
-        on_show: Called with this object on every finished row (the job writes its
-            ``status.json`` so, when a write is due).
 
     Examples:
         >>> import io
@@ -51,7 +49,6 @@ class Progress:
         bar_interval: float = 0.5,
         log_interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
-        on_show: Callable[[Progress], None] | None = None,
     ) -> None:
         self.total = total
         self.done = done_before
@@ -66,7 +63,6 @@ class Progress:
         self.started = clock()
         self._shown = self.started
         self._drawn = False
-        self.on_show = on_show
 
     def add(self, *, rows: int = 1, failed: int = 0, output_tokens: int = 0) -> None:
         """Count finished rows and the output tokens of answers (every answer, a
@@ -75,8 +71,6 @@ class Progress:
         self.rows += rows
         self.failed += failed
         self.output_tokens += output_tokens
-        if self.on_show is not None:
-            self.on_show(self)
         now = self.clock()
         if now - self._shown >= self.interval:
             self._shown = now

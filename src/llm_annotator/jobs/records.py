@@ -37,8 +37,8 @@ class RecordBuilder:
     ``columns``); one whose name an output column already uses gets the prefix
     ``input_``, so nothing the user passed in is lost or overwritten.
 
-    A ``validate`` check's dict adds its keys as columns too (an input column of the
-    same name then gets the prefix as well).
+    A ``validate`` check's dict adds its keys as columns too (they may not name an
+    output or input column).
 
     Args:
         schema: The output schema whose fields become columns, or None.
@@ -63,6 +63,8 @@ class RecordBuilder:
             taken.update(schema.columns)
         if self.checked:
             taken.add(VALID_COLUMN)
+        if validate:
+            taken.add(VALIDATED_COLUMN)
         self.taken: Collection[str] = frozenset(taken)
         self._reserved = frozenset({"id", *ANSWER_COLUMNS, VALID_COLUMN})
 
@@ -75,20 +77,29 @@ class RecordBuilder:
             names.append(VALID_COLUMN)
         return names
 
-    def validated(self, value: Any, parsed: Parsed | None) -> dict[str, Any]:
+    def validated(
+        self, value: Any, parsed: Parsed | None, inputs: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """The columns of what a ``validate`` check returned, after the schema's.
+
+        Args:
+            value: What the check returned.
+            parsed: The schema's columns, if there is a schema.
+            inputs: The row's input values (their names must not be the check's keys:
+                the input column would then move between rows).
 
         Raises:
             ConfigurationError: The check returned a dict with a key that is not a
-                string or names a column every row has (``id``, ``response``, ...).
+                string, names a column every row has (``id``, ``response``, ...), a
+                schema field, or an input column kept in the output.
 
         Examples:
             >>> builder = RecordBuilder(None, None, validate=True)
-            >>> builder.validated({"label": "pos", "score": 0.9}, None)
+            >>> builder.validated({"label": "pos", "score": 0.9}, None, {"text": "t"})
             {'label': 'pos', 'score': 0.9}
-            >>> builder.validated(3, None)
+            >>> builder.validated(3, None, {})
             {'validated': 3}
-            >>> builder.validated({"error": 1}, None)
+            >>> builder.validated({"text": 1}, None, {"text": "t"})
             Traceback (most recent call last):
             ...
             llm_annotator.errors.ConfigurationError: validate returned a dict with the key ...
@@ -97,13 +108,25 @@ class RecordBuilder:
         if not isinstance(value, dict):
             values[VALIDATED_COLUMN] = value
             return values
+        kept = self.columns if self.columns is not None else inputs.keys()
         for key in value:
-            if not isinstance(key, str) or key in self._reserved:
-                raise ConfigurationError(
-                    f"validate returned a dict with the key {key!r}, which is "
-                    + ("not a string" if not isinstance(key, str) else "a column every row has")
-                    + f"; its keys become columns, so use others (not {sorted(self._reserved)})"
+            if not isinstance(key, str):
+                why = "not a string"
+            elif key in self._reserved or key == VALIDATED_COLUMN:
+                why = f"a column every row has ({', '.join(sorted(self._reserved))})"
+            elif key in values:
+                why = "a field of the output_schema"
+            elif key in kept:
+                why = (
+                    "also an input column kept in the output; rename the key, or leave "
+                    "the column out with columns=[...] (CLI --columns)"
                 )
+            else:
+                continue
+            raise ConfigurationError(
+                f"validate returned a dict with the key {key!r}, which is {why}: its keys "
+                "become columns of their own"
+            )
         values.update(value)
         return values
 
@@ -150,5 +173,5 @@ class RecordBuilder:
         taken = self.taken
         names = self.columns if self.columns is not None else values.keys()
         for name in names:
-            key = INPUT_PREFIX + name if name in taken or name in record else name
+            key = INPUT_PREFIX + name if name in taken else name
             record[key] = values.get(name)

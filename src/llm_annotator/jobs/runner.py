@@ -10,8 +10,10 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from llm_annotator.clients.base import Messages
-from llm_annotator.errors import ErrorKind, PromptError
+from llm_annotator.errors import ConfigurationError, ErrorKind, PromptError
 from llm_annotator.jobs.ids import RowId
 from llm_annotator.jobs.inputs import Row
 from llm_annotator.jobs.interrupt import Interrupt
@@ -45,6 +47,9 @@ class _Item:
 _READY_LIMIT = 4096
 """Records of rows that need no request (unreadable rows, templates that fail) held
 for the consumer at most; the input waits beyond that."""
+_BUGGY_CHECK = 20
+"""Answers a ``validate`` check may refuse, all with the same exception and none
+accepted, before the job takes it for a bug in the check and stops."""
 _ANSWERS_LIMIT = 4096
 """Answers held for the consumer at most (while it syncs the store, say); beyond that
 the pump stops reading the stream, and the pool stops taking rows."""
@@ -104,6 +109,10 @@ class JobRun:
         self.sent = 0
         self.regenerated = 0
         self.prompt_tokens = 0
+        self.accepted = 0
+        """Answers the ``validate`` check accepted."""
+        self.refusals: dict[str, int] = {}
+        """Refusals by exception type before the check accepted any answer."""
 
     async def run(
         self, options: Any, gen_kwargs: dict[str, Any] | None, interrupt: Interrupt
@@ -224,7 +233,7 @@ class JobRun:
         if self.schema is not None and response.ok:
             parsed = self.schema.parse(response.text, response.finish_reason)
         if self.validate is not None and response.ok and (parsed is None or parsed.valid):
-            parsed = self._validated(response, parsed)
+            parsed = self._validated(item, response, parsed)
         if parsed is not None and not parsed.valid:
             if item.attempt < self.regenerate:
                 item.attempt += 1
@@ -239,13 +248,21 @@ class JobRun:
         record = self.builder.build(item.id, item.values, response, parsed)
         self._write(record, failed=not response.ok)
 
-    def _validated(self, response: Response, parsed: Parsed | None) -> Parsed:
+    def _validated(self, item: _Item, response: Response, parsed: Parsed | None) -> Parsed:
         """The user's check of one answer, as a :class:`Parsed` (its values joined to the
-        schema's); an exception it raises makes the answer invalid."""
+        schema's); an exception it raises makes the answer invalid.
+
+        Raises:
+            ConfigurationError: What the check returned cannot be a row's columns (not
+                JSON-able, or a key that names a column), or it refused every one of the
+                first answers with the same exception: a bug in the check, not bad
+                answers. The rows written so far are kept.
+        """
         assert self.validate is not None
         try:
             value = self.validate(response.text or "")
         except Exception as error:  # the user's check refused it: any exception says so
+            self._note_refusal(error)
             message = f"validate refused the answer: {type(error).__name__}: {error}"
             return Parsed(
                 values=self.builder.empty_validated(parsed),
@@ -253,7 +270,31 @@ class JobRun:
                 error=message[:500],
                 kind=ErrorKind.INVALID_OUTPUT,
             )
-        return Parsed(values=self.builder.validated(value, parsed), valid=True)
+        self.accepted += 1
+        values = self.builder.validated(value, parsed, item.values)
+        try:
+            orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)
+        except TypeError as error:
+            raise ConfigurationError(
+                f"validate returned a value for row {item.id!r} that cannot be written as "
+                f"JSON ({error}): return dicts, lists, strings, numbers, booleans or None"
+            ) from None
+        return Parsed(values=values, valid=True)
+
+    def _note_refusal(self, error: Exception) -> None:
+        """Stop the job when the check has refused every answer so far, each time with
+        the same kind of exception, ``_BUGGY_CHECK`` times."""
+        if self.accepted:
+            return
+        kind = type(error).__name__
+        self.refusals[kind] = self.refusals.get(kind, 0) + 1
+        if len(self.refusals) == 1 and self.refusals[kind] >= _BUGGY_CHECK:
+            raise ConfigurationError(
+                f"validate refused each of the first {_BUGGY_CHECK} answers with {kind} "
+                f"({error}); that looks like a bug in the check rather than bad answers. "
+                "Try it on a few answers by hand (a trial with --limit), fix it, and run the "
+                "same command again: the rows written are kept."
+            ) from error
 
     def _write(self, record: dict[str, Any], *, failed: bool) -> None:
         self.store.append(record)

@@ -60,12 +60,23 @@ class Sample:
         """Whether every row is taken."""
         return self.limit is None
 
-    def fingerprint(self) -> dict[str, Any] | None:
-        """What the job's fingerprint records of the sample (None for every row, so a
-        full run's fingerprint is what it was before samples existed)."""
+    def fingerprint(self, total: int) -> dict[str, Any] | None:
+        """What the job's fingerprint records of the sample of an input of ``total``
+        rows: None for every row (so a full run's fingerprint is what it was before
+        samples existed); with a seed, the input's size too, since the rows drawn depend
+        on it (a resumed trial on an input that grew would draw others).
+
+        Examples:
+            >>> Sample(5).fingerprint(100)
+            {'limit': 5, 'shuffle_seed': None}
+            >>> Sample(5, 1).fingerprint(100)
+            {'limit': 5, 'shuffle_seed': 1, 'input_rows': 100}
+        """
         if self.limit is None:
             return None
-        return {"limit": self.limit, "shuffle_seed": self.shuffle_seed}
+        if self.shuffle_seed is None:
+            return {"limit": self.limit, "shuffle_seed": None}
+        return {"limit": self.limit, "shuffle_seed": self.shuffle_seed, "input_rows": total}
 
     def size(self, total: int) -> int:
         """Rows taken from an input of ``total`` rows."""

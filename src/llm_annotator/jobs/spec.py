@@ -88,14 +88,14 @@ ERROR_TYPES = frozenset(kind.value for kind in ErrorKind)
 
 def retry_choice(value: bool | Collection[str]) -> bool | frozenset[str]:
     """``retry_errors`` as the store takes it: False, True (every error row), or the
-    error types to send again.
+    error types to send again (an empty list: none).
 
     Raises:
         ConfigurationError: A type that no error row can have; the message lists them.
 
     Examples:
         >>> retry_choice(True), retry_choice([])
-        (True, True)
+        (True, False)
         >>> sorted(retry_choice(["read_timeout", "server_error"]))
         ['read_timeout', 'server_error']
         >>> retry_choice(["timeout"])
@@ -111,7 +111,7 @@ def retry_choice(value: bool | Collection[str]) -> bool | frozenset[str]:
         )
     types = frozenset(value)
     if not types:
-        return True  # the CLI's bare --retry-errors
+        return False
     unknown = sorted(str(t) for t in types if t not in ERROR_TYPES)
     if unknown:
         raise ConfigurationError(

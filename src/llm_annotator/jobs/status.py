@@ -9,11 +9,12 @@ process holds it now.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-import time
+import socket
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,10 +23,10 @@ from typing import Any
 import orjson
 
 from llm_annotator.errors import JobError, RunInterruptedError
+from llm_annotator.jobs.ids import IdSet
 from llm_annotator.jobs.store import (
     JOB_FILE,
     LOCK_FILE,
-    atomic_write,
     is_error_record,
     read_shard,
     shard_paths,
@@ -34,42 +35,42 @@ from llm_annotator.jobs.store import (
 STATUS_FILE = "status.json"
 """The job's own account of itself, rewritten every few seconds while it runs."""
 STATUS_INTERVAL = 5.0
-"""Seconds between two writes of ``status.json`` at most."""
+"""Seconds between two writes of ``status.json``."""
+_STALE = 3 * STATUS_INTERVAL
+"""Seconds after which a ``status.json`` that says running, from another host, is not
+believed any more (its job stopped writing it: killed, or its host is gone)."""
 
 
 class StatusFile:
-    """Writes ``status.json`` for a running job: at most every ``interval`` seconds, and
-    once more when the job ends (its final state).
+    """Writes ``status.json`` for a running job: every ``interval`` seconds from a task
+    of its own (in a thread, so a slow file system never holds up the job), and once
+    more when the job ends, with its final state.
 
     Args:
         directory: The run directory.
         total: Rows the job takes (a sample's size with ``limit``).
-        clock: Seconds, for the interval (tests give their own).
+        interval: Seconds between two writes.
     """
 
-    def __init__(
-        self, directory: Path, total: int, *, interval: float = STATUS_INTERVAL, clock: Any = None
-    ) -> None:
+    def __init__(self, directory: Path, total: int, *, interval: float = STATUS_INTERVAL) -> None:
         self.path = directory / STATUS_FILE
         self.total = total
         self.interval = interval
-        self.clock = clock or time.monotonic
-        self._written: float | None = None
+        self.state = "running"
+        """What the periodic writes say: ``running``, then ``consolidating``."""
         self.started = _now()
-
-    def due(self) -> bool:
-        """Whether a write is due."""
-        return self._written is None or self.clock() - self._written >= self.interval
+        self._pid = os.getpid()
 
     def write(
-        self, figures: dict[str, Any], state: str = "running", error: str | None = None
+        self, figures: dict[str, Any], state: str | None = None, error: str | None = None
     ) -> None:
-        """Replace ``status.json`` whole; a failed write is left for the next one (the
-        job's own writes report a full disk)."""
-        self._written = self.clock()
+        """Replace ``status.json`` whole (no fsync: it is advisory, rewritten soon). A
+        failed write is left for the next one; the job's own writes report a full disk.
+        """
         body = {
-            "state": state,
-            "pid": os.getpid(),
+            "state": state or self.state,
+            "pid": self._pid,
+            "host": socket.gethostname(),
             "started": self.started,
             "updated": _now(),
             "total": self.total,
@@ -77,30 +78,45 @@ class StatusFile:
         }
         if error is not None:
             body["error"] = error
+        temporary = self.path.with_name(f".{self.path.name}.{self._pid}.tmp")
         try:
-            with atomic_write(self.path) as file:
-                file.write(orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
+            temporary.write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
+            os.replace(temporary, self.path)
         except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                temporary.unlink()
 
-    def show(self, progress: Any) -> None:
-        """``Progress``'s ``on_show``: write the figures if a write is due."""
-        if self.due():
-            self.write(progress.figures())
-
-    @contextlib.contextmanager
-    def final_state(self, progress: Any) -> Iterator[None]:
-        """Write how the job in the block ended: ``finished``, ``interrupted`` (a
-        signal) or ``failed`` (with the error)."""
+    @contextlib.asynccontextmanager
+    async def kept(self, progress: Any) -> AsyncIterator[None]:
+        """Keep ``status.json`` up to date while the block runs, then write how it ended:
+        ``finished``, ``interrupted`` (a signal) or ``failed`` (with the error)."""
+        task = asyncio.ensure_future(self._keep_writing(progress))
+        state, error = "finished", None
         try:
             yield
         except RunInterruptedError:
-            self.write(progress.figures(), "interrupted")
+            state = "interrupted"
             raise
-        except BaseException as error:
-            self.write(progress.figures(), "failed", str(error) or type(error).__name__)
+        except BaseException as failure:
+            state, error = "failed", str(failure) or type(failure).__name__
             raise
-        self.write(progress.figures(), "finished")
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if self._still_ours():
+                await asyncio.to_thread(self.write, progress.figures(), state, error)
+
+    async def _keep_writing(self, progress: Any) -> None:
+        while True:
+            await asyncio.to_thread(self.write, progress.figures())
+            await asyncio.sleep(self.interval)
+
+    def _still_ours(self) -> bool:
+        """Whether ``status.json`` is this job's (a job started in the directory since
+        this one let go of it writes its own)."""
+        said = _read_status(self.path.parent)
+        return said.get("pid") in (None, self._pid) or said.get("host") != socket.gethostname()
 
 
 def _now() -> str:
@@ -113,10 +129,12 @@ class RunStatus:
 
     Attributes:
         output_dir: The run directory.
-        state: ``running`` (a process holds the directory), ``finished``,
-            ``interrupted``, ``failed``, or ``stopped`` (no process holds it and it did
-            not say how it ended: killed, or an older run).
+        state: ``running`` (a process holds the directory, or on another host its
+            ``status.json`` is fresh), ``consolidating`` (writing the output),
+            ``finished``, ``interrupted``, ``failed``, or ``stopped`` (nothing runs it
+            and it did not say how it ended: killed, or an older run).
         pid: The process that holds (or last held) the directory, if known.
+        host: The host of that process, if known.
         total: Rows the job takes, if a job has said so.
         done: Ids with a result (answered or error rows).
         succeeded: Ids with an answer.
@@ -134,6 +152,7 @@ class RunStatus:
     output_dir: str
     state: str
     pid: int | None
+    host: str | None
     total: int | None
     done: int
     succeeded: int
@@ -170,31 +189,23 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
         raise JobError(f"cannot read {job_path}: {error}") from None
     fingerprint = job.get("fingerprint") if isinstance(job, dict) else None
     fingerprint = fingerprint if isinstance(fingerprint, dict) else {}
-    best = _best_records(directory)
-    errors = Counter(kind for ok, kind, _ in best.values() if not ok)
-    servers = Counter(server or "(none)" for _, _, server in best.values())
-    failed = sum(errors.values())
+    tally = _Tally.of(directory)
     status = _read_status(directory)
-    holder = _lock_holder(directory)
-    pid: int | None
-    if holder is not None:
-        state, pid = "running", holder
-    else:
-        said = status.get("state")
-        state = said if said in ("finished", "interrupted", "failed") else "stopped"
-        pid = status.get("pid") if isinstance(status.get("pid"), int) else None
+    state, pid, host = _state(directory, status)
+    live = state in ("running", "consolidating")
     return RunStatus(
         output_dir=str(directory),
         state=state,
         pid=pid,
+        host=host,
         total=status.get("total") if isinstance(status.get("total"), int) else None,
-        done=len(best),
-        succeeded=len(best) - failed,
-        failed=failed,
-        by_error_type=dict(errors.most_common()),
-        per_server=dict(servers.most_common()),
-        rows_per_second=status.get("rows_per_second") if state == "running" else None,
-        eta_seconds=status.get("eta_seconds") if state == "running" else None,
+        done=tally.succeeded + tally.failed,
+        succeeded=tally.succeeded,
+        failed=tally.failed,
+        by_error_type=dict(tally.by_error_type.most_common()),
+        per_server=dict(tally.per_server.most_common()),
+        rows_per_second=status.get("rows_per_second") if live else None,
+        eta_seconds=status.get("eta_seconds") if live else None,
         updated=status.get("updated"),
         model=fingerprint.get("model"),
         sample=fingerprint.get("sample"),
@@ -202,21 +213,74 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
     )
 
 
-def _best_records(directory: Path) -> dict[Any, tuple[bool, str, str | None]]:
-    """Each id's best record so far (a success beats an error; the last one wins
-    otherwise) as (answered, error type, server)."""
-    best: dict[Any, tuple[bool, str, str | None]] = {}
-    for path in shard_paths(directory):
-        try:
-            for _, _, record in read_shard(path):
-                ok = not is_error_record(record)
-                row_id = record["id"]
-                if ok or not best.get(row_id, (False, "", None))[0]:
-                    kind = str(record.get("error_type") or "error")
-                    best[row_id] = (ok, kind, record.get("server"))
-        except OSError:
-            continue  # a shard removed meanwhile (an empty one, when its run closed)
-    return best
+def _state(directory: Path, status: dict[str, Any]) -> tuple[str, int | None, str | None]:
+    """The run's state, the pid of its process and that process's host.
+
+    A process of this host that holds the lock runs it. A job on another host (a
+    cluster's compute node, the directory on a shared file system) cannot be seen in
+    this host's lock table; its ``status.json``, rewritten every few seconds, is then
+    believed while it is fresh.
+    """
+    said = status.get("state")
+    pid = status.get("pid") if isinstance(status.get("pid"), int) else None
+    host = status.get("host") if isinstance(status.get("host"), str) else None
+    holder = _lock_holder(directory)
+    if holder is not None:
+        live = said == "consolidating" and pid == holder
+        return ("consolidating" if live else "running"), holder, socket.gethostname()
+    if said in ("running", "consolidating"):
+        if host is not None and host != socket.gethostname() and _fresh(status):
+            return said, pid, host
+        return "stopped", pid, host
+    if said in ("finished", "interrupted", "failed"):
+        return said, pid, host
+    return "stopped", pid, host
+
+
+def _fresh(status: dict[str, Any]) -> bool:
+    try:
+        updated = datetime.fromisoformat(str(status.get("updated")))
+    except ValueError:
+        return False
+    return (datetime.now(UTC) - updated).total_seconds() <= _STALE
+
+
+@dataclass
+class _Tally:
+    """Counts over the shards, each id once by its best record (a success beats an
+    error; among errors the last one counts). Each id succeeds at most once (the store
+    writes a done id never again), so successes need no memory per id beyond an
+    :class:`IdSet`; errors, usually few, are kept by id until the end."""
+
+    succeeded: int = 0
+    failed: int = 0
+    by_error_type: Counter[str] = field(default_factory=Counter)
+    per_server: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def of(cls, directory: Path) -> _Tally:
+        tally = cls()
+        answered = IdSet()
+        errors: dict[Any, tuple[str, str]] = {}
+        for path in shard_paths(directory):
+            try:
+                for _, _, record in read_shard(path):
+                    row_id = record["id"]
+                    server = str(record.get("server") or "(none)")
+                    if not is_error_record(record):
+                        if answered.add(row_id):
+                            tally.succeeded += 1
+                            tally.per_server[server] += 1
+                    else:
+                        errors[row_id] = (str(record.get("error_type") or "error"), server)
+            except OSError:
+                continue  # a shard removed meanwhile (an empty one, when its run closed)
+        for row_id, (kind, server) in errors.items():
+            if row_id not in answered:
+                tally.failed += 1
+                tally.by_error_type[kind] += 1
+                tally.per_server[server] += 1
+        return tally
 
 
 def _read_status(directory: Path) -> dict[str, Any]:
