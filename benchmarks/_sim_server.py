@@ -12,7 +12,11 @@ capacity`` seconds: its throughput at full load, and its highest, is
 (:attr:`ServerModel.throughput`).
 
 It answers like vLLM's OpenAI server: ``POST /v1/chat/completions`` with a fixed chat
-completion, ``GET /health`` with 200, ``GET /v1/models`` with one model. Two more routes
+completion, ``GET /health`` with 200, ``GET /v1/models`` with one model. Like vLLM
+(whose chat route cancels a request whose client disconnected, and aborts it in the
+engine), it drops a request whose client went away, waiting or in service; and like
+vLLM its ``GET /metrics`` gives the gauges ``vllm:num_requests_running`` and
+``vllm:num_requests_waiting`` and the counter ``vllm:request_success_total``. Two more routes
 serve the benchmark: ``GET /bench/stats`` (what the server measured since the last
 reset) and ``POST /bench/reset``.
 
@@ -85,6 +89,7 @@ class ServerStats:
             (a CPU-starved server runs slower than its model).
         last_finish: ``time.monotonic()`` of the last answer, or None.
         max_waiting: The longest line of requests waiting for a slot.
+        aborted: Requests dropped because their client went away.
     """
 
     completed: int
@@ -94,6 +99,7 @@ class ServerStats:
     overshoot: float
     last_finish: float | None
     max_waiting: int
+    aborted: int
 
 
 class _Load:
@@ -103,6 +109,8 @@ class _Load:
         self.capacity = capacity
         self.active = 0
         self.waiting = 0
+        self.served = 0
+        """Requests answered since the server started (never reset)."""
         self.reset()
 
     def reset(self) -> None:
@@ -114,6 +122,7 @@ class _Load:
         self.overshoot = 0.0
         self.last_finish: float | None = None
         self.max_waiting = self.waiting
+        self.aborted = 0
 
     def advance(self) -> float:
         now = time.monotonic()
@@ -136,6 +145,7 @@ class _Load:
             overshoot=self.overshoot,
             last_finish=self.last_finish,
             max_waiting=self.max_waiting,
+            aborted=self.aborted,
         )
 
 
@@ -157,6 +167,13 @@ async def serve(model: ServerModel, served_model: str, host: str = LOOPBACK) -> 
     completion_body, models_body = _bodies(served_model)
 
     async def chat(request: web.Request) -> web.Response:
+        try:
+            return await serve_one(request)
+        except asyncio.CancelledError:  # the client went away
+            load.aborted += 1
+            raise
+
+    async def serve_one(request: web.Request) -> web.Response:
         await request.read()
         load.waiting += 1
         load.max_waiting = max(load.max_waiting, load.waiting)
@@ -176,6 +193,7 @@ async def serve(model: ServerModel, served_model: str, host: str = LOOPBACK) -> 
                 load.active -= 1
             load.overshoot += max(0.0, now - started - planned)
             load.completed += 1
+            load.served += 1
             load.last_finish = now
         finally:
             slots.release()
@@ -186,6 +204,16 @@ async def serve(model: ServerModel, served_model: str, host: str = LOOPBACK) -> 
 
     async def models(_request: web.Request) -> web.Response:
         return web.Response(body=models_body, content_type="application/json")
+
+    labels = f'{{model_name="{served_model}"}}'
+
+    async def metrics(_request: web.Request) -> web.Response:
+        text = (
+            f"vllm:num_requests_running{labels} {load.active}\n"
+            f"vllm:num_requests_waiting{labels} {load.waiting}\n"
+            f"vllm:request_success_total{labels} {load.served}\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
 
     async def stats(_request: web.Request) -> web.Response:
         snapshot = load.snapshot()
@@ -200,12 +228,13 @@ async def serve(model: ServerModel, served_model: str, host: str = LOOPBACK) -> 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/bench/stats", stats)
     app.router.add_post("/bench/reset", reset)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, 0))
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     await web.SockSite(runner, listener, backlog=8192).start()
     print(f"{READY}{listener.getsockname()[1]}", flush=True)

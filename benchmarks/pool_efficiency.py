@@ -11,6 +11,14 @@ summed throughput at full load, taken from the simulation's parameters; the tail
 50 ms); and what each server did (answers, busy and saturated seconds, idle time at the
 end).
 
+Each run is made with three dispatches, side by side: ``adaptive`` (this version's
+default: a batch slot keeps its batch full as answers arrive, and each server's window
+follows its ``/metrics`` so that it queues little; the tail hedges the last sent first
+and the first answer cancels the other copy), ``window`` (the same with
+``adaptive=False``: every server may hold ``batch_size x batches`` at once) and
+``batch`` (the dispatch before both: a slot sends a whole batch and waits for its last
+answer). ``--dispatch`` picks some.
+
 Fault cost: the same run again, with one server SIGKILLed once 30% of the samples are
 done; the extra wall time over the run without the fault, against the extra that the
 lost capacity explains (the lower bound with that server's throughput gone from the
@@ -21,8 +29,8 @@ Run it as::
     python benchmarks/pool_efficiency.py            # full run, about two minutes
     python benchmarks/pool_efficiency.py --quick    # smoke run, about 20 seconds
 
-Targets: makespan within 5% of the lower bound; a killed server costs no more than its
-lost capacity explains plus 10 s. The exit code is 0 whether or not they are met, and
+Targets: makespan within 2% of the lower bound; a killed server costs no more than its
+lost capacity explains plus 0.5 s. The exit code is 0 whether or not they are met, and
 non-zero only when the harness fails (a server does not start, a run raises).
 """
 
@@ -48,11 +56,15 @@ import _harness as harness
 from _nginx import MODEL, raise_nofile_limit
 from _sim_server import ServerModel, ServerStats, SimServer
 from llm_annotator import VLLMQueueAnnotator
+from llm_annotator.pool import dispatch
 
 POLL = 0.05
 """Seconds between two reads of the pool's completed count."""
-TARGET_RATIO = 1.05
-TARGET_FAULT_SLACK = 10.0
+TARGET_RATIO = 1.02
+TARGET_FAULT_SLACK = 0.5
+DISPATCHES = ("adaptive", "window", "batch")
+"""This version's dispatch, the same with ``adaptive=False``, and the one before both
+(``dispatch.REFILL`` off, ``adaptive=False``)."""
 DEFAULT_SERVERS = "A:20:32,B:40:32,C:60:24,D:80:16"
 """name:base latency ms:capacity of each simulated server."""
 
@@ -63,6 +75,7 @@ class RunResult:
 
     Attributes:
         batch_size: The pool's batch size.
+        dispatch: ``window`` or ``batch`` (see :data:`DISPATCHES`).
         samples: Conversations sent.
         makespan: Seconds the call took.
         first: Seconds to the first completed sample (start-up probes included).
@@ -86,6 +99,7 @@ class RunResult:
 
     batch_size: int
     samples: int
+    dispatch: str = "adaptive"
     makespan: float = 0.0
     first: float = math.nan
     t99: float = math.nan
@@ -102,6 +116,11 @@ class RunResult:
     evicted_after: float = math.nan
     errors: dict[str, int] = field(default_factory=dict)
     end: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """Batch size and dispatch, for tables."""
+        return f"{self.batch_size} {self.dispatch}"
 
     @property
     def tail(self) -> float:
@@ -137,21 +156,25 @@ def run_once(
     events: harness.EventLog,
     kill: SimServer | None = None,
     kill_at: float = 0.3,
+    mode: str = "adaptive",
 ) -> RunResult:
-    """One ``batch_generate`` call over ``servers``, polled from this thread.
+    """One ``batch_generate`` call over ``servers`` with dispatch ``mode``, polled from
+    this thread.
 
     Raises:
         RuntimeError: If the call raises.
     """
     for server in servers:
         server.reset()
+    dispatch.REFILL = mode != "batch"
     names = {server.base_url: server.model.name for server in servers}
-    result = RunResult(batch_size=batch_size, samples=samples)
+    result = RunResult(batch_size=batch_size, samples=samples, dispatch=mode)
     pool = VLLMQueueAnnotator(
         [server.base_url for server in servers],
         model=MODEL,
         batch_size=batch_size,
         max_concurrent_batches_per_client=batches_per_server,
+        adaptive=mode == "adaptive",
     )
     messages = harness.sample_conversations(samples)
     outcome: dict[str, Any] = {}
@@ -258,7 +281,7 @@ def print_efficiency(results: Sequence[RunResult], models: Sequence[ServerModel]
         ratio = r.makespan / bound
         rows.append(
             (
-                str(r.batch_size),
+                r.label,
                 f"{r.samples:,}",
                 f"{r.makespan:.2f}",
                 f"{bound:.2f}",
@@ -290,13 +313,24 @@ def print_efficiency(results: Sequence[RunResult], models: Sequence[ServerModel]
     print()
     print("per server: busy = >= 1 request in service, full = every slot in service,")
     print("idle at end = from its last answer to the end of the call, lag = mean overrun")
-    print("of a request's service time (a CPU-starved server runs behind its model)")
+    print("of a request's service time (a CPU-starved server runs behind its model),")
+    print("aborted = requests it dropped because the client cancelled them (hedged copies)")
     detail = []
     for r in results:
         for m in models:
             detail.append(_server_row(r, m))
     harness.print_table(
-        ("batch", "server", "completed", "share", "busy s", "full s", "idle at end s", "lag ms"),
+        (
+            "batch",
+            "server",
+            "completed",
+            "share",
+            "busy s",
+            "full s",
+            "idle at end s",
+            "lag ms",
+            "aborted",
+        ),
         detail,
         first_left=False,
     )
@@ -307,11 +341,11 @@ def _server_row(r: RunResult, m: ServerModel) -> tuple[str, ...]:
     done = r.completed.get(m.name, 0)
     share = f"{done / r.samples:.1%}"
     if stats is None:
-        return (str(r.batch_size), m.name, f"{done:,}", share, "killed", "-", "-", "-")
+        return (r.label, m.name, f"{done:,}", share, "killed", "-", "-", "-", "-")
     idle = r.end - stats.last_finish if stats.last_finish is not None else r.makespan
     lag = 1000 * stats.overshoot / stats.completed if stats.completed else 0.0
     return (
-        str(r.batch_size),
+        r.label,
         m.name,
         f"{done:,}",
         share,
@@ -319,6 +353,7 @@ def _server_row(r: RunResult, m: ServerModel) -> tuple[str, ...]:
         f"{stats.full:.2f}",
         f"{idle:.2f}",
         f"{lag:.2f}",
+        f"{stats.aborted:,}",
     )
 
 
@@ -326,7 +361,7 @@ def _error_note(results: Sequence[RunResult]) -> None:
     for r in results:
         if r.errors:
             kinds = ", ".join(f"{count:,} {kind}" for kind, count in sorted(r.errors.items()))
-            print(f"batch {r.batch_size}: {r.samples - r.ok:,} error rows ({kinds})")
+            print(f"batch {r.label}: {r.samples - r.ok:,} error rows ({kinds})")
 
 
 def _noise_note(results: Sequence[RunResult]) -> None:
@@ -354,7 +389,7 @@ def print_faults(
         verdict = "PASS" if ok and extra <= explained + TARGET_FAULT_SLACK else "MISS"
         rows.append(
             (
-                str(faulty.batch_size),
+                faulty.label,
                 f"{faulty.samples:,}",
                 f"{faulty.killed} at {faulty.kill_time:.2f} ({faulty.done_at_kill:,})",
                 f"{faulty.evicted_after:.2f}",
@@ -421,6 +456,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kill", default="A", help="the server to kill in the fault runs (A)")
     harness.add_number(parser, "--kill-at", 0.3, "share of samples done at the kill (0.3)")
     parser.add_argument("--no-fault", action="store_true", help="skip the fault runs")
+    parser.add_argument(
+        "--dispatch",
+        default=",".join(DISPATCHES),
+        help="dispatches to compare: adaptive (this version's), window (adaptive=False), "
+        "batch (the one before) "
+        f"({','.join(DISPATCHES)})",
+    )
     harness.add_number(
         parser,
         "--attempts",
@@ -437,6 +479,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.samples = 4_000
         args.batch_sizes = "32,128"
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    args.dispatch = [d for d in args.dispatch.split(",") if d]
+    if not args.dispatch or set(args.dispatch) - set(DISPATCHES):
+        parser.error(f"--dispatch takes a comma-separated list of {', '.join(DISPATCHES)}")
     args.models = parse_servers(args.servers, args.alpha)
     if args.kill not in {m.name for m in args.models}:
         parser.error(f"--kill names no server of --servers: {args.kill}")
@@ -510,20 +555,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.start()
         print_setup(args, client_cpu, server_cpu)
         run_once(servers, 64, 500, args.batches_per_server, events)  # warm-up, not shown
-        clean: dict[int, RunResult] = {}
+        clean: dict[tuple[int, str], RunResult] = {}
         for batch_size in args.batch_sizes:
-            print(f"running batch size {batch_size} ...", flush=True)
-            measure = partial(
-                run_once, servers, batch_size, args.samples, args.batches_per_server, events
-            )
-            clean[batch_size] = quietest(args, measure)
+            for mode in args.dispatch:
+                print(f"running batch size {batch_size}, {mode} dispatch ...", flush=True)
+                measure = partial(
+                    run_once,
+                    servers,
+                    batch_size,
+                    args.samples,
+                    args.batches_per_server,
+                    events,
+                    mode=mode,
+                )
+                clean[batch_size, mode] = quietest(args, measure)
         print("\nPool efficiency (makespan against total work / total capacity)\n")
         print_efficiency(list(clean.values()), models)
         if args.no_fault:
             return 0
         victim = next(i for i, m in enumerate(models) if m.name == args.kill)
 
-        def faulty_run(batch_size: int) -> RunResult:
+        def faulty_run(batch_size: int, mode: str) -> RunResult:
             result = run_once(
                 servers,
                 batch_size,
@@ -532,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 events,
                 kill=servers[victim],
                 kill_at=args.kill_at,
+                mode=mode,
             )
             servers[victim] = SimServer(models[victim], MODEL, server_cpu)
             servers[victim].start()
@@ -540,9 +593,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         pairs = []
         print()
         for batch_size in args.batch_sizes:
-            print(f"running batch size {batch_size}, killing {args.kill} ...", flush=True)
-            faulty = quietest(args, partial(faulty_run, batch_size))
-            pairs.append((clean[batch_size], faulty))
+            for mode in args.dispatch:
+                print(
+                    f"running batch size {batch_size}, {mode} dispatch, killing {args.kill} ...",
+                    flush=True,
+                )
+                faulty = quietest(args, partial(faulty_run, batch_size, mode))
+                pairs.append((clean[batch_size, mode], faulty))
         print(
             f"\nFault cost ({args.kill} SIGKILLed at {args.kill_at:.0%} done; fault bound = "
             "the lower bound with its throughput gone from the kill on)\n"

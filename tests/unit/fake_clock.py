@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llm_annotator import ErrorKind, ProviderError, Response, VLLMOnlineClient
+from llm_annotator.clients.metrics import EngineLoad
 from llm_annotator.errors import ReadTimeoutError, StatusError
 
 _IDLE_TURNS = 20
@@ -117,6 +118,10 @@ class ClockedClient(VLLMOnlineClient):
 
     async def alist_models(self) -> list[str]:
         return ["fake"]
+
+    async def aengine_load(self, timeout: float = 5.0) -> EngineLoad | None:
+        await self.clock.sleep(0.001)
+        return None  # no /metrics: the pool gives it the whole window
 
     async def asend(self, messages: Any, params: bytes) -> Response | ProviderError:
         self.sent.append(self.clock.now())

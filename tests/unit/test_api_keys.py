@@ -86,10 +86,13 @@ def test_pool_sends_one_key_to_all_or_each_server_its_own(
     the mapping does not name (here a discovered one) gets VLLM_API_KEY."""
     a, b, c = servers
     # No tail hedging here: a losing duplicate could still reach a server after the call.
+    # A member takes work as soon as it joins: call again until both have had some.
     with VLLMQueueAnnotator(
         [a.base_url, b.base_url], api_key="one", batch_size=4, hedge_tail=False
     ) as pool:
-        pool.batch_generate(messages=[MESSAGES] * 16)
+        deadline = time.monotonic() + 60
+        while not (a.chat_requests and b.chat_requests) and time.monotonic() < deadline:
+            pool.batch_generate(messages=[MESSAGES] * 16)
     assert keys_seen(a) == keys_seen(b) == {"Bearer one"}
 
     for server in servers:

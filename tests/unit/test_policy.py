@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from llm_annotator import ErrorKind
-from llm_annotator.clients._metrics import engine_progress
 from llm_annotator.clients._protocol import (
     classify_status,
     error_message,
     parse_completion,
     status_error,
 )
+from llm_annotator.clients.metrics import engine_progress
 from llm_annotator.clients.retry import retry_delay, should_retry
 from llm_annotator.errors import MalformedResponseError
 from llm_annotator.pool.policy import (

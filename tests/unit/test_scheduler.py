@@ -18,6 +18,7 @@ from llm_annotator.pool.scheduler import (
     Holder,
     Limits,
     after_check,
+    after_proof,
     pick_hedges,
     settle,
 )
@@ -75,8 +76,12 @@ def test_what_a_failed_request_leads_to(failure: Failure, effects: tuple[Effect,
             {"sample_faults": 3, "pool_answered_since_first_fault": True},
             (E.BLAME, E.COUNT_SAMPLE_FAULT, E.COUNT_FAULT, E.ERROR_ROW),
         ),
-        # The same while nothing succeeds anywhere (a storm): it stays open.
-        ({"sample_faults": 9, "pool_answered_since_first_fault": False}, SERVER_FAULT),
+        # The same while nothing else is answered (a storm, or the last sample on a
+        # member): a test completion on the member tells which is at fault.
+        (
+            {"sample_faults": 3, "pool_answered_since_first_fault": False},
+            (E.BLAME, E.COUNT_SAMPLE_FAULT, E.COUNT_FAULT, E.PROVE),
+        ),
         ({"sample_faults": 2, "pool_answered_since_first_fault": True}, SERVER_FAULT),
         # Its error row and the member's eviction, both at once.
         (
@@ -136,15 +141,38 @@ def test_every_kind_has_a_decision() -> None:
 
 
 @pytest.mark.parametrize(
+    ("failure", "works", "effects"),
+    [
+        # The member completes another prompt: the sample is what fails; it ends.
+        (Failure(ErrorKind.SERVER_ERROR), True, (E.ERROR_ROW,)),
+        (Failure(ErrorKind.DISCONNECTED), True, (E.ERROR_ROW,)),
+        # It does not: the member is at fault and goes; the sample was on it.
+        (Failure(ErrorKind.SERVER_ERROR), False, (E.EVICT,)),
+        # ... evicted already meanwhile: the sample goes back on the queue.
+        (Failure(ErrorKind.SERVER_ERROR, member_working=False), False, (E.REQUEUE,)),
+        # Answered meanwhile (a hedged copy): nothing left to do.
+        (Failure(ErrorKind.SERVER_ERROR, still_open=False), True, ()),
+        (Failure(ErrorKind.SERVER_ERROR, still_open=False), False, ()),
+    ],
+)
+def test_after_a_test_completion(
+    failure: Failure, works: bool, effects: tuple[Effect, ...]
+) -> None:
+    assert after_proof(failure, works) == effects
+
+
+@pytest.mark.parametrize(
     ("holders", "limit", "skip", "picked"),
     [
-        # The member expected to finish last gives first: 4 held at 1 answer per 10 s.
-        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 3, set(), [2, 3, 4]),
-        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 9, set(), [2, 3, 4, 5, 1]),
+        # The member expected to finish last gives first (4 held at 1 answer per 10 s),
+        # the last sent first: its server would answer those last.
+        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 3, set(), [5, 4, 3]),
+        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 9, set(), [5, 4, 3, 2, 1]),
         # Suspects, hedged ones and closed ones are skipped, wherever they are.
         ([Holder(10, [1]), Holder(1, [2, 3])], 9, {2, 1}, [3]),
         # A member that has answered nothing yet is expected to finish last.
         ([Holder(50, [1, 2]), Holder(0, [3])], 1, set(), [3]),
+        ([Holder(50, [1, 2]), Holder(0, [3])], 2, set(), [3, 2]),
         # Nothing to hedge.
         ([], 4, set(), []),
         ([Holder(1, [1])], 4, {1}, []),

@@ -190,6 +190,13 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("jsonl", _bool, "also write annotations.jsonl", False),
     _Setting("hedge_tail", _bool, "near the end, also send slow servers' work to idle ones", True),
     _Setting(
+        "adaptive",
+        _bool,
+        "size what each server holds from its /metrics, so none queues work another could "
+        "start sooner (default); --no-adaptive gives each batch_size x batches at once",
+        True,
+    ),
+    _Setting(
         "api_key_file",
         _text,
         "a file holding the servers' API key (for vLLM started with --api-key); "
@@ -412,6 +419,7 @@ def run_command(args: argparse.Namespace) -> int:
         timeout=settings["timeout"],
         all_down_timeout=settings["all_down_timeout"],
         hedge_tail=settings["hedge_tail"],
+        adaptive=settings["adaptive"],
         api_key=api_key_from(settings),
         verify=verify_from(settings),
         max_response_bytes=settings["max_response_bytes"],

@@ -19,9 +19,9 @@ from llm_annotator._constants import (
 )
 from llm_annotator._constants import MAX_CONNECTIONS as _MAX_CONNECTIONS
 from llm_annotator._sync import run_sync
-from llm_annotator.clients._metrics import engine_progress
 from llm_annotator.clients._transport import HttpTransport, Verify, server_root, unverified_context
 from llm_annotator.clients.base import Messages, ProviderRuntimeOptions, json_schema_format
+from llm_annotator.clients.metrics import EngineLoad, engine_load, engine_progress
 from llm_annotator.clients.openai_client import OpenAIClient, check_single_choice
 from llm_annotator.errors import ConfigurationError, ProviderError
 from llm_annotator.response import OnError, Response
@@ -436,12 +436,30 @@ class VLLMOnlineClient(OpenAIClient[VLLMOnlineRuntimeOptions]):
         Returns:
             The sum, or None if ``/metrics`` could not be read or has no such counter.
         """
+        body = await self._metrics(timeout)
+        return None if body is None else engine_progress(body)
+
+    async def aengine_load(self, timeout: float = HEALTH_TIMEOUT) -> EngineLoad | None:
+        """How loaded the server's engine is now, from its ``/metrics``: requests
+        running and waiting, preemptions so far, KV cache in use.
+
+        Args:
+            timeout: Maximum number of seconds to wait for the answer.
+
+        Returns:
+            The load, or None if ``/metrics`` could not be read or lacks vLLM's gauges.
+        """
+        body = await self._metrics(timeout)
+        return None if body is None else engine_load(body)
+
+    async def _metrics(self, timeout: float) -> bytes | None:
+        """The body of ``/metrics``, or None if it could not be read."""
         transport = self._transport
         try:
             status, body, _ = await transport.get(transport.root + "/metrics", timeout=timeout)
         except ProviderError:
             return None
-        return engine_progress(body) if status == 200 else None
+        return body if status == 200 else None
 
     def generate(
         self,

@@ -66,8 +66,11 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             ``base_urls``. Give them ``max_retries=0``: the pool is the retry layer.
         model: Model name for the clients built from ``base_urls``; None asks each
             server.
-        batch_size: Samples per batch.
-        max_concurrent_batches_per_client: Batches in flight per member.
+        batch_size: Samples per batch: the most requests one batch slot of a member
+            holds. A slot keeps its batch full, taking a sample whenever one of its
+            answers arrives, so a member never waits for its slowest request.
+        max_concurrent_batches_per_client: Batch slots per member. A member holds at
+            most ``batch_size`` times this many requests.
         timeout: Read timeout of one request, for clients built here.
         connect_timeout: Connect timeout, for clients built here.
         health_check_interval: Seconds between the starts of two probes of a member.
@@ -109,6 +112,13 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             evicting, the server's ``/metrics`` are read twice: an engine whose token
             counters grow is busy, not hung, and keeps its work. A hung member's
             requests are cancelled (their connections closed) and sent elsewhere.
+        adaptive: Size each member's window (what it may hold, at most ``batch_size x
+            max_concurrent_batches_per_client``) from its server's ``/metrics``, read
+            every second: grown while the server queues nothing, shrunk to what it
+            runs plus a few waiting when it queues more, and after preemptions. So no
+            server holds a queue of work another could start sooner, and the end of a
+            call does not wait for one. A server whose ``/metrics`` cannot be read gets
+            the whole window. False: every member gets the whole window at once.
         clock: Where the pool reads the time and sleeps: the system's by default; a
             test gives a fake one so that health intervals, backoff and deadlines pass
             without waiting.
@@ -144,6 +154,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
     max_response_bytes = FromConfig()
     max_server_faults = FromConfig()
     stall_window = FromConfig()
+    adaptive = FromConfig()
 
     def __init__(
         self,
@@ -169,6 +180,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         max_response_bytes: int = default.MAX_RESPONSE_BYTES,
         max_server_faults: int = default.MAX_SERVER_FAULTS,
         stall_window: float = default.STALL_WINDOW,
+        adaptive: bool = True,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         given = locals()  # the arguments, before anything else is named here

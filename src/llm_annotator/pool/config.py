@@ -53,6 +53,7 @@ class PoolConfig:
     max_response_bytes: int = default.MAX_RESPONSE_BYTES
     max_server_faults: int = default.MAX_SERVER_FAULTS
     stall_window: float = default.STALL_WINDOW
+    adaptive: bool = True
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -95,6 +96,7 @@ class PoolConfig:
             object.__setattr__(self, name, float(value))
         one_of("on_error", self.on_error, ON_ERROR_VALUES)
         object.__setattr__(self, "hedge_tail", bool(self.hedge_tail))
+        object.__setattr__(self, "adaptive", bool(self.adaptive))
 
 
 class FromConfig:

@@ -16,9 +16,23 @@ from llm_annotator.pool.run import Run
 from llm_annotator.pool.scheduler import Effect, Failure, Holder, Limits
 from llm_annotator.pool.stall import StallWatch
 from llm_annotator.pool.state import PoolState
+from llm_annotator.pool.window import WindowTuner
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
+
+REFILL = True
+"""Slots refill their window as answers arrive. False gives the dispatch before it (a
+slot sends a whole batch and waits for its last answer; the tail hedges oldest first),
+kept so that benchmarks can show both side by side."""
+
+HEDGE_ROOM = 8
+"""Room a slot needs before it hedges while it still holds requests (each hedge scans
+what the other members hold)."""
+
+BURST = 32
+"""Requests a slot sends at a time before it lets the event loop run: at the start
+every member gets work at once instead of one member's whole batches first."""
 
 
 class Dispatcher:
@@ -31,6 +45,7 @@ class Dispatcher:
         self._effects = effects
         self._health = health
         self._stall = stall
+        self._windows = WindowTuner(state)
         config = state.config
         self._limits = Limits(
             max_sample_retries=config.max_sample_retries,
@@ -43,6 +58,8 @@ class Dispatcher:
             return
         self._state.spawn(self._health.probe_loop(run, member))
         self._state.spawn(self._stall.watch(run, member))
+        self._windows.start(member)
+        self._state.spawn(self._windows.watch(run, member))
         for _ in range(self._state.config.max_concurrent_batches_per_client):
             self._state.spawn(self._slot(run, member))
 
@@ -68,10 +85,13 @@ class Dispatcher:
                 wait = member.backoff_until - now if backing_off else 1.0
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
-            batch = run.take(self._working_slots(), self._shunned_by(member))
-            tail = run.source_done and not run.queue and not run.stopping
-            if batch is None and self._state.config.hedge_tail and tail:
-                batch = self._hedge(run, member)
+            limit = min(BURST, member.window - len(member.in_flight)) if REFILL else None
+            if limit is not None and limit <= 0:
+                await run.wait_for_change(1.0)  # its window is full
+                continue
+            batch = run.take(self._working_slots(), self._shunned_by(member), limit=limit)
+            if batch is None and self._hedges_now(run):
+                batch = self._hedge(run, member, self._state.config.batch_size)
             if batch is None:
                 await run.wait_for_change(1.0)
                 continue
@@ -92,60 +112,139 @@ class Dispatcher:
         healthy = sum(m.state is MemberState.HEALTHY for m in self._state.members.values())
         return max(1, healthy) * self._state.config.max_concurrent_batches_per_client
 
-    def _hedge(self, run: Run, member: Member) -> list[int] | None:
-        """Samples in flight on the members expected to finish last, not yet hedged."""
-        holders = [
-            Holder(m.completed, list(m.in_flight.values()))
-            for m in self._state.members.values()
-            if m is not member and m.in_flight
-        ]
+    def _hedge(self, run: Run, member: Member, limit: int) -> list[int] | None:
+        """Up to ``limit`` samples in flight on the members expected to finish last, not
+        yet hedged (the last sent first: a server's line serves them last)."""
+        others = [m for m in self._state.members.values() if m is not member and m.in_flight]
+        holders = [Holder(m.completed, list(m.in_flight.values())) for m in others]
         failed_here = {i for i, url in run.avoid.items() if url == member.url}
         batch = scheduler.pick_hedges(
             holders,
             elapsed=self._state.clock.now() - run.started,
-            limit=self._state.config.batch_size,
+            limit=limit,
             skip=_Skip(run, failed_here),
+            newest_first=REFILL,
         )
         if not batch:
             return None
         run.hedged.update(batch)
+        if REFILL:  # the first answer cancels the other copy
+            picked = set(batch)
+            for other in others:
+                for task, index in other.in_flight.items():
+                    if index in picked:
+                        run.copies.setdefault(index, []).append(task)
         member.hedged += len(batch)
         log.debug("samples_hedged", server=member.url, samples=len(batch))
         return batch
 
     async def _run_batch(self, run: Run, member: Member, batch: list[int]) -> None:
-        """Send a batch at once; settle each answer as it arrives; requeue what is left."""
+        """Send ``batch`` and settle each answer as it arrives; with :data:`REFILL`, keep
+        up to ``batch_size`` requests in flight by taking more work as answers arrive
+        (in bursts of :data:`BURST`), until there is none; requeue what is left."""
         params = self._state.params_for(member)
         client = member.client
+        clock = self._state.clock
+        copies = run.copies
         arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
-        tasks: dict[asyncio.Task[Response | ProviderError], int] = {}
-        sent_at = self._state.clock.now()
-        member.note_sent(sent_at)
-        for index in batch:
-            task = asyncio.ensure_future(client.asend(run.open[index], params))
-            task.add_done_callback(arrived.put_nowait)  # one callback a task: O(batch)
-            tasks[task] = index
-            member.in_flight[task] = index
+        waiting: dict[asyncio.Task[Response | ProviderError], tuple[int, float]] = {}
+        """The slot's requests not settled yet: sample and when it was sent."""
+        cut: list[int] = []
+        """Samples whose request was cancelled (an eviction, a hedged copy answered)."""
+
+        def send(indices: list[int]) -> None:
+            sent_at = clock.now()
+            member.note_sent(sent_at)
+            for index in indices:
+                task = asyncio.ensure_future(client.asend(run.open[index], params))
+                task.add_done_callback(arrived.put_nowait)  # one callback a task
+                waiting[task] = (index, sent_at)
+                member.in_flight[task] = index
+                if copies and index in copies:
+                    copies[index].append(task)
+
+        def settle_arrived() -> None:
+            while not arrived.empty():
+                self._arrival(run, member, arrived.get_nowait(), waiting, cut)
+            if cut:
+                self._requeue(run, member, cut)
+                cut.clear()
+
         try:
-            for _ in range(len(tasks)):
-                task = await arrived.get()
-                member.in_flight.pop(task, None)
-                if not task.cancelled():
-                    outcome = self._outcome(task, member)
-                    if not _timed_out(outcome):  # an answer: the member is not hung
-                        member.note_arrival(self._state.clock.now())
-                    self._settle(run, member, tasks[task], outcome, sent_at)
+            send(batch)
+            while True:
+                settle_arrived()
+                more = self._refill(run, member, len(waiting)) if REFILL else None
+                if more:
+                    send(more)
+                    if len(more) == BURST:
+                        await asyncio.sleep(0)  # let other slots send, answers arrive
+                    continue
+                if not waiting:
+                    return
+                self._arrival(run, member, await arrived.get(), waiting, cut)
         finally:
-            for task in tasks:
+            for task, (index, _) in waiting.items():
                 if not task.done():
                     task.cancel()
                 member.in_flight.pop(task, None)
-            leftovers = [i for t, i in tasks.items() if t.cancelled() or not t.done()]
-            if leftovers and not run.finished:
-                moved = run.requeue(leftovers)
-                member.requeued += moved
-                if moved:
-                    log.info("samples_requeued", server=member.url, samples=moved)
+                cut.append(index)
+            if cut and not run.finished:
+                self._requeue(run, member, cut)
+
+    def _refill(self, run: Run, member: Member, holding: int) -> list[int] | None:
+        """More samples for a slot that holds ``holding`` requests: up to ``batch_size``
+        in flight, :data:`BURST` at a time, and once the source is done no more than an
+        even share of what is left over the working slots (so the last samples spread
+        over every member); None if it may not take any now."""
+        room = min(
+            self._state.config.batch_size - holding, BURST, member.window - len(member.in_flight)
+        )
+        if run.source_done:
+            share = -(-(len(run.queue) + holding) // self._working_slots())
+            room = min(room, share - holding)
+        if room <= 0 or run.finished:
+            return None
+        if not run.queue and (room < HEDGE_ROOM or not self._hedges_now(run)):
+            return None
+        if not member.takes_work(self._state.clock.now()) or not self._state.is_member(member):
+            return None
+        if not run.queue:
+            return self._hedge(run, member, room)
+        return run.take(1, self._shunned_by(member), limit=room)
+
+    def _hedges_now(self, run: Run) -> bool:
+        """Whether idle room goes to hedges: the queue is empty for good."""
+        return (
+            self._state.config.hedge_tail and run.source_done and not run.queue and not run.stopping
+        )
+
+    def _arrival(
+        self,
+        run: Run,
+        member: Member,
+        task: asyncio.Task[Response | ProviderError],
+        waiting: dict[asyncio.Task[Response | ProviderError], tuple[int, float]],
+        cut: list[int],
+    ) -> None:
+        """Settle one finished request of a slot (a cancelled one goes to ``cut``)."""
+        index, sent_at = waiting.pop(task)
+        member.in_flight.pop(task, None)
+        if task.cancelled():
+            cut.append(index)
+            return
+        outcome = self._outcome(task, member)
+        if not _timed_out(outcome):  # an answer: the member is not hung
+            member.note_arrival(self._state.clock.now())
+        self._settle(run, member, index, outcome, sent_at)
+
+    @staticmethod
+    def _requeue(run: Run, member: Member, indices: list[int]) -> None:
+        """Put a slot's samples whose requests were cut back on the queue (open ones)."""
+        moved = run.requeue(indices)
+        member.requeued += moved
+        if moved:
+            log.info("samples_requeued", server=member.url, samples=moved)
 
     @staticmethod
     def _outcome(
@@ -202,7 +301,7 @@ class Dispatcher:
             retries=run.retries[index] + 1,
             sample_faults=run.faults[index] + 1,
             pool_answered_since_first_fault=run.last_success_at > first_fault,
-            fault_streak=member.fault_streak + 1,
+            fault_streak=member.streak_with(index),
             hedged_copy_in_flight=index in run.hedged and self._in_flight_elsewhere(member, index),
             fresh_drop=sent_at > member.drop_counted_at,
             still_open=run.is_open(index),
@@ -265,6 +364,9 @@ class Dispatcher:
                 member.drop_counted_at = self._state.clock.now()
             elif effect is Effect.COUNT_RETRY:
                 run.retries[index] += 1
+            elif effect is Effect.PROVE:
+                member.suspects.add(index)
+                self._state.spawn(self._prove_then_settle(run, member, index, error, sent_at))
 
     def _in_flight_elsewhere(self, member: Member, index: int) -> bool:
         return any(
@@ -282,6 +384,25 @@ class Dispatcher:
         failure = self._failure(run, member, index, error.kind, sent_at)
         effects = scheduler.after_check(failure, healthy, self._limits)
         reason = f"{error} and then failed a health check"
+        self._carry_out(effects, run, member, index, error, sent_at, reason)
+
+    async def _prove_then_settle(
+        self, run: Run, member: Member, index: int, error: ProviderError, sent_at: float
+    ) -> None:
+        """Wait for the member's shared test completion, then settle the held sample."""
+        problem = await self._health.prove(member)
+        member.suspects.discard(index)
+        log.info(
+            "sample_doubted",
+            server=member.url,
+            error=str(error),
+            test_completion="ok" if problem is None else str(problem),
+        )
+        if problem is None:
+            run.last_success_at = self._state.clock.now()  # a server answers: not a storm
+        failure = self._failure(run, member, index, error.kind, sent_at)
+        effects = scheduler.after_proof(failure, works=problem is None)
+        reason = f"{error}, and then its test completion failed: {problem}"
         self._carry_out(effects, run, member, index, error, sent_at, reason)
 
 

@@ -150,6 +150,15 @@ class HealthMonitor:
             self._state.verifying[member.url] = task
         return await asyncio.shield(task)
 
+    async def prove(self, member: Member) -> ProviderError | None:
+        """One shared test completion for all the samples that doubt this member: None
+        if it completed, else what failed."""
+        task = self._state.proving.get(member.url)
+        if task is None or task.done():
+            task = asyncio.ensure_future(self._canary(member))
+            self._state.proving[member.url] = task
+        return await asyncio.shield(task)
+
     async def watch_all_down(self, run: Run) -> None:
         down_since: float | None = None
         while not run.finished:

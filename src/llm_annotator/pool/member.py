@@ -80,6 +80,8 @@ class Member:
         self.url = client.base_url
         self.state = MemberState.JOINING
         self.in_flight: dict[asyncio.Task[Any], int] = {}
+        self.window = 0
+        """The most requests it may hold now (set for each call; see ``pool.window``)."""
         self.suspects: set[int] = set()
         """Samples whose request failed here and that wait for a health check."""
         self.failed_probes = 0
@@ -201,10 +203,21 @@ class Member:
             self.fault_samples.clear()
 
     def note_fault(self, index: int = -1) -> int:
-        """An answer to sample ``index`` that was the server's fault; how many in a row."""
-        self.fault_streak += 1
-        self.fault_samples.append(index)
+        """An answer to sample ``index`` that was the server's fault; how many in a row.
+
+        The streak counts samples, not answers: a sample that fails again on its retry
+        is as much evidence against the sample as against the server, so it counts
+        once (a test completion settles which it is; see ``Effect.PROVE``).
+        """
+        if index < 0 or index not in self.fault_samples:
+            self.fault_streak += 1
+            self.fault_samples.append(index)
         return self.fault_streak
+
+    def streak_with(self, index: int) -> int:
+        """The fault streak if sample ``index`` failed here now (see :meth:`note_fault`)."""
+        known = index >= 0 and index in self.fault_samples
+        return self.fault_streak + (0 if known else 1)
 
     def note_sent(self, now: float) -> None:
         """Requests are about to be sent; if it held none, it is busy from ``now``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Any
 
 from llm_annotator.clients.base import Messages
 from llm_annotator.errors import PoolExhaustedError
@@ -42,6 +43,8 @@ class Run:
         """Set by the caller: no new work is taken; the run ends once nothing is in flight."""
         self.hedged: set[int] = set()
         """Open samples also sent to a second member near the end (first answer wins)."""
+        self.copies: dict[int, list[asyncio.Task[Any]]] = {}
+        """The requests of each hedged sample: storing its Response cancels the rest."""
         self.started = clock.now()
         self.evicted_with: dict[int, list[str]] = {}
         self.eviction_marks: dict[int, set[tuple[str, int]]] = {}
@@ -96,6 +99,10 @@ class Run:
             self.evicted_with.pop(index, None)
             self.eviction_marks.pop(index, None)
         self.hedged.discard(index)
+        if self.copies:
+            for copy in self.copies.pop(index, ()):
+                if not copy.done():
+                    copy.cancel()  # the server drops a request whose client left
         self.retries.pop(index, None)
         self.overloads.pop(index, None)
         if self.faults:
@@ -129,10 +136,13 @@ class Run:
             self.notify()
         return len(open_)
 
-    def take(self, slots: int = 1, avoid: str | None = None) -> list[int] | None:
+    def take(
+        self, slots: int = 1, avoid: str | None = None, limit: int | None = None
+    ) -> list[int] | None:
         """Open samples from the front; None if there are none.
 
-        A batch holds ``batch_size`` samples, except once the source is done: then at
+        A batch holds ``batch_size`` samples (or ``limit``, if fewer), except once the
+        source is done: then at
         most an even share of the queue over ``slots`` (the batch slots taking work),
         so the last samples spread over every member instead of ending up in a few
         full batches on the slowest. Samples whose last failure was the fault of the
@@ -140,7 +150,7 @@ class Run:
         """
         if self.stopping:
             return None
-        size = self.batch_size
+        size = self.batch_size if limit is None else min(limit, self.batch_size)
         if self.source_done:
             size = max(1, min(size, -(-len(self.queue) // max(slots, 1))))
         batch: list[int] = []

@@ -57,6 +57,10 @@ class Effect(Enum):
     """Remember when a dropped connection was last counted against the member."""
     COUNT_RETRY = "count_retry"
     """Count a retry of the sample after a connect timeout on a healthy member."""
+    PROVE = "prove"
+    """Hold the sample for a test completion on the member, then :func:`after_proof`:
+    it failed on every try while nothing else was answered, so either the sample or
+    the server is at fault, and only a completion of another prompt tells which."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +92,8 @@ class Failure:
         sample_faults: Server-fault answers the sample got, this one included.
         pool_answered_since_first_fault: Some sample succeeded after this sample's
             first server-fault answer.
-        fault_streak: The member's server faults in a row, this one included.
+        fault_streak: The member's server faults in a row, this one included (a
+            sample counts once in a streak).
         hedged_copy_in_flight: A hedged copy of the sample is still in flight on
             another member.
         fresh_drop: The request was sent after the member's last counted dropped
@@ -168,12 +173,13 @@ def server_fault(
         limits.max_sample_retries,
         pool_answered_since=failure.pool_answered_since_first_fault,
     )
-    effects = [
-        Effect.BLAME,
-        Effect.COUNT_SAMPLE_FAULT,
-        Effect.COUNT_FAULT,
-        Effect.ERROR_ROW if gives_up else Effect.REQUEUE,
-    ]
+    if gives_up:
+        last = Effect.ERROR_ROW
+    elif failure.sample_faults > limits.max_sample_retries:
+        last = Effect.PROVE  # nothing else answered since: the sample, or the server?
+    else:
+        last = Effect.REQUEUE
+    effects = [Effect.BLAME, Effect.COUNT_SAMPLE_FAULT, Effect.COUNT_FAULT, last]
     if evicts(failure.fault_streak, limits.max_server_faults):
         effects.append(Effect.EVICT_FOR_FAULTS)
     return tuple(effects)
@@ -208,6 +214,25 @@ def after_check(
     return (Effect.COUNT_RETRY, Effect.ERROR_ROW if ends else Effect.REQUEUE)
 
 
+def after_proof(failure: Failure, works: bool) -> tuple[Effect, ...]:
+    """The steps once the member's test completion (for :data:`Effect.PROVE`) has
+    answered: a member that completes another prompt works, so the sample that fails
+    on it every time ends as an error row; one that does not is evicted (the sample
+    counts as on it).
+
+    Examples:
+        >>> after_proof(Failure(ErrorKind.SERVER_ERROR), works=True)
+        (<Effect.ERROR_ROW: 'error_row'>,)
+        >>> after_proof(Failure(ErrorKind.SERVER_ERROR), works=False)
+        (<Effect.EVICT: 'evict'>,)
+    """
+    if not failure.still_open:
+        return ()
+    if not works:
+        return (Effect.EVICT,) if failure.member_working else (Effect.REQUEUE,)
+    return (Effect.ERROR_ROW,)
+
+
 @dataclass(frozen=True, slots=True)
 class Holder:
     """Another member, as the tail hedge sees it.
@@ -227,18 +252,21 @@ def pick_hedges(
     elapsed: float,
     limit: int,
     skip: Container[int],
+    newest_first: bool = True,
 ) -> list[int]:
     """Up to ``limit`` samples an idle member sends again near the end of a call.
 
     The samples come first from the members expected to finish last (what they hold,
-    over the rate at which they have answered in ``elapsed`` seconds). A sample in
+    over the rate at which they have answered in ``elapsed`` seconds), each one's last
+    sent first (``newest_first``): a server serves its line in order, so those are the
+    ones it would answer last. A sample in
     ``skip`` is never hedged: one closed or hedged already, one that was on an evicted
     member (it may be what kills servers), or one that failed on the idle member.
 
     Examples:
-        >>> slow, fast = Holder(completed=1, in_flight=[1, 2]), Holder(10, [3])
-        >>> pick_hedges([fast, slow], elapsed=10.0, limit=2, skip={2})
-        [1, 3]
+        >>> slow, fast = Holder(completed=1, in_flight=[1, 2, 3]), Holder(10, [4])
+        >>> pick_hedges([fast, slow], elapsed=10.0, limit=3, skip={2})
+        [3, 1, 4]
     """
     rate_floor = 1e-3
     elapsed = max(elapsed, rate_floor)
@@ -248,7 +276,8 @@ def pick_hedges(
 
     picked: list[int] = []
     for holder in sorted(holders, key=expected_end, reverse=True):
-        for index in holder.in_flight:
+        line = reversed(holder.in_flight) if newest_first else holder.in_flight
+        for index in line:
             if index not in skip:
                 picked.append(index)
                 if len(picked) == limit:

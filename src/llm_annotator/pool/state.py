@@ -31,7 +31,7 @@ from llm_annotator.clients.tls import Verify, ssl_setting
 from llm_annotator.clients.tls import unverified_context as _unverified_context
 from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
-from llm_annotator.errors import ConfigurationError, DuplicateServerError
+from llm_annotator.errors import ConfigurationError, DuplicateServerError, ProviderError
 from llm_annotator.pool.clock import Clock
 from llm_annotator.pool.config import PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
@@ -102,6 +102,7 @@ class PoolState:
         run: The call running now, or None.
         loop: The event loop of the current call.
         verifying: The shared health check per member that requests doubt.
+        proving: The shared test completion per member that samples doubt.
         params: The encoded request parameters per member, for the current call.
         options: The current call's options.
         closed: Whether the pool is closed.
@@ -123,6 +124,7 @@ class PoolState:
         self.run: Run | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.verifying: dict[str, asyncio.Task[bool]] = {}
+        self.proving: dict[str, asyncio.Task[ProviderError | None]] = {}
         self.params: dict[str, bytes] = {}
         self.options: Options = (None, None)
         self.closed = False
@@ -195,9 +197,10 @@ class PoolState:
         for task in list(self._tasks):
             task.cancel()
         self._tasks.clear()
-        for check in self.verifying.values():
-            check.cancel()
-        self.verifying.clear()
+        for checks in (self.verifying, self.proving):
+            for check in checks.values():
+                check.cancel()
+            checks.clear()
 
 
 def _api_keys(api_key: str | Mapping[str, str] | None) -> tuple[str | None, dict[str, str]]:

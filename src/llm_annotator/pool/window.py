@@ -1,0 +1,161 @@
+"""Each member's window: how many requests it may hold, sized from its engine's load.
+
+``batch_size x max_concurrent_batches_per_client`` is the most a member ever holds.
+With ``adaptive=True`` (the default) a member starts at :data:`START_WINDOW` and its
+window follows what its server can start soon: every :data:`INTERVAL` seconds the
+:class:`WindowTuner` reads the server's ``/metrics`` (vLLM's running and waiting gauges
+and its preemption counter) and :func:`next_window` decides the new size. A server
+whose queue is longer than it needs to stay busy holds work another server could start
+sooner, and at the end of a call that queue is the tail everyone waits for; a server
+that preempts is pushed past what its KV cache holds. A server whose ``/metrics``
+cannot be read gets the full window. The decision is a pure function, tested as a table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import structlog
+
+from llm_annotator.clients.metrics import EngineLoad
+from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.run import Run
+from llm_annotator.pool.state import PoolState
+
+log = structlog.get_logger(__name__)
+
+INTERVAL = 1.0
+"""Seconds between two reads of a member's ``/metrics`` (never on the request path)."""
+START_WINDOW = 64
+"""A member's window when a call starts (then doubled while its server queues none)."""
+MIN_WINDOW = 4
+"""The least window: a server shared with other clients still gets some of ours."""
+MIN_WAITING = 2
+"""Requests a server may keep waiting, at least, so that its batch refills at once."""
+WAITING_SHARE = 0.1
+"""... or this share of what it runs, if more ..."""
+QUEUE_SECONDS = 0.1
+"""... or what it answers in this many seconds, if more: its batch stays full while the
+client takes a while to send more, and at the end of a call its queue is done in
+about this long."""
+PREEMPTED_SHARE = 0.9
+"""After preemptions, the window shrinks to this share of what the server ran."""
+
+
+def waiting_target(running: float, rate: float = 0.0) -> int:
+    """How many requests a server running ``running`` and answering ``rate`` per
+    second may keep waiting.
+
+    Examples:
+        >>> waiting_target(16), waiting_target(256), waiting_target(32, rate=1000.0)
+        (2, 26, 100)
+    """
+    return max(MIN_WAITING, math.ceil(running * WAITING_SHARE), math.ceil(rate * QUEUE_SECONDS))
+
+
+def next_window(
+    window: int,
+    load: EngineLoad | None,
+    *,
+    holding: int,
+    preempted: bool,
+    ceiling: int,
+    rate: float = 0.0,
+    floor: int = MIN_WINDOW,
+) -> int:
+    """A member's next window, from its server's load, what the member holds and how
+    many answers a second it gave since the last read (``rate``).
+
+    - ``/metrics`` unreadable (``load`` None): the full window, ``ceiling``.
+    - Preemptions since the last read: a little under what the server ran.
+    - A queue longer than :func:`waiting_target`: shrink by the excess.
+    - The member holds its whole window (within an eighth) and the server queues
+      no more than the target: grow, doubling while nothing waits, else by a quarter.
+    - Otherwise unchanged. Always within ``floor`` and ``ceiling``.
+
+    Examples:
+        >>> from llm_annotator.clients.metrics import EngineLoad
+        >>> busy = EngineLoad(running=16, waiting=48)
+        >>> next_window(64, busy, holding=64, preempted=False, ceiling=1024)
+        18
+        >>> idle = EngineLoad(running=64, waiting=0)
+        >>> next_window(64, idle, holding=64, preempted=False, ceiling=1024)
+        128
+        >>> next_window(64, None, holding=10, preempted=False, ceiling=1024)
+        1024
+    """
+    floor = min(floor, ceiling)
+    if load is None:
+        return ceiling
+    target = waiting_target(load.running, rate)
+    if preempted:
+        new = math.floor(min(window, load.running) * PREEMPTED_SHARE)
+    elif load.waiting > target:
+        new = min(window, holding) - math.ceil(load.waiting - target)
+    elif holding >= window - max(1, window // 8):
+        new = window * 2 if load.waiting == 0 else window + max(1, window // 4)
+    else:
+        new = window
+    return max(floor, min(ceiling, new))
+
+
+class WindowTuner:
+    """Reads each member's engine load every :data:`INTERVAL` seconds during a call and
+    sets its window (see the module's docstring)."""
+
+    def __init__(self, state: PoolState) -> None:
+        self._state = state
+
+    @property
+    def ceiling(self) -> int:
+        config = self._state.config
+        return config.batch_size * config.max_concurrent_batches_per_client
+
+    def start(self, member: Member) -> None:
+        """Set the member's window for a new call (or after it rejoined)."""
+        ceiling = self.ceiling
+        member.window = min(START_WINDOW, ceiling) if self._state.config.adaptive else ceiling
+
+    async def watch(self, run: Run, member: Member) -> None:
+        """Tune the member's window until the call ends or the member leaves."""
+        if not self._state.config.adaptive:
+            return
+        clock = self._state.clock
+        preemptions: float | None = None
+        answered, since = member.completed + member.errors, clock.now()
+        while not run.finished:
+            await clock.sleep(INTERVAL)
+            now, count = clock.now(), member.completed + member.errors
+            rate = (count - answered) / max(now - since, 1e-3)
+            answered, since = count, now
+            if not self._state.is_member(member) or member.state is MemberState.DISABLED:
+                return
+            if member.state is not MemberState.HEALTHY:
+                continue
+            load = await member.client.aengine_load(self._state.config.health_check_timeout)
+            preempted = False
+            if load is not None and load.preemptions is not None:
+                preempted = preemptions is not None and load.preemptions > preemptions
+                preemptions = load.preemptions
+            was = member.window
+            member.window = next_window(
+                was,
+                load,
+                holding=len(member.in_flight),
+                preempted=preempted,
+                ceiling=self.ceiling,
+                rate=rate,
+            )
+            if member.window != was:
+                log.debug(
+                    "window_changed",
+                    server=member.url,
+                    window=member.window,
+                    was=was,
+                    running=None if load is None else load.running,
+                    waiting=None if load is None else load.waiting,
+                    rate=round(rate, 1),
+                    preempted=preempted,
+                )
+                if member.window > was:
+                    run.notify()  # idle slots may take work now

@@ -1,0 +1,191 @@
+"""Work-conserving dispatch: slots refill as answers arrive, and each member's window
+follows its server's load.
+
+The window decision is a pure function, tested as a table; the pool's use of it runs on
+the fake clock (clients that report a chosen engine load), and the refill against a
+fake HTTP server. ``benchmarks/pool_efficiency.py`` measures what it is worth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from llm_annotator import Response, VLLMQueueAnnotator
+from llm_annotator.clients.metrics import EngineLoad, engine_load
+from llm_annotator.pool import window
+from llm_annotator.pool.window import next_window, waiting_target
+from tests.unit.conftest import FakeServer, echo
+from tests.unit.fake_clock import ClockedClient, FakeClock
+from tests.unit.test_pool import FAST, assert_all_answered_in_order, conversations, index_of
+
+FakeServers = Callable[[int], list[FakeServer]]
+
+
+def load(running: float, waiting: float) -> EngineLoad:
+    return EngineLoad(running=running, waiting=waiting)
+
+
+@pytest.mark.parametrize(
+    ("was", "engine", "holding", "preempted", "rate", "new"),
+    [
+        # No /metrics: the whole window at once.
+        (64, None, 10, False, 0.0, 1024),
+        # Nothing waits and the window is full: double it.
+        (64, load(64, 0), 64, False, 0.0, 128),
+        (64, load(64, 0), 57, False, 0.0, 128),  # within an eighth counts as full
+        # A few wait (no more than the target): grow by a quarter.
+        (64, load(64, 2), 64, False, 0.0, 80),
+        # The member does not fill its window (the queue ran dry): unchanged.
+        (64, load(20, 0), 30, False, 0.0, 64),
+        # A queue longer than the target: shrink by the excess.
+        (64, load(16, 48), 64, False, 0.0, 18),
+        # ... of what the member holds, if it holds less than its window.
+        (64, load(16, 30), 40, False, 0.0, 12),
+        # A fast server may keep what it answers in 0.1 s waiting: 1,000/s -> 100, so
+        # 90 waiting is not too many (the window still grows by a quarter) ...
+        (256, load(32, 90), 256, False, 1000.0, 320),
+        (256, load(32, 150), 256, False, 1000.0, 206),
+        # Preemptions: a little under what it ran, whatever waits.
+        (256, load(200, 0), 256, True, 0.0, 180),
+        # Always within the floor and the ceiling.
+        (8, load(2, 500), 8, False, 0.0, window.MIN_WINDOW),
+        (768, load(1000, 0), 768, False, 0.0, 1024),
+    ],
+)
+def test_what_a_members_window_becomes(
+    was: int,
+    engine: EngineLoad | None,
+    holding: int,
+    preempted: bool,
+    rate: float,
+    new: int,
+) -> None:
+    got = next_window(was, engine, holding=holding, preempted=preempted, ceiling=1024, rate=rate)
+    assert got == new
+
+
+def test_the_waiting_target_grows_with_what_the_server_runs_and_answers() -> None:
+    assert waiting_target(0) == window.MIN_WAITING
+    assert waiting_target(100) == 10
+    assert waiting_target(10, rate=45.0) == 5
+
+
+def test_engine_load_reads_vllms_gauges_over_all_engines() -> None:
+    body = (
+        b"# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        b"# TYPE vllm:num_requests_running gauge\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 7.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 5.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        b'vllm:num_requests_waiting{engine="1",model_name="m"} 0.0\n'
+        b'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0\n'
+        b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        b'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5\n'
+    )
+    assert engine_load(body) == EngineLoad(running=12, waiting=3, preemptions=2, kv_cache=0.5)
+    assert engine_load(b'vllm:num_requests_running{engine="0"} 1\n') is None
+    assert engine_load(b"<html>404</html>") is None
+
+
+class LoadedClient(ClockedClient):
+    """A clocked client whose ``/metrics`` report ``engine`` (None: unreadable), and
+    that records how many requests it held at each fake moment."""
+
+    def __init__(self, url: str, clock: FakeClock, engine: EngineLoad | None) -> None:
+        super().__init__(url, clock, latency=0.5)
+        self.engine = engine
+        self.holding = 0
+        self.held: list[tuple[float, int]] = []
+
+    async def aengine_load(self, timeout: float = 5.0) -> EngineLoad | None:
+        await self.clock.sleep(0.001)
+        return self.engine
+
+    async def asend(self, messages: Any, params: bytes) -> Response | Any:
+        self.holding += 1
+        self.held.append((self.clock.now(), self.holding))
+        try:
+            return await super().asend(messages, params)
+        finally:
+            self.holding -= 1
+
+    def most_held(self, start: float, end: float = float("inf")) -> int:
+        return max((n for t, n in self.held if start <= t < end), default=0)
+
+
+def run_on(client: LoadedClient, clock: FakeClock, samples: int, **settings: Any) -> None:
+    async def scenario() -> list[Response]:
+        async with VLLMQueueAnnotator(clients=[client], clock=clock, **settings) as pool:
+            return await pool.abatch_generate(messages=conversations(samples))
+
+    responses = asyncio.run(scenario())
+    assert_all_answered_in_order(responses, samples)
+
+
+def test_a_server_that_queues_gets_a_smaller_window() -> None:
+    """A member starts at the start window; once its server reports a long queue it holds
+    no more than the floor, and every sample is still answered."""
+    clock = FakeClock()
+    client = LoadedClient("http://queued:1/v1", clock, load(running=2, waiting=500))
+    run_on(client, clock, 600, batch_size=64, max_concurrent_batches_per_client=4)
+    assert client.most_held(0.0, 1.0) == window.START_WINDOW
+    assert client.most_held(2.5) <= window.MIN_WINDOW
+
+
+def test_a_server_without_metrics_gets_the_whole_window() -> None:
+    clock = FakeClock()
+    client = LoadedClient("http://plain:1/v1", clock, None)
+    run_on(client, clock, 2000, batch_size=64, max_concurrent_batches_per_client=4)
+    assert client.most_held(0.0, 1.0) == window.START_WINDOW
+    assert client.most_held(1.5) == 64 * 4
+
+
+def test_a_server_that_keeps_up_grows_its_window_up_to_the_ceiling() -> None:
+    clock = FakeClock()
+    client = LoadedClient("http://roomy:1/v1", clock, load(running=10, waiting=0))
+    run_on(client, clock, 3000, batch_size=64, max_concurrent_batches_per_client=4)
+    assert client.most_held(1.5, 2.0) == 2 * window.START_WINDOW
+    assert client.most_held(2.5) == 64 * 4
+
+
+def test_adaptive_false_gives_the_whole_window_at_once() -> None:
+    clock = FakeClock()
+    client = LoadedClient("http://fixed:1/v1", clock, load(running=2, waiting=500))
+    run_on(client, clock, 600, batch_size=64, max_concurrent_batches_per_client=4, adaptive=False)
+    assert client.most_held(0.0, 1.0) == 64 * 4
+
+
+def test_a_slot_refills_as_answers_arrive_instead_of_waiting_for_its_slowest(
+    fake_servers: FakeServers,
+) -> None:
+    """One slot of four: while sample 0 takes 2 s, the slot keeps sending the others as
+    its fast answers arrive, so all of them are answered before sample 0 is."""
+    (server,) = fake_servers(1)
+    seen_when_slow_ended: list[int] = []
+
+    async def slow_first(request: dict[str, Any]) -> web.StreamResponse:
+        if index_of(request) == 0:
+            await asyncio.sleep(2.0)
+            seen_when_slow_ended.append(len(server.requests))
+        return await echo(request)
+
+    server.handler = slow_first
+    started = time.monotonic()
+    with VLLMQueueAnnotator(
+        [server.base_url],
+        batch_size=4,
+        max_concurrent_batches_per_client=1,
+        hedge_tail=False,
+        **FAST,
+    ) as pool:
+        responses = pool.batch_generate(messages=conversations(40))
+    assert_all_answered_in_order(responses, 40)
+    assert seen_when_slow_ended == [40]  # every other sample was sent meanwhile
+    assert server.max_in_flight <= 4  # never more than one batch
+    assert time.monotonic() - started < 10
