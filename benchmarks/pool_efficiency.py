@@ -11,13 +11,13 @@ summed throughput at full load, taken from the simulation's parameters; the tail
 50 ms); and what each server did (answers, busy and saturated seconds, idle time at the
 end).
 
-Each run is made with three dispatches, side by side: ``adaptive`` (this version's
-default: a batch slot keeps its batch full as answers arrive, and each server's window
-follows its ``/metrics`` so that it queues little; the tail hedges the last sent first
-and the first answer cancels the other copy), ``window`` (the same with
-``adaptive=False``: every server may hold ``batch_size x batches`` at once) and
-``batch`` (the dispatch before both: a slot sends a whole batch and waits for its last
-answer). ``--dispatch`` picks some.
+Each run is made with three dispatches, side by side: ``window`` (this version's
+default: a batch slot keeps its batch full as answers arrive, every server may hold
+``batch_size x batches`` at once; the tail hedges the last sent first and the first
+answer cancels the other copy), ``adaptive`` (the same with ``adaptive=True``: each
+server's window follows its ``/metrics`` so that it queues little) and ``batch`` (the
+dispatch before both: a slot sends a whole batch and waits for its last answer).
+``--dispatch`` picks some.
 
 Fault cost: the same run again, with one server SIGKILLed once 30% of the samples are
 done; the extra wall time over the run without the fault, against the extra that the
@@ -63,8 +63,8 @@ POLL = 0.05
 TARGET_RATIO = 1.02
 TARGET_FAULT_SLACK = 0.5
 DISPATCHES = ("adaptive", "window", "batch")
-"""This version's dispatch, the same with ``adaptive=False``, and the one before both
-(``dispatch.REFILL`` off, ``adaptive=False``)."""
+"""This version's dispatch with ``adaptive=True``, the same with its default
+``adaptive=False``, and the one before both (``dispatch.REFILL`` off)."""
 DEFAULT_SERVERS = "A:20:32,B:40:32,C:60:24,D:80:16"
 """name:base latency ms:capacity of each simulated server."""
 
@@ -459,7 +459,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dispatch",
         default=",".join(DISPATCHES),
-        help="dispatches to compare: adaptive (this version's), window (adaptive=False), "
+        help="dispatches to compare: adaptive (adaptive=True), window (the default), "
         "batch (the one before) "
         f"({','.join(DISPATCHES)})",
     )

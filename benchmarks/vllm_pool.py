@@ -1,12 +1,24 @@
 """The pool's throughput on real vLLM servers, against driving the same servers plainly.
 
-Starts two real CPU vLLM servers on the tiny model (``start_local_servers(2)``; the
-Python with vLLM comes from ``scripts/vllm-env.sh`` or ``$LLM_ANNOTATOR_VLLM_PYTHON``),
-then, in one run, alternates three ways of sending the same N conversations:
+Starts two real CPU vLLM servers on the tiny model, of different speeds: each with its
+own ``--max-num-seqs`` (``--max-num-seqs``, default 64 and 4: the second runs a sixteenth
+of the first's batch). The Python with vLLM comes from ``scripts/vllm-env.sh`` or
+``$LLM_ANNOTATOR_VLLM_PYTHON``. Then, in one run, it alternates these ways of sending
+the same N conversations:
 
 * pool: ``VLLMQueueAnnotator.batch_generate`` over both servers, ``batch_size`` and
-  ``max_concurrent_batches_per_client`` set so that ``--in-flight`` requests are in
-  flight per server;
+  ``max_concurrent_batches_per_client`` set so that at most ``--in-flight`` requests are
+  in flight per server (this version's dispatch with its defaults: slots that refill as
+  answers arrive, ``adaptive=False``);
+* pool-adaptive: the same with ``adaptive=True`` (each server's window sized from its
+  ``/metrics``);
+* pool-batch: the dispatch before both (a slot waits for the last answer of its batch
+  before it takes the next);
+* vllm-bench: vLLM's own benchmark client (``vllm bench serve``, from the vLLM
+  environment) driving each server on its own, both at once, each with half of the
+  conversations at ``--in-flight`` concurrency; its figure is the sum of the two
+  clients' rows per second, each over its own duration (what the servers do when each
+  is kept busy by a dedicated client, whatever the split);
 * annotate: ``VLLMQueueAnnotator.annotate`` over the same N rows, as a JSONL file, to
   the consolidated ``annotations.parquet`` (a fresh run directory each time);
 * plain: one ``VLLMOnlineClient`` per server, each given half of the conversations,
@@ -14,7 +26,8 @@ then, in one run, alternates three ways of sending the same N conversations:
   ``abatch_generate`` (on uvloop, like the library's own loop).
 
 Every way runs once per round, in an order that rotates from round to round; the
-summary takes each way's median. Requests ask for ``max_completion_tokens`` 8 at
+summary takes each way's median, and the preemptions the servers counted during it
+(``vllm:num_preemptions_total``). Requests ask for ``max_completion_tokens`` 8 at
 temperature 1.0 with no seed (vLLM 0.32's CPU build kills its engine on seeded requests
 under load). The servers take both cores, so nothing is pinned; each run shows the CPU
 the benchmark process and the servers used, and the share of the machine other
@@ -25,7 +38,8 @@ Run it as::
     python benchmarks/vllm_pool.py            # N=4,000, 3 rounds: about five minutes
     python benchmarks/vllm_pool.py --quick    # N=1,000, 2 rounds: about two minutes
 
-Target: the pool (and the annotation job) at least 95% of plain's rows per second.
+Targets: the pool (and the annotation job) at least 95% of plain's rows per second;
+the pool at least as fast as pool-batch and as vllm-bench, with no more preemptions.
 The exit code is 0 whether or not it is met, and non-zero only when the harness fails.
 """
 
@@ -33,12 +47,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +73,18 @@ MAX_TOKENS = 8
 TEMPERATURE = 1.0
 BATCHES_PER_MEMBER = 4
 TEMPLATE = "Is this review positive or negative? Answer in one word.\n\nReview: {text}"
-WAYS = ("pool", "plain", "annotate")
+WAYS = ("pool", "pool-adaptive", "pool-batch", "vllm-bench", "plain", "annotate")
+ANSWER = {"from": "gpt", "value": "positive"}
+"""The second turn vLLM's ShareGPT reader wants (unused: the output length is fixed)."""
+BENCH_SCRIPT = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+"""``vllm bench serve`` without the ``vllm`` command (which needs vLLM's package metadata)."""
 
 
 @dataclass
@@ -70,9 +99,11 @@ class RunResult:
         ok: Answers without an error.
         errors: Error answers by type.
         output_tokens: Output tokens of the answers.
-        client_cpu: CPU seconds this process used.
+        client_cpu: CPU seconds this process used (with vllm-bench, its clients').
         server_cpu: CPU seconds the servers used.
         other_load: Share of the machine's CPU other processes took, or None.
+        preemptions: Requests the servers preempted during the run, or None.
+        bench_rps: For vllm-bench, the sum of each client's rows per second.
     """
 
     way: str
@@ -85,11 +116,21 @@ class RunResult:
     client_cpu: float = 0.0
     server_cpu: float = 0.0
     other_load: float | None = None
+    preemptions: float | None = None
+    bench_rps: float | None = None
 
     @property
     def rps(self) -> float:
         """Answers per second (errors count: a failed run is flagged, not hidden)."""
+        if self.bench_rps is not None:
+            return self.bench_rps
         return self.samples / self.wall if self.wall else 0.0
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (vLLM's benchmark clients)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _tally(result: RunResult, responses: Sequence[Any]) -> None:
@@ -129,32 +170,48 @@ class Bench:
         self.options = VLLMOnlineRuntimeOptions(
             max_completion_tokens=MAX_TOKENS, temperature=TEMPERATURE
         )
-        self.pool = VLLMQueueAnnotator(
-            servers.base_urls,
-            model=self.model,
-            batch_size=max(1, args.in_flight // BATCHES_PER_MEMBER),
-            max_concurrent_batches_per_client=BATCHES_PER_MEMBER,
-        )
+        settings: dict[str, Any] = {
+            "model": self.model,
+            "batch_size": max(1, args.in_flight // BATCHES_PER_MEMBER),
+            "max_concurrent_batches_per_client": BATCHES_PER_MEMBER,
+        }
+        self.pool = VLLMQueueAnnotator(servers.base_urls, **settings)
+        self.old_pool = VLLMQueueAnnotator(servers.base_urls, adaptive=False, **settings)
+        self.adaptive_pool = VLLMQueueAnnotator(servers.base_urls, adaptive=True, **settings)
         self.jobs = 0
+        # In ShareGPT's layout: vLLM's benchmark reads it with json alone (its custom
+        # JSONL dataset needs pandas, which the vLLM environment lacks).
+        self.prompts = folder / "prompts.json"
+        turns = [
+            {"conversations": [{"from": "human", "value": c[0]["content"]}, ANSWER]}
+            for c in self.conversations
+        ]
+        self.prompts.write_text(json.dumps(turns))
 
     def close(self) -> None:
-        """Close the pool's connections."""
+        """Close the pools' connections."""
         self.pool.close()
+        self.old_pool.close()
+        self.adaptive_pool.close()
 
     def run(self, way: str, round_number: int) -> RunResult:
         """Time one run of ``way``, with the CPU figures around it."""
         result = RunResult(way=way, round=round_number, samples=len(self.conversations))
         methods: dict[str, Callable[[RunResult], None]] = {
             "pool": self._pool,
+            "pool-batch": self._old_pool,
+            "pool-adaptive": self._adaptive_pool,
+            "vllm-bench": self._vllm_bench,
             "annotate": self._annotate,
             "plain": self._plain,
         }
-        busy0, own0 = harness.busy_seconds(), harness.cpu_seconds()
+        preempted0 = self._preemptions()
+        busy0, own0 = harness.busy_seconds(), harness.cpu_seconds() + _children_cpu()
         servers0 = group_cpu_seconds(self.groups)
         wall0 = time.perf_counter()
         methods[way](result)
         wall = time.perf_counter() - wall0
-        busy1, own1 = harness.busy_seconds(), harness.cpu_seconds()
+        busy1, own1 = harness.busy_seconds(), harness.cpu_seconds() + _children_cpu()
         servers1 = group_cpu_seconds(self.groups)
         if not result.wall:
             result.wall = wall
@@ -162,11 +219,114 @@ class Bench:
         result.server_cpu = servers1 - servers0
         ours = result.client_cpu + result.server_cpu
         result.other_load = harness.machine_other_load(busy0, busy1, ours, wall)
+        preempted1 = self._preemptions()
+        if preempted0 is not None and preempted1 is not None:
+            result.preemptions = preempted1 - preempted0
         return result
+
+    def _preemptions(self) -> float | None:
+        """The servers' preemption counters summed, or None if one cannot be read."""
+        from llm_annotator.clients.metrics import engine_load
+
+        total = 0.0
+        for url in self.servers.base_urls:
+            root = url.removesuffix("/v1")
+            try:
+                with urllib.request.urlopen(root + "/metrics", timeout=10) as answer:
+                    load = engine_load(answer.read())
+            except OSError:
+                return None
+            if load is None or load.preemptions is None:
+                return None
+            total += load.preemptions
+        return total
 
     def _pool(self, result: RunResult) -> None:
         responses = self.pool.batch_generate(messages=self.conversations, options=self.options)
         _tally(result, responses)
+
+    def _adaptive_pool(self, result: RunResult) -> None:
+        responses = self.adaptive_pool.batch_generate(
+            messages=self.conversations, options=self.options
+        )
+        _tally(result, responses)
+
+    def _old_pool(self, result: RunResult) -> None:
+        from llm_annotator.pool import dispatch
+
+        dispatch.REFILL = False
+        try:
+            responses = self.old_pool.batch_generate(
+                messages=self.conversations, options=self.options
+            )
+        finally:
+            dispatch.REFILL = True
+        _tally(result, responses)
+
+    def _vllm_bench(self, result: RunResult) -> None:
+        """vLLM's benchmark client on each server, at once, each with half the prompts."""
+        urls = self.servers.base_urls
+        halves = [len(self.conversations) * k // len(urls) for k in range(len(urls) + 1)]
+        procs = []
+        outputs = []
+        for k, url in enumerate(urls):
+            output = self.folder / f"bench-{k}.json"
+            output.unlink(missing_ok=True)
+            outputs.append(output)
+            command = [
+                self.args.vllm_python,
+                "-c",
+                BENCH_SCRIPT,
+                "--backend",
+                "openai-chat",
+                "--base-url",
+                url.removesuffix("/v1"),
+                "--endpoint",
+                "/v1/chat/completions",
+                "--model",
+                self.model,
+                "--tokenizer",
+                str(self.args.model_dir),
+                "--dataset-name",
+                "sharegpt",
+                "--dataset-path",
+                str(self.prompts),
+                "--sharegpt-output-len",
+                str(MAX_TOKENS),
+                "--num-prompts",
+                str(halves[k + 1] - halves[k]),
+                "--max-concurrency",
+                str(self.args.in_flight),
+                "--temperature",
+                str(TEMPERATURE),
+                "--disable-tqdm",
+                "--save-result",
+                "--save-detailed",
+                "--result-dir",
+                str(self.folder),
+                "--result-filename",
+                output.name,
+            ]
+            log = (self.folder / f"bench-{k}.log").open("w")
+            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        for k, proc in enumerate(procs):
+            if proc.wait(timeout=1800) != 0 or not outputs[k].exists():
+                tail = (self.folder / f"bench-{k}.log").read_text()[-2000:]
+                raise RuntimeError(f"vllm bench serve failed on {urls[k]}:\n{tail}")
+        reports = [json.loads(output.read_text()) for output in outputs]
+        result.wall = max(float(report["duration"]) for report in reports)
+        result.bench_rps = sum(float(report["request_throughput"]) for report in reports)
+        result.ok = sum(int(report["completed"]) for report in reports)
+        errors: Counter[str] = Counter()
+        for report in reports:
+            for error in report.get("errors") or ():
+                if error:
+                    errors[str(error).strip().splitlines()[-1][:80]] += 1
+        failed = sum(int(report.get("failed", 0)) for report in reports)
+        if failed and not errors:
+            errors["failed"] = failed
+        result.errors = dict(errors)
+        result.output_tokens = sum(int(report["total_output_tokens"]) for report in reports)
 
     def _annotate(self, result: RunResult) -> None:
         import pyarrow.parquet as pq
@@ -228,10 +388,45 @@ class Bench:
             _tally(result, runner.run(main()))
 
 
+class Fleet:
+    """Local vLLM servers on the tiny model, one per ``--max-num-seqs`` value, started
+    together; seen as one group (``base_urls``, ``model``, iteration, ``stop``)."""
+
+    def __init__(self, max_num_seqs: Sequence[int], startup_timeout: float) -> None:
+        from llm_annotator.local import start_local_servers
+        from llm_annotator.local.process import wait_all_healthy
+
+        self.groups: list[Any] = []
+        try:
+            for seqs in max_num_seqs:
+                self.groups.append(
+                    start_local_servers(1, extra_args=["--max-num-seqs", str(seqs)], wait=False)
+                )
+            wait_all_healthy(list(self), startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __iter__(self) -> Any:
+        return (server for group in self.groups for server in group)
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [url for group in self.groups for url in group.base_urls]
+
+    @property
+    def model(self) -> str:
+        return str(self.groups[0].model)
+
+    def stop(self) -> None:
+        for group in self.groups:
+            group.stop()
+
+
 def print_runs(runs: Sequence[RunResult]) -> None:
     """One line per run."""
     header = ["round", "way", "samples", "ok", "wall s", "rows/s", "out tok/s"]
-    header += ["client CPU s", "servers CPU s", "other %"]
+    header += ["client CPU s", "servers CPU s", "other %", "preempted"]
     rows = [
         (
             str(r.round),
@@ -244,6 +439,7 @@ def print_runs(runs: Sequence[RunResult]) -> None:
             f"{r.client_cpu:.1f}",
             f"{r.server_cpu:.1f}",
             harness.percent(r.other_load),
+            "-" if r.preemptions is None else f"{r.preemptions:,.0f}",
         )
         for r in runs
     ]
@@ -260,15 +456,26 @@ def print_runs(runs: Sequence[RunResult]) -> None:
         )
 
 
+def _good(r: RunResult) -> bool:
+    """A run whose figure counts: every answer, except vLLM's benchmark client, whose
+    requests on a reused connection the server had just closed fail (it does not send
+    them again) and whose figure is its successes per second: up to a tenth may fail."""
+    if r.way == "vllm-bench":
+        return r.ok >= 0.9 * r.samples
+    return not r.errors and r.ok == r.samples
+
+
 def print_summary(runs: Sequence[RunResult]) -> None:
-    """Each way's median, and the pool's share of plain's, PASS or MISS."""
+    """Each way's median, and the pool against the other ways, PASS or MISS."""
     print()
     medians: dict[str, float] = {}
     rows = []
     for way in WAYS:
-        good = [r.rps for r in runs if r.way == way and not r.errors and r.ok == r.samples]
+        good = [r.rps for r in runs if r.way == way and _good(r)]
+        counted = [r.preemptions for r in runs if r.way == way and r.preemptions is not None]
+        preempted = f"{statistics.median(counted):,.0f}" if counted else "-"
         if not good:
-            rows.append((way, "0", "-", "-", "-"))
+            rows.append((way, "0", "-", "-", "-", preempted))
             continue
         medians[way] = statistics.median(good)
         rows.append(
@@ -278,19 +485,27 @@ def print_summary(runs: Sequence[RunResult]) -> None:
                 f"{medians[way]:,.0f}",
                 f"{min(good):,.0f}",
                 f"{max(good):,.0f}",
+                preempted,
             )
         )
-    harness.print_table(("way", "good runs", "median rows/s", "min", "max"), rows)
+    header = ("way", "good runs", "median rows/s", "min", "max", "median preempted")
+    harness.print_table(header, rows)
     print()
-    plain = medians.get("plain")
-    for way, name in (("pool", "pool.batch_generate"), ("annotate", "pool.annotate")):
-        mine = medians.get(way)
-        if plain is None or mine is None:
-            print(f"{name} / plain: no figure, a way had no good run (MISS)")
+    comparisons = (
+        ("pool", "plain", TARGET_SHARE),
+        ("annotate", "plain", TARGET_SHARE),
+        ("pool", "pool-batch", 1.0),
+        ("pool-adaptive", "pool-batch", 1.0),
+        ("pool", "vllm-bench", 1.0),
+    )
+    for way, other, target in comparisons:
+        mine, theirs = medians.get(way), medians.get(other)
+        if mine is None or theirs is None:
+            print(f"{way} / {other}: no figure, a way had no good run (MISS)")
             continue
-        share = mine / plain
-        verdict = "PASS" if share >= TARGET_SHARE else "MISS"
-        print(f"{name} / plain (medians): {share:.1%} (target >= {TARGET_SHARE:.0%}): {verdict}")
+        share = mine / theirs
+        verdict = "PASS" if share >= target else "MISS"
+        print(f"{way} / {other} (medians): {share:.1%} (target >= {target:.0%}): {verdict}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -303,7 +518,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     harness.add_number(
         parser, "--startup-timeout", 600.0, "seconds the servers may take to start (default 600)"
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        default="64,4",
+        help="vLLM's --max-num-seqs of each server, comma-separated (default 64,4)",
+    )
+    parser.add_argument(
+        "--ways", default=",".join(WAYS), help=f"ways to run (default {','.join(WAYS)})"
+    )
     args = parser.parse_args(argv)
+    try:
+        args.max_num_seqs = [int(n) for n in args.max_num_seqs.split(",")]
+    except ValueError:
+        parser.error("--max-num-seqs takes integers, comma-separated")
+    if len(args.max_num_seqs) < 1 or min(args.max_num_seqs) < 1:
+        parser.error("--max-num-seqs needs one positive integer per server")
+    args.ways = tuple(w for w in args.ways.split(",") if w)
+    if not args.ways or set(args.ways) - set(WAYS):
+        parser.error(f"--ways takes a comma-separated list of {', '.join(WAYS)}")
     if args.quick:
         args.samples, args.rounds = 1000, 2
     if min(args.samples, args.rounds, args.in_flight) < 1:
@@ -317,16 +549,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.exit_on_sigterm()
     harness.EventLog().install()  # the library's events would interleave with the tables
     from llm_annotator.errors import LLMAnnotatorError
-    from llm_annotator.local import start_local_servers
+    from llm_annotator.local import ensure_tiny_model, find_vllm_python
 
     print(
-        f"{harness.versions('python', 'llm-annotator')}, "
-        f"{os.cpu_count()} CPUs; starting 2 vLLM servers on the tiny model ...",
+        f"{harness.versions('python', 'llm-annotator')}, {os.cpu_count()} CPUs; starting "
+        f"{len(args.max_num_seqs)} vLLM servers on the tiny model (--max-num-seqs "
+        f"{', '.join(map(str, args.max_num_seqs))}) ...",
         flush=True,
     )
     started = time.monotonic()
     try:
-        servers = start_local_servers(2, startup_timeout=args.startup_timeout)
+        args.vllm_python = find_vllm_python()
+        args.model_dir = ensure_tiny_model(python=args.vllm_python)
+        servers = Fleet(args.max_num_seqs, args.startup_timeout)
     except LLMAnnotatorError as exc:
         print(f"error: the vLLM servers did not start: {exc}", file=sys.stderr)
         return 2
@@ -338,9 +573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{', '.join(servers.base_urls)}"
         )
         print(
-            f"N={args.samples:,}, {args.in_flight} in flight per server (pool: batch_size "
-            f"{max(1, args.in_flight // BATCHES_PER_MEMBER)} x {BATCHES_PER_MEMBER} batches; "
-            f"plain: max_workers {args.in_flight}), max_completion_tokens {MAX_TOKENS}, "
+            f"N={args.samples:,}, at most {args.in_flight} in flight per server (pool: "
+            f"batch_size {max(1, args.in_flight // BATCHES_PER_MEMBER)} x "
+            f"{BATCHES_PER_MEMBER} batches; plain: max_workers {args.in_flight}; vllm-bench: "
+            f"--max-concurrency {args.in_flight}), max_completion_tokens {MAX_TOKENS}, "
             f"temperature {TEMPERATURE}, no seed, {args.rounds} rounds",
             flush=True,
         )
@@ -348,9 +584,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         warm = bench.run("plain", 0)  # the servers' first requests are slow
         print(f"warm-up (plain, not counted): {warm.rps:,.0f} rows/s\n", flush=True)
         runs = []
+        ways = args.ways
         for number in range(1, args.rounds + 1):
-            shift = (number - 1) % len(WAYS)
-            for way in WAYS[shift:] + WAYS[:shift]:
+            shift = (number - 1) % len(ways)
+            for way in ways[shift:] + ways[:shift]:
                 print(f"round {number}: {way} ...", flush=True)
                 runs.append(bench.run(way, number))
         print()

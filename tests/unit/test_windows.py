@@ -120,6 +120,8 @@ class LoadedClient(ClockedClient):
 
 
 def run_on(client: LoadedClient, clock: FakeClock, samples: int, **settings: Any) -> None:
+    settings.setdefault("adaptive", True)
+
     async def scenario() -> list[Response]:
         async with VLLMQueueAnnotator(clients=[client], clock=clock, **settings) as pool:
             return await pool.abatch_generate(messages=conversations(samples))

@@ -193,8 +193,8 @@ _SETTINGS: tuple[_Setting, ...] = (
         "adaptive",
         _bool,
         "size what each server holds from its /metrics, so none queues work another could "
-        "start sooner (default); --no-adaptive gives each batch_size x batches at once",
-        True,
+        "start sooner; default off: each server may hold batch_size x batches at once",
+        False,
     ),
     _Setting(
         "api_key_file",

@@ -118,7 +118,12 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             runs plus a few waiting when it queues more, and after preemptions. So no
             server holds a queue of work another could start sooner, and the end of a
             call does not wait for one. A server whose ``/metrics`` cannot be read gets
-            the whole window. False: every member gets the whole window at once.
+            the whole window. False (the default): every member gets the whole
+            window at once. Measured: on simulated servers of unequal speed it brings
+            the makespan from 1.16 to 1.05 of the bound at batch 128; on real CPU vLLM
+            servers it costs about 15% of the rows per second (their gauges read few
+            requests running, and a smaller window leaves their API server short of
+            work), so it is off until it is proven on GPU servers.
         clock: Where the pool reads the time and sleeps: the system's by default; a
             test gives a fake one so that health intervals, backoff and deadlines pass
             without waiting.
@@ -180,7 +185,7 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         max_response_bytes: int = default.MAX_RESPONSE_BYTES,
         max_server_faults: int = default.MAX_SERVER_FAULTS,
         stall_window: float = default.STALL_WINDOW,
-        adaptive: bool = True,
+        adaptive: bool = False,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         given = locals()  # the arguments, before anything else is named here

@@ -53,7 +53,7 @@ class PoolConfig:
     max_response_bytes: int = default.MAX_RESPONSE_BYTES
     max_server_faults: int = default.MAX_SERVER_FAULTS
     stall_window: float = default.STALL_WINDOW
-    adaptive: bool = True
+    adaptive: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

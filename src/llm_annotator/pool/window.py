@@ -1,7 +1,7 @@
 """Each member's window: how many requests it may hold, sized from its engine's load.
 
 ``batch_size x max_concurrent_batches_per_client`` is the most a member ever holds.
-With ``adaptive=True`` (the default) a member starts at :data:`START_WINDOW` and its
+With ``adaptive=True`` (off by default) a member starts at :data:`START_WINDOW` and its
 window follows what its server can start soon: every :data:`INTERVAL` seconds the
 :class:`WindowTuner` reads the server's ``/metrics`` (vLLM's running and waiting gauges
 and its preemption counter) and :func:`next_window` decides the new size. A server
