@@ -123,6 +123,10 @@ class ClockedClient(VLLMOnlineClient):
         await self.clock.sleep(0.001)
         return None  # no /metrics: the pool gives it the whole window
 
+    async def aengine_progress(self, timeout: float = 5.0) -> float | None:
+        await self.clock.sleep(0.001)
+        return None  # no /metrics: the stall watch goes by timing alone
+
     async def asend(self, messages: Any, params: bytes) -> Response | ProviderError:
         self.sent.append(self.clock.now())
         await self.clock.sleep(self.latency)

@@ -66,3 +66,18 @@ def test_counters_follow_the_transitions() -> None:
     assert (member.fault_streak, member.overload_streak, member.backoff_until) == (0, 0, 0.0)
     assert member.note_probe(False) == 1 and member.note_probe(False) == 2
     assert member.note_probe(True) == 0
+
+
+def test_a_fault_streak_counts_samples_not_answers() -> None:
+    """A sample that fails again on its retry counts once in the streak (it is as much
+    evidence against itself as against the server); a good answer ends the streak."""
+    member = member_in(S.JOINING)
+    member.admit()
+    assert member.streak_with(5) == 1
+    assert member.note_fault(5) == 1
+    assert member.note_fault(5) == 1  # the same sample again
+    assert member.streak_with(5) == 1 and member.streak_with(6) == 2
+    assert member.note_fault(6) == 2
+    assert member.fault_samples == [5, 6]
+    member.note_answer()
+    assert (member.fault_streak, member.fault_samples, member.streak_with(5)) == (0, [], 1)

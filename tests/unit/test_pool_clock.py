@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 
-from llm_annotator import PoolExhaustedError, Response, VLLMQueueAnnotator
+from llm_annotator import ErrorKind, PoolExhaustedError, Response, VLLMQueueAnnotator
+from llm_annotator.errors import StatusError
 from llm_annotator.pool.effects import Effects
+from llm_annotator.pool.health import CANARY_MESSAGES
 from tests.unit.fake_clock import ClockedClient, FakeClock, overloaded
 
 
@@ -140,3 +142,47 @@ def test_overloaded_answers_are_retried_until_they_succeed() -> None:
     assert [r.text for r in responses] == [f"sample {i}" for i in range(50)]
     assert stats.evictions == 0
     assert len(member.sent) == 80
+
+
+class DoubtedClient(ClockedClient):
+    """The only member: sample 0's first try gets a 500; the test completion sent for
+    it (the first, at fake t < 1) answers only after 60 s, with a 500; ``/health``
+    fails from 2 s to 25 s, so the member is evicted and back meanwhile."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__("http://doubted:1/v1", clock, healthy=lambda now: not 2 <= now < 25)
+        self.tries = 0
+
+    async def asend(self, messages: Any, params: bytes) -> Response | Any:
+        prompt = messages[-1]["content"]
+        if prompt == CANARY_MESSAGES[-1]["content"] and self.clock.now() < 1:
+            await self.clock.sleep(60.0)
+            return StatusError("HTTP 500", kind=ErrorKind.SERVER_ERROR, server=self.base_url)
+        if prompt == "sample 0":
+            self.tries += 1
+            if self.tries == 1:
+                await self.clock.sleep(0.05)
+                return StatusError("HTTP 500", kind=ErrorKind.SERVER_ERROR, server=self.base_url)
+        return await super().asend(messages, params)
+
+
+def test_a_test_completion_that_fails_after_its_member_was_evicted_and_back_is_stale() -> None:
+    """A sample held for a test completion, whose member is evicted (its probes fail)
+    and re-admitted before the completion fails: that eviction already counted the
+    sample, and the member that rejoined is not evicted again for the old completion;
+    the sample is sent again and answered."""
+    clock = FakeClock()
+    client = DoubtedClient(clock)
+
+    async def scenario() -> tuple[list[Response], int]:
+        async with VLLMQueueAnnotator(
+            clients=[client], clock=clock, batch_size=2, max_sample_retries=0
+        ) as pool:
+            responses = await pool.abatch_generate(messages=prompts(1))
+            return responses, pool.statistics().evictions
+
+    (response,), evictions = run(scenario())
+    print(f"ended at fake t={clock.now():.1f}, tries of sample 0: {client.tries}")
+    assert response.text == "sample 0"
+    assert evictions == 1
+    assert clock.now() >= 60  # the sample waited for the old test completion

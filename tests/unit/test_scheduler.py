@@ -143,9 +143,11 @@ def test_every_kind_has_a_decision() -> None:
 @pytest.mark.parametrize(
     ("failure", "works", "effects"),
     [
-        # The member completes another prompt: the sample is what fails; it ends.
-        (Failure(ErrorKind.SERVER_ERROR), True, (E.ERROR_ROW,)),
-        (Failure(ErrorKind.DISCONNECTED), True, (E.ERROR_ROW,)),
+        # The member completes another prompt: the sample is sent once more (its next
+        # fault ends it, as the completion counts as an answer since its first).
+        (Failure(ErrorKind.SERVER_ERROR), True, (E.REQUEUE,)),
+        (Failure(ErrorKind.DISCONNECTED), True, (E.REQUEUE,)),
+        (Failure(ErrorKind.SERVER_ERROR, member_working=False), True, (E.REQUEUE,)),
         # It does not: the member is at fault and goes; the sample was on it.
         (Failure(ErrorKind.SERVER_ERROR), False, (E.EVICT,)),
         # ... evicted already meanwhile: the sample goes back on the queue.

@@ -1,30 +1,25 @@
 """Work-conserving dispatch: slots refill as answers arrive, and each member's window
 follows its server's load.
 
-The window decision is a pure function, tested as a table; the pool's use of it runs on
-the fake clock (clients that report a chosen engine load), and the refill against a
-fake HTTP server. ``benchmarks/pool_efficiency.py`` measures what it is worth.
+The window decision is a pure function, tested as a table; the pool's use of it, the
+refill and the hedge's cancelling run on the fake clock (clients that report a chosen
+engine load, or take a chosen time per sample). ``benchmarks/pool_efficiency.py``
+measures what it is worth.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from llm_annotator import Response, VLLMQueueAnnotator
 from llm_annotator.clients.metrics import EngineLoad, engine_load
 from llm_annotator.pool import window
 from llm_annotator.pool.window import next_window, waiting_target
-from tests.unit.conftest import FakeServer, echo
 from tests.unit.fake_clock import ClockedClient, FakeClock
-from tests.unit.test_pool import FAST, assert_all_answered_in_order, conversations, index_of
-
-FakeServers = Callable[[int], list[FakeServer]]
+from tests.unit.test_pool import assert_all_answered_in_order, conversations
 
 
 def load(running: float, waiting: float) -> EngineLoad:
@@ -163,31 +158,77 @@ def test_adaptive_false_gives_the_whole_window_at_once() -> None:
     assert client.most_held(0.0, 1.0) == 64 * 4
 
 
-def test_a_slot_refills_as_answers_arrive_instead_of_waiting_for_its_slowest(
-    fake_servers: FakeServers,
-) -> None:
-    """One slot of four: while sample 0 takes 2 s, the slot keeps sending the others as
-    its fast answers arrive, so all of them are answered before sample 0 is."""
-    (server,) = fake_servers(1)
-    seen_when_slow_ended: list[int] = []
+class SlowSampleClient(LoadedClient):
+    """A clocked client (no /metrics) on which the samples in ``slow`` take ``seconds``
+    fake seconds and the others ``latency``; it records which requests were cancelled."""
 
-    async def slow_first(request: dict[str, Any]) -> web.StreamResponse:
-        if index_of(request) == 0:
-            await asyncio.sleep(2.0)
-            seen_when_slow_ended.append(len(server.requests))
-        return await echo(request)
+    def __init__(
+        self, url: str, clock: FakeClock, slow: set[str], seconds: float, latency: float
+    ) -> None:
+        super().__init__(url, clock, None)
+        self.slow, self.seconds, self.latency = slow, seconds, latency
+        self.prompts: list[str] = []
+        self.cancelled: dict[str, float] = {}
+        self.answered: dict[str, float] = {}
 
-    server.handler = slow_first
-    started = time.monotonic()
-    with VLLMQueueAnnotator(
-        [server.base_url],
+    async def asend(self, messages: Any, params: bytes) -> Response | Any:
+        prompt = messages[-1]["content"]
+        self.prompts.append(prompt)
+        self.holding += 1
+        self.held.append((self.clock.now(), self.holding))
+        try:
+            await self.clock.sleep(self.seconds if prompt in self.slow else self.latency)
+        except asyncio.CancelledError:
+            self.cancelled[prompt] = self.clock.now()
+            raise
+        finally:
+            self.holding -= 1
+        self.answered[prompt] = self.clock.now()
+        return Response(text=prompt, finish_reason="stop", server=self.base_url)
+
+
+def test_a_slot_refills_as_answers_arrive_instead_of_waiting_for_its_slowest() -> None:
+    """One slot of four: while sample 0 takes 20 s, the slot keeps sending the others as
+    its fast answers arrive, so all of them are sent (and answered) before sample 0
+    is; the slot never holds more than its batch."""
+    clock = FakeClock()
+    client = SlowSampleClient("http://one:1/v1", clock, {"sample 0"}, 20.0, 0.1)
+    run_on(
+        client,
+        clock,
+        40,
         batch_size=4,
         max_concurrent_batches_per_client=1,
         hedge_tail=False,
-        **FAST,
-    ) as pool:
-        responses = pool.batch_generate(messages=conversations(40))
+        adaptive=False,
+    )
+    sent_at = [t for t, _ in client.held]
+    assert len(sent_at) == 40
+    assert max(sent_at) < 20.0  # all 39 others went out while sample 0 was held
+    assert client.most_held(0.0) == 4
+
+
+def test_the_first_answer_of_a_hedged_sample_cancels_its_other_copy() -> None:
+    """Near the end, an idle slot of the fast member sends again what the slow one still
+    holds; each first answer cancels the slow member's copy at once (so its server stops
+    spending time on it), not when the call ends. Sample 39 takes 20 s on either member
+    (under the 30 s in which a quiet member counts as hung), so the call goes on long
+    after the hedges are answered."""
+    clock = FakeClock()
+    stuck = {f"sample {i}" for i in range(4)}
+    slow = SlowSampleClient("http://slow:1/v1", clock, stuck | {"sample 39"}, 600.0, 0.1)
+    fast = SlowSampleClient("http://fast:1/v1", clock, {"sample 39"}, 20.0, 0.1)
+
+    async def scenario() -> list[Response]:
+        async with VLLMQueueAnnotator(
+            clients=[slow, fast], clock=clock, batch_size=4, max_concurrent_batches_per_client=2
+        ) as pool:
+            return await pool.abatch_generate(messages=conversations(40))
+
+    responses = asyncio.run(scenario())
     assert_all_answered_in_order(responses, 40)
-    assert seen_when_slow_ended == [40]  # every other sample was sent meanwhile
-    assert server.max_in_flight <= 4  # never more than one batch
-    assert time.monotonic() - started < 10
+    rescued = {p: t for p, t in fast.answered.items() if p in stuck}
+    assert rescued, "the fast member hedged nothing"
+    assert clock.now() >= 20.0  # the call outlived the hedges
+    for prompt, answered_at in rescued.items():
+        assert slow.cancelled[prompt] - answered_at < 1.0, prompt

@@ -91,7 +91,7 @@ class Dispatcher:
                 continue
             batch = run.take(self._working_slots(), self._shunned_by(member), limit=limit)
             if batch is None and self._hedges_now(run):
-                batch = self._hedge(run, member, self._state.config.batch_size)
+                batch = self._hedge(run, member, limit or self._state.config.batch_size)
             if batch is None:
                 await run.wait_for_change(1.0)
                 continue
@@ -194,24 +194,28 @@ class Dispatcher:
 
     def _refill(self, run: Run, member: Member, holding: int) -> list[int] | None:
         """More samples for a slot that holds ``holding`` requests: up to ``batch_size``
-        in flight, :data:`BURST` at a time, and once the source is done no more than an
-        even share of what is left over the working slots (so the last samples spread
-        over every member); None if it may not take any now."""
+        in flight and within the member's window, :data:`BURST` at a time. Once the
+        source is done a slot holds no more than an even share of what is left over the
+        working slots (so the last samples spread over every member), and once the queue
+        is empty for good it hedges, :data:`HEDGE_ROOM` or more at a time. None if it
+        may not take any now."""
         room = min(
             self._state.config.batch_size - holding, BURST, member.window - len(member.in_flight)
         )
-        if run.source_done:
-            share = -(-(len(run.queue) + holding) // self._working_slots())
-            room = min(room, share - holding)
         if room <= 0 or run.finished:
-            return None
-        if not run.queue and (room < HEDGE_ROOM or not self._hedges_now(run)):
             return None
         if not member.takes_work(self._state.clock.now()) or not self._state.is_member(member):
             return None
-        if not run.queue:
-            return self._hedge(run, member, room)
-        return run.take(1, self._shunned_by(member), limit=room)
+        if run.queue:
+            if run.source_done:
+                share = -(-(len(run.queue) + holding) // self._working_slots())
+                room = min(room, share - holding)
+                if room <= 0:
+                    return None
+            return run.take(1, self._shunned_by(member), limit=room)
+        if room < HEDGE_ROOM or not self._hedges_now(run):
+            return None
+        return self._hedge(run, member, room)
 
     def _hedges_now(self, run: Run) -> bool:
         """Whether idle room goes to hedges: the queue is empty for good."""
@@ -379,8 +383,11 @@ class Dispatcher:
         self, run: Run, member: Member, index: int, error: ProviderError, sent_at: float
     ) -> None:
         """Wait for the member's shared health check, then settle the held sample."""
+        evictions = member.evictions
         healthy = await self._health.verify(member)
         member.suspects.discard(index)
+        if self._evicted_since(run, member, index, evictions):
+            return
         failure = self._failure(run, member, index, error.kind, sent_at)
         effects = scheduler.after_check(failure, healthy, self._limits)
         reason = f"{error} and then failed a health check"
@@ -390,8 +397,11 @@ class Dispatcher:
         self, run: Run, member: Member, index: int, error: ProviderError, sent_at: float
     ) -> None:
         """Wait for the member's shared test completion, then settle the held sample."""
+        evictions = member.evictions
         problem = await self._health.prove(member)
         member.suspects.discard(index)
+        if self._evicted_since(run, member, index, evictions):
+            return
         log.info(
             "sample_doubted",
             server=member.url,
@@ -400,10 +410,22 @@ class Dispatcher:
         )
         if problem is None:
             run.last_success_at = self._state.clock.now()  # a server answers: not a storm
+            member.note_answer()  # and this one works: its streak of faults ends
         failure = self._failure(run, member, index, error.kind, sent_at)
         effects = scheduler.after_proof(failure, works=problem is None)
         reason = f"{error}, and then its test completion failed: {problem}"
         self._carry_out(effects, run, member, index, error, sent_at, reason)
+
+    def _evicted_since(self, run: Run, member: Member, index: int, evictions: int) -> bool:
+        """Whether ``member`` was evicted while sample ``index`` waited for a check that
+        began at its ``evictions``-th eviction: that eviction counted the sample as on
+        it, so the check's answer is stale (the member may even have rejoined since) and
+        the sample goes back on the queue."""
+        if member.evictions == evictions:
+            return False
+        log.debug("check_outlived", server=member.url, sample=index)
+        self._effects.requeue(run, member, index)
+        return True
 
 
 def _timed_out(outcome: Response | ProviderError) -> bool:

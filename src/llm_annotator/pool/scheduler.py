@@ -216,21 +216,22 @@ def after_check(
 
 def after_proof(failure: Failure, works: bool) -> tuple[Effect, ...]:
     """The steps once the member's test completion (for :data:`Effect.PROVE`) has
-    answered: a member that completes another prompt works, so the sample that fails
-    on it every time ends as an error row; one that does not is evicted (the sample
-    counts as on it).
+    answered. A member that completes another prompt works: the sample is sent once
+    more (the completion counts as an answer since its first fault, so if it fails
+    again it ends as an error row, and a short burst of 5xx costs it nothing). A member
+    that does not complete one is evicted (the sample counts as on it).
 
     Examples:
         >>> after_proof(Failure(ErrorKind.SERVER_ERROR), works=True)
-        (<Effect.ERROR_ROW: 'error_row'>,)
+        (<Effect.REQUEUE: 'requeue'>,)
         >>> after_proof(Failure(ErrorKind.SERVER_ERROR), works=False)
         (<Effect.EVICT: 'evict'>,)
     """
     if not failure.still_open:
         return ()
-    if not works:
-        return (Effect.EVICT,) if failure.member_working else (Effect.REQUEUE,)
-    return (Effect.ERROR_ROW,)
+    if not works and failure.member_working:
+        return (Effect.EVICT,)
+    return (Effect.REQUEUE,)
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,7 @@ class WindowTuner:
         clock = self._state.clock
         preemptions: float | None = None
         answered, since = member.completed + member.errors, clock.now()
+        evictions = member.evictions
         while not run.finished:
             await clock.sleep(INTERVAL)
             now, count = clock.now(), member.completed + member.errors
@@ -131,6 +132,13 @@ class WindowTuner:
             if not self._state.is_member(member) or member.state is MemberState.DISABLED:
                 return
             if member.state is not MemberState.HEALTHY:
+                continue
+            if member.evictions != evictions:
+                # Evicted and back: what it showed before says nothing of the restarted
+                # server (it may be another GPU); start afresh.
+                evictions, preemptions = member.evictions, None
+                self.start(member)
+                log.debug("window_changed", server=member.url, window=member.window)
                 continue
             load = await member.client.aengine_load(self._state.config.health_check_timeout)
             preempted = False
