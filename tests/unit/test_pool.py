@@ -187,7 +187,9 @@ def test_transient_server_errors_are_retried_then_kept(fake_servers: FakeServers
     assert [r.ok for r in responses] == [i != 7 for i in range(20)]
     assert responses[7].error_type == "server_error"
     sevens = [r for r in server.requests if index_of(r) == 7]
-    assert len(sevens) in (3, 4)  # 4 if its last try came while nothing else was answered
+    # One try more if its last came while nothing else was answered (after the test
+    # completion that then shows the server works).
+    assert len(sevens) == 3 + sum(index_of(r) == -1 for r in server.requests) <= 4
 
 
 def test_hung_member_is_evicted_and_its_samples_move(fake_servers: FakeServers) -> None:
@@ -528,7 +530,8 @@ def test_sample_whose_connection_always_drops_ends_as_an_error_row(
         stats = pool.statistics()
     assert [r.ok for r in responses] == [i != 7 for i in range(20)]
     assert responses[7].error_type == "disconnected"
-    assert sum(index_of(r) == 7 for r in server.requests) in (3, 4)
+    tests = sum(index_of(r) == -1 for r in server.requests)  # see the docstring
+    assert sum(index_of(r) == 7 for r in server.requests) == 3 + tests <= 4
     assert stats.evictions == 0
 
 

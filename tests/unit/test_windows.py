@@ -208,27 +208,44 @@ def test_a_slot_refills_as_answers_arrive_instead_of_waiting_for_its_slowest() -
     assert client.most_held(0.0) == 4
 
 
-def test_the_first_answer_of_a_hedged_sample_cancels_its_other_copy() -> None:
-    """Near the end, an idle slot of the fast member sends again what the slow one still
-    holds; each first answer cancels the slow member's copy at once (so its server stops
-    spending time on it), not when the call ends. Sample 39 takes 20 s on either member
-    (under the 30 s in which a quiet member counts as hung), so the call goes on long
-    after the hedges are answered."""
+@pytest.mark.parametrize(
+    ("batch_size", "batches", "long", "samples"),
+    [
+        # Two slots a member: the fast member's idle slot hedges.
+        (4, 2, 39, 40),
+    ],
+    ids=["idle-slot"],
+)
+def test_the_first_answer_of_a_hedged_sample_cancels_its_other_copy(
+    batch_size: int, batches: int, long: int, samples: int
+) -> None:
+    """Near the end the fast member sends again what the slow one still holds (samples 0
+    to 3 take 600 s there); each first answer cancels the slow member's copy at once (so
+    its server stops spending time on it), not when the call ends. Sample ``long`` takes
+    20 s on the fast member (under the 30 s in which a quiet member counts as hung) and
+    600 s on the slow one, so the call goes on long after the hedges are answered, and
+    no member is evicted."""
     clock = FakeClock()
     stuck = {f"sample {i}" for i in range(4)}
-    slow = SlowSampleClient("http://slow:1/v1", clock, stuck | {"sample 39"}, 600.0, 0.1)
-    fast = SlowSampleClient("http://fast:1/v1", clock, {"sample 39"}, 20.0, 0.1)
+    slow = SlowSampleClient("http://slow:1/v1", clock, stuck | {f"sample {long}"}, 600.0, 0.1)
+    fast = SlowSampleClient("http://fast:1/v1", clock, {f"sample {long}"}, 20.0, 0.1)
 
-    async def scenario() -> list[Response]:
+    async def scenario() -> tuple[list[Response], int]:
         async with VLLMQueueAnnotator(
-            clients=[slow, fast], clock=clock, batch_size=4, max_concurrent_batches_per_client=2
+            clients=[slow, fast],
+            clock=clock,
+            batch_size=batch_size,
+            max_concurrent_batches_per_client=batches,
         ) as pool:
-            return await pool.abatch_generate(messages=conversations(40))
+            responses = await pool.abatch_generate(messages=conversations(samples))
+            return responses, pool.statistics().evictions
 
-    responses = asyncio.run(scenario())
-    assert_all_answered_in_order(responses, 40)
+    responses, evictions = asyncio.run(scenario())
+    assert_all_answered_in_order(responses, samples)
+    assert evictions == 0
     rescued = {p: t for p, t in fast.answered.items() if p in stuck}
-    assert rescued, "the fast member hedged nothing"
+    assert rescued.keys() == stuck, "the fast member did not hedge every stuck sample"
+    assert max(rescued.values()) < 5.0  # hedged early, not once sample `long` was done
     assert clock.now() >= 20.0  # the call outlived the hedges
     for prompt, answered_at in rescued.items():
-        assert slow.cancelled[prompt] - answered_at < 1.0, prompt
+        assert 0 <= slow.cancelled[prompt] - answered_at < 1.0, prompt

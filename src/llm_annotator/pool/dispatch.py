@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import structlog
 
@@ -20,6 +21,9 @@ from llm_annotator.pool.window import WindowTuner
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
+
+Arrivals = asyncio.Queue["asyncio.Task[Response | ProviderError]"]
+"""A slot's finished requests, in the order they finished."""
 
 REFILL = True
 """Slots refill their window as answers arrive. False gives the dispatch before it (a
@@ -146,7 +150,7 @@ class Dispatcher:
         client = member.client
         clock = self._state.clock
         copies = run.copies
-        arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
+        arrived: Arrivals = asyncio.Queue()
         waiting: dict[asyncio.Task[Response | ProviderError], tuple[int, float]] = {}
         """The slot's requests not settled yet: sample and when it was sent."""
         cut: list[int] = []
@@ -196,9 +200,9 @@ class Dispatcher:
         """More samples for a slot that holds ``holding`` requests: up to ``batch_size``
         in flight and within the member's window, :data:`BURST` at a time. Once the
         source is done a slot holds no more than an even share of what is left over the
-        working slots (so the last samples spread over every member), and once the queue
-        is empty for good it hedges, :data:`HEDGE_ROOM` or more at a time. None if it
-        may not take any now."""
+        working slots, so the last samples spread over every member; once the queue is
+        empty for good it hedges, :data:`HEDGE_ROOM` or more at a time. None if it may
+        not take any now."""
         room = min(
             self._state.config.batch_size - holding, BURST, member.window - len(member.in_flight)
         )
@@ -336,7 +340,8 @@ class Dispatcher:
                 do.disable(run, member, reason)
             elif effect is Effect.VERIFY:
                 member.suspects.add(index)
-                self._state.spawn(self._verify_then_settle(run, member, index, error, sent_at))
+                held = _Held(run, member, index, error, sent_at, member.evictions)
+                self._state.spawn(self._verify_then_settle(held))
             elif effect is Effect.BACK_OFF:
                 member.back_off(self._state.clock.now(), retry_delay)
                 member.last_error = reason
@@ -370,7 +375,8 @@ class Dispatcher:
                 run.retries[index] += 1
             elif effect is Effect.PROVE:
                 member.suspects.add(index)
-                self._state.spawn(self._prove_then_settle(run, member, index, error, sent_at))
+                held = _Held(run, member, index, error, sent_at, member.evictions)
+                self._state.spawn(self._prove_then_settle(held))
 
     def _in_flight_elsewhere(self, member: Member, index: int) -> bool:
         return any(
@@ -379,11 +385,9 @@ class Dispatcher:
             if other is not member
         )
 
-    async def _verify_then_settle(
-        self, run: Run, member: Member, index: int, error: ProviderError, sent_at: float
-    ) -> None:
+    async def _verify_then_settle(self, held: _Held) -> None:
         """Wait for the member's shared health check, then settle the held sample."""
-        evictions = member.evictions
+        run, member, index, error, sent_at, evictions = held
         healthy = await self._health.verify(member)
         member.suspects.discard(index)
         if self._evicted_since(run, member, index, evictions):
@@ -393,11 +397,13 @@ class Dispatcher:
         reason = f"{error} and then failed a health check"
         self._carry_out(effects, run, member, index, error, sent_at, reason)
 
-    async def _prove_then_settle(
-        self, run: Run, member: Member, index: int, error: ProviderError, sent_at: float
-    ) -> None:
-        """Wait for the member's shared test completion, then settle the held sample."""
-        evictions = member.evictions
+    async def _prove_then_settle(self, held: _Held) -> None:
+        """Wait for the member's shared test completion, then settle the held sample
+        (if the member was evicted since, it is sent again without a test)."""
+        run, member, index, error, sent_at, evictions = held
+        if self._evicted_since(run, member, index, evictions):
+            member.suspects.discard(index)
+            return
         problem = await self._health.prove(member)
         member.suspects.discard(index)
         if self._evicted_since(run, member, index, evictions):
@@ -410,7 +416,7 @@ class Dispatcher:
         )
         if problem is None:
             run.last_success_at = self._state.clock.now()  # a server answers: not a storm
-            member.note_answer()  # and this one works: its streak of faults ends
+            member.end_fault_streak()  # and this one works
         failure = self._failure(run, member, index, error.kind, sent_at)
         effects = scheduler.after_proof(failure, works=problem is None)
         reason = f"{error}, and then its test completion failed: {problem}"
@@ -426,6 +432,18 @@ class Dispatcher:
         log.debug("check_outlived", server=member.url, sample=index)
         self._effects.requeue(run, member, index)
         return True
+
+
+class _Held(NamedTuple):
+    """A sample held for a check of its member: what its failure was, and the member's
+    number of evictions when it was held (a check that outlives one is stale)."""
+
+    run: Run
+    member: Member
+    sample: int
+    error: ProviderError
+    sent_at: float
+    evictions: int
 
 
 def _timed_out(outcome: Response | ProviderError) -> bool:

@@ -141,22 +141,27 @@ class HealthMonitor:
         return result if isinstance(result, ProviderError) else None
 
     async def verify(self, member: Member) -> bool:
-        """One shared health check for all the requests that doubt this member."""
-        task = self._state.verifying.get(member.url)
+        """One shared health check for all the requests that doubt this member (since
+        its last eviction)."""
+        key = (member.url, member.evictions)
+        task = self._state.verifying.get(key)
         if task is None or task.done():
+            self._state.verifying.pop((member.url, member.evictions - 1), None)
             task = asyncio.ensure_future(
                 member.client.ais_healthy(self._state.config.health_check_timeout)
             )
-            self._state.verifying[member.url] = task
+            self._state.verifying[key] = task
         return await asyncio.shield(task)
 
     async def prove(self, member: Member) -> ProviderError | None:
-        """One shared test completion for all the samples that doubt this member: None
-        if it completed, else what failed."""
-        task = self._state.proving.get(member.url)
+        """One shared test completion for all the samples that doubt this member (since
+        its last eviction): None if it completed, else what failed."""
+        key = (member.url, member.evictions)
+        task = self._state.proving.get(key)
         if task is None or task.done():
+            self._state.proving.pop((member.url, member.evictions - 1), None)
             task = asyncio.ensure_future(self._canary(member))
-            self._state.proving[member.url] = task
+            self._state.proving[key] = task
         return await asyncio.shield(task)
 
     async def watch_all_down(self, run: Run) -> None:

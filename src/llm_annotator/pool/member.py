@@ -199,8 +199,13 @@ class Member:
             self.eviction_streak = 0
         self.overload_streak = 0
         if self.fault_streak:
-            self.fault_streak = 0
-            self.fault_samples.clear()
+            self.end_fault_streak()
+
+    def end_fault_streak(self) -> None:
+        """Its test completion succeeded: the streak of server faults ends (unlike
+        :meth:`note_answer`, nothing else counts it as served)."""
+        self.fault_streak = 0
+        self.fault_samples.clear()
 
     def note_fault(self, index: int = -1) -> int:
         """An answer to sample ``index`` that was the server's fault; how many in a row.

@@ -101,8 +101,10 @@ class PoolState:
         removed: Members removed (their connections are closed with the pool).
         run: The call running now, or None.
         loop: The event loop of the current call.
-        verifying: The shared health check per member that requests doubt.
-        proving: The shared test completion per member that samples doubt.
+        verifying: The shared health check per member (and its number of evictions
+            when the check began: a check from before an eviction is not shared
+            with a doubt after it) that requests doubt.
+        proving: The same for the shared test completion that samples doubt.
         params: The encoded request parameters per member, for the current call.
         options: The current call's options.
         closed: Whether the pool is closed.
@@ -123,8 +125,8 @@ class PoolState:
         self.removed: list[Member] = []
         self.run: Run | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.verifying: dict[str, asyncio.Task[bool]] = {}
-        self.proving: dict[str, asyncio.Task[ProviderError | None]] = {}
+        self.verifying: dict[tuple[str, int], asyncio.Task[bool]] = {}
+        self.proving: dict[tuple[str, int], asyncio.Task[ProviderError | None]] = {}
         self.params: dict[str, bytes] = {}
         self.options: Options = (None, None)
         self.closed = False
