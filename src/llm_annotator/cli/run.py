@@ -251,6 +251,17 @@ _SETTINGS: tuple[_Setting, ...] = (
         default.ALL_DOWN_TIMEOUT,
     ),
     _Setting("log_format", _log_format, "json or console (default: console on a terminal)"),
+    _Setting(
+        "metrics_port",
+        _number(integer=True, low=0, high=65535),
+        "serve live Prometheus metrics of the job on this port (0: any free port)",
+    ),
+    _Setting(
+        "metrics_host",
+        _text,
+        "the address of --metrics-port (default 127.0.0.1; 0.0.0.0 for other hosts)",
+        "127.0.0.1",
+    ),
 )
 _REQUIRED = ("input", "prompt_template", "output_dir")
 
@@ -426,7 +437,12 @@ def run_command(args: argparse.Namespace) -> int:
         max_server_faults=settings["max_server_faults"],
         stall_window=settings["stall_window"],
     )
-    annotator = Annotator(pool, stop_grace=settings["stop_grace"])
+    annotator = Annotator(
+        pool,
+        stop_grace=settings["stop_grace"],
+        metrics_port=settings["metrics_port"],
+        metrics_host=settings["metrics_host"],
+    )
     try:
         result = annotator.annotate(
             settings["input"],

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Unpack
@@ -33,6 +33,7 @@ from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.fingerprint import make_fingerprint
 from llm_annotator.jobs.inputs import RowSource, open_input
 from llm_annotator.jobs.interrupt import Interrupt, handling_signals
+from llm_annotator.jobs.live_metrics import LiveMetrics
 from llm_annotator.jobs.progress import Progress
 from llm_annotator.jobs.prompts import PromptTemplate
 from llm_annotator.jobs.records import RecordBuilder
@@ -50,6 +51,7 @@ from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_na
 from llm_annotator.jobs.status import StatusFile
 from llm_annotator.jobs.store import ResultStore, output_write_error
 from llm_annotator.jobs.streaming import ModelSource
+from llm_annotator.jobs.timeline import RunWatch
 
 log = structlog.get_logger(__name__)
 
@@ -105,6 +107,13 @@ class Annotator:
             SIGTERM before the job stops anyway.
         flush_interval: Seconds between flushes of the results to the file.
         sync_interval: Seconds between fsyncs of the results file.
+        metrics_port: Serve live Prometheus metrics of the job on this port while it
+            runs (0: any free port, logged as ``metrics_serving``); None serves none.
+            See :mod:`llm_annotator.jobs.live_metrics` for the metrics.
+        metrics_host: The address to serve them on: loopback by default; ``0.0.0.0``
+            for a scraper on another host.
+        timeline: Keep ``timeline.jsonl`` in the run directory (what
+            ``llm-annotator report`` draws); see :mod:`llm_annotator.jobs.timeline`.
     """
 
     def __init__(
@@ -117,8 +126,20 @@ class Annotator:
         stop_grace: float = STOP_GRACE,
         flush_interval: float = FLUSH_INTERVAL,
         sync_interval: float = SYNC_INTERVAL,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        timeline: bool = True,
     ) -> None:
         positive_int("batch_size", batch_size)
+        if metrics_port is not None and (
+            not isinstance(metrics_port, int)
+            or isinstance(metrics_port, bool)
+            or not 0 <= metrics_port <= 65535
+        ):
+            raise ConfigurationError(
+                f"metrics_port must be a port number from 0 to 65535 (0: any free port) or "
+                f"None, got {metrics_port!r}"
+            )
         positive_int("max_concurrent_batches", max_concurrent_batches)
         for name, seconds in (
             ("stop_grace", stop_grace),  # 0: stop at once; inf: wait for what is in flight
@@ -136,6 +157,9 @@ class Annotator:
         self.stop_grace = float(stop_grace)
         self.flush_interval = flush_interval
         self.sync_interval = sync_interval
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.timeline = timeline
 
     def annotate(
         self,
@@ -222,8 +246,10 @@ class Annotator:
 
     async def _annotate(self, spec: JobSpec, interrupt: Interrupt) -> AnnotationResult:
         interrupt.bind()
+        metrics = LiveMetrics() if self.metrics_port is not None else None
         try:
-            return await self._annotate_bound(spec, interrupt)
+            async with _serving(metrics, self.metrics_port, self.metrics_host):
+                return await self._annotate_bound(spec, interrupt, metrics)
         except asyncio.CancelledError:
             if not interrupt.hard or interrupt.sending:
                 raise
@@ -235,7 +261,9 @@ class Annotator:
                 signum=interrupt.signals[0] if interrupt.signals else None,
             ) from None
 
-    async def _annotate_bound(self, spec: JobSpec, interrupt: Interrupt) -> AnnotationResult:
+    async def _annotate_bound(
+        self, spec: JobSpec, interrupt: Interrupt, metrics: LiveMetrics | None
+    ) -> AnnotationResult:
         started = time.monotonic()
         template = PromptTemplate(spec.prompt_template)
         raw_schema = getattr(spec.options, "output_schema", None)
@@ -292,7 +320,15 @@ class Annotator:
                 bar=self.progress,
             ),
         )
-        async with status.kept(job.progress):
+        watch = RunWatch(
+            spec.output_dir,
+            job.progress,
+            self.client,
+            resumed,
+            timeline=self.timeline,
+            publish=metrics.publish if metrics is not None else None,
+        )
+        async with status.kept(job.progress), watch.kept():
             return await self._run(spec, job, interrupt, status, resumed, started)
 
     async def _run(
@@ -385,6 +421,19 @@ class Annotator:
             num_sent=job.sent,
             seconds=seconds,
         )
+
+
+@contextlib.asynccontextmanager
+async def _serving(metrics: LiveMetrics | None, port: int | None, host: str) -> AsyncIterator[None]:
+    """Serve ``metrics`` while the block runs (nothing when there are none)."""
+    if metrics is None or port is None:
+        yield
+        return
+    await asyncio.to_thread(metrics.serve, port, host)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(metrics.stop)
 
 
 def _check_columns(

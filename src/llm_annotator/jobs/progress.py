@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -55,6 +56,10 @@ class Progress:
         self.rows = 0
         self.failed = 0
         self.output_tokens = 0
+        self.by_server: Counter[str] = Counter()
+        """This run's rows by the server that answered them (error rows included)."""
+        self.by_error_type: Counter[str] = Counter()
+        """This run's error rows by type."""
         self.healthy = healthy
         self.stream = stream if stream is not None else sys.stderr
         self.bar = self.stream.isatty() if bar is None else bar
@@ -64,13 +69,26 @@ class Progress:
         self._shown = self.started
         self._drawn = False
 
-    def add(self, *, rows: int = 1, failed: int = 0, output_tokens: int = 0) -> None:
-        """Count finished rows and the output tokens of answers (every answer, a
-        regenerated one too); show the progress if it is time."""
+    def add(
+        self,
+        *,
+        rows: int = 1,
+        failed: int = 0,
+        output_tokens: int = 0,
+        server: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        """Count finished rows (with the server that answered them, and the type of
+        the failed ones) and the output tokens of answers (every answer, a regenerated
+        one too); show the progress if it is time."""
         self.done += rows
         self.rows += rows
-        self.failed += failed
         self.output_tokens += output_tokens
+        if server is not None:
+            self.by_server[server] += rows
+        if failed:
+            self.failed += failed
+            self.by_error_type[error_type or "error"] += failed
         now = self.clock()
         if now - self._shown >= self.interval:
             self._shown = now

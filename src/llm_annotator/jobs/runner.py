@@ -298,7 +298,11 @@ class JobRun:
 
     def _write(self, record: dict[str, Any], *, failed: bool) -> None:
         self.store.append(record)
-        self.progress.add(failed=int(failed))
+        self.progress.add(
+            failed=int(failed),
+            server=record.get("server"),
+            error_type=record.get("error_type") if failed else None,
+        )
 
 
 def _invalid(response: Response, error: str | None, kind: Any) -> Response:

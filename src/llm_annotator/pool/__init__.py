@@ -8,13 +8,14 @@ from llm_annotator.pool.discovery import (
     ServerDiscovery,
     ServerSource,
 )
-from llm_annotator.pool.member import MemberState, MemberStatistics
+from llm_annotator.pool.member import MemberChange, MemberState, MemberStatistics
 from llm_annotator.pool.statistics import PoolStatistics
 
 __all__ = [
     "DirectorySource",
     "DnsSource",
     "FileSource",
+    "MemberChange",
     "MemberState",
     "MemberStatistics",
     "PoolStatistics",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import structlog
@@ -22,7 +22,7 @@ from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.dispatch import Dispatcher
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
-from llm_annotator.pool.member import MemberState
+from llm_annotator.pool.member import MemberChange, MemberState
 from llm_annotator.pool.membership import Membership
 from llm_annotator.pool.stall import StallWatch
 from llm_annotator.pool.state import ClientFactory, PoolState
@@ -299,11 +299,13 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         *,
         progress: bool | None = None,
         stop_grace: float = default.STOP_GRACE,
+        metrics_port: int | None = None,
         **job: Unpack[JobArgs],
     ) -> AnnotationResult:
         """Annotate a dataset over the pool into ``output_dir``, resumably.
 
-        The same as ``Annotator(pool, progress=..., stop_grace=...).annotate(...)``;
+        The same as ``Annotator(pool, progress=..., stop_grace=..., metrics_port=...)
+        .annotate(...)``;
         see :meth:`llm_annotator.Annotator.annotate` for every argument (the keywords
         of :class:`~llm_annotator.jobs.annotate.JobArgs`).
         """
@@ -311,7 +313,9 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         # contract: the documented shortcut hands the pool to the job runner.
         from llm_annotator.jobs.annotate import Annotator
 
-        runner = Annotator(self, progress=progress, stop_grace=stop_grace)
+        runner = Annotator(
+            self, progress=progress, stop_grace=stop_grace, metrics_port=metrics_port
+        )
         return runner.annotate(data, prompt_template, output_dir, **job)
 
     async def aannotate(
@@ -322,13 +326,16 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         *,
         progress: bool | None = None,
         stop_grace: float = default.STOP_GRACE,
+        metrics_port: int | None = None,
         stop: asyncio.Event | None = None,
         **job: Unpack[JobArgs],
     ) -> AnnotationResult:
         """Async twin of :meth:`annotate`; set ``stop`` for a clean stop."""
         from llm_annotator.jobs.annotate import Annotator
 
-        runner = Annotator(self, progress=progress, stop_grace=stop_grace)
+        runner = Annotator(
+            self, progress=progress, stop_grace=stop_grace, metrics_port=metrics_port
+        )
         return await runner.aannotate(data, prompt_template, output_dir, stop=stop, **job)
 
     # -- the rest of the Client contract -------------------------------------------------
@@ -361,6 +368,31 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
     def statistics(self) -> PoolStatistics:
         """A frozen snapshot of the pool's counters."""
         return self._state.statistics()
+
+    def watch_members(self, watcher: Callable[[MemberChange], None]) -> Callable[[], None]:
+        """Call ``watcher`` with every change of a member's state (joined, evicted,
+        re-admitted, disabled, draining), as it happens, in the pool's event loop.
+
+        The watcher must be quick and must not block: it runs inside the pool's
+        decisions. An exception it raises is logged and otherwise ignored.
+
+        Returns:
+            A function that stops the watching.
+
+        Examples:
+            >>> pool = VLLMQueueAnnotator(["http://127.0.0.1:9/v1"], model="m")
+            >>> seen = []
+            >>> stop_watching = pool.watch_members(seen.append)
+            >>> stop_watching()
+        """
+        watchers = self._state.watchers
+        watchers.append(watcher)
+
+        def stop() -> None:
+            if watcher in watchers:
+                watchers.remove(watcher)
+
+        return stop
 
     def __repr__(self) -> str:
         states = Counter(m.state.value for m in list(self._state.members.values()))

@@ -59,6 +59,23 @@ class MemberStatistics:
     last_error: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class MemberChange:
+    """One change of a member's state, as the pool's watchers see it.
+
+    Attributes:
+        server: The member's base URL.
+        before: Its state before the change.
+        after: Its state now.
+        reason: Why it was evicted or disabled (its last error), else None.
+    """
+
+    server: str
+    before: str
+    after: str
+    reason: str | None
+
+
 class Member:
     """A pool member: a client plus everything the pool tracks about its server.
 
@@ -120,6 +137,8 @@ class Member:
         self.requeued = 0
         self.hedged = 0
         self.last_error: str | None = None
+        self.on_move: Callable[[Member, MemberState], None] | None = None
+        """Called with the member and its state before, after each change of state."""
 
     # -- transitions -------------------------------------------------------------------
 
@@ -128,7 +147,9 @@ class Member:
             return False
         if to not in _NEXT[self.state]:
             raise RuntimeError(f"member {self.url}: no transition {self.state.value} -> {to.value}")
-        self.state = to
+        before, self.state = self.state, to
+        if self.on_move is not None:
+            self.on_move(self, before)
         return True
 
     def admit(self) -> bool:
@@ -141,7 +162,6 @@ class Member:
         if self.state not in (MemberState.JOINING, MemberState.EVICTED):
             raise RuntimeError(f"member {self.url}: admit from {self.state.value}")
         rejoined = self.was_down or self.evictions > 0
-        self._move(MemberState.HEALTHY)
         self.failed_probes = 0
         self.backoff_until = 0.0
         self.overload_streak = 0
@@ -153,26 +173,27 @@ class Member:
         self.was_down = False
         if rejoined:
             self.readmissions += 1
+        self._move(MemberState.HEALTHY)
         return rejoined
 
     def mark_down(self, reason: str) -> bool:
         """JOINING -> EVICTED: down from the start; probed until it answers."""
         if self.state is not MemberState.JOINING:
             raise RuntimeError(f"member {self.url}: mark_down from {self.state.value}")
-        self._move(MemberState.EVICTED)
-        self.was_down = True
         self.last_error = self.last_error or reason
+        self.was_down = True
+        self._move(MemberState.EVICTED)
         return True
 
     def evict(self, reason: str) -> bool:
         """HEALTHY or DRAINING -> EVICTED; False (and nothing changes) from other states."""
         if self.state not in (MemberState.HEALTHY, MemberState.DRAINING):
             return False
-        self._move(MemberState.EVICTED)
         self.evictions += 1
         self.eviction_streak += 1
         self.failed_probes = 0
         self.last_error = reason
+        self._move(MemberState.EVICTED)  # last: its watchers see the counts and reason
         return True
 
     def disable(self, reason: str) -> bool:

@@ -20,7 +20,7 @@ The pool is composed of small objects that each own one concern and share one
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from llm_annotator.errors import ConfigurationError, DuplicateServerError, Provi
 from llm_annotator.pool.clock import Clock
 from llm_annotator.pool.config import PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
-from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.member import Member, MemberChange, MemberState
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.statistics import PoolStatistics
 
@@ -130,6 +130,8 @@ class PoolState:
         self.params: dict[str, bytes] = {}
         self.options: Options = (None, None)
         self.closed = False
+        self.watchers: list[Callable[[MemberChange], None]] = []
+        """Called with every change of a member's state, in the pool's event loop."""
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -143,6 +145,18 @@ class PoolState:
         if member.url in self.members:
             raise DuplicateServerError(f"server {member.url} is in the pool twice")
         self.members[member.url] = member
+        member.on_move = self._moved
+
+    def _moved(self, member: Member, before: MemberState) -> None:
+        """Tell the watchers; a watcher that fails is logged and left out of this one."""
+        after = member.state
+        reason = member.last_error if after in (MemberState.EVICTED, MemberState.DISABLED) else None
+        change = MemberChange(member.url, before.value, after.value, reason)
+        for watcher in list(self.watchers):
+            try:
+                watcher(change)
+            except Exception as error:  # an observer must never break the pool
+                log.warning("member_watcher_failed", server=member.url, error=repr(error))
 
     def forget(self, member: Member) -> None:
         """Take ``member`` out of the pool (it stays among :attr:`removed`)."""

@@ -1,0 +1,531 @@
+"""``report.html``: a run drawn from its timeline, one self-contained file to look at.
+
+:func:`write_html_report` reads a run directory (its ``timeline.jsonl``, the shards and
+``report.json``) and writes one HTML file with inline SVG plots and tables, and no
+script, style sheet, font or image from anywhere else: it opens offline, from a mail or
+a shared folder. It works for a run that finished, one that was interrupted or killed,
+and one still running (drawn as far as it got).
+
+What it shows: throughput over time, overall and per server, with evictions and
+re-admissions marked; the time a row spends in flight on each server; error rows by
+type over time; the progress and its tail (the time from 99% of the rows to the last);
+a summary table of the run and one row per server; every change of a server's state.
+
+The plots need matplotlib (``pip install 'llm-annotator[report]'``); the series are
+computed here without it (:func:`run_series`), so they are tested on their own.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from llm_annotator.errors import ConfigurationError
+from llm_annotator.jobs.report import REPORT_NAME
+from llm_annotator.jobs.status import RunStatus, run_status
+from llm_annotator.jobs.timeline import TIMELINE_FILE, RunRecord, read_timeline
+
+HTML_REPORT_NAME = "report.html"
+MAX_POINTS = 400
+"""Points per line at most (a long run's ticks are averaged down to this many)."""
+
+
+@dataclass
+class RunSeries:
+    """What the plots draw, computed from a timeline (x: seconds since the job's first
+    start, over all its runs).
+
+    Attributes:
+        rate: ``(x, rows/s)`` over all servers.
+        server_rate: Per server URL, its ``(x, rows/s)``.
+        done: ``(x, rows done)``, resumed rows included.
+        errors: Per error type, ``(x, error rows so far)``.
+        evictions: ``(x, server, reason)`` of each eviction (and of a start while down).
+        readmissions: ``(x, server)`` of each re-admission.
+        runs: ``(x, ended)`` of each run's start (a resumed job has several).
+        total: Rows the job takes.
+        server_rows: Rows each server answered, over all runs.
+        seconds_per_row: Per server, the mean time a request spent in flight there (from
+            requests in flight and rows answered, by Little's law), or None.
+        tail: ``(x at 99% of the rows, x at the last row)``, or None if not reached.
+        end: The last x.
+    """
+
+    rate: list[tuple[float, float]] = field(default_factory=list)
+    server_rate: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    done: list[tuple[float, int]] = field(default_factory=list)
+    errors: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    evictions: list[tuple[float, str, str | None]] = field(default_factory=list)
+    readmissions: list[tuple[float, str]] = field(default_factory=list)
+    runs: list[tuple[float, str | None]] = field(default_factory=list)
+    total: int = 0
+    server_rows: dict[str, int] = field(default_factory=dict)
+    seconds_per_row: dict[str, float | None] = field(default_factory=dict)
+    tail: tuple[float, float] | None = None
+    end: float = 0.0
+
+
+def run_series(runs: Sequence[RunRecord], max_points: int = MAX_POINTS) -> RunSeries:
+    """The series of a job's runs (see :class:`RunSeries`).
+
+    Examples:
+        >>> from llm_annotator.jobs.timeline import RunRecord
+        >>> tick = lambda t, rows: {"t": t, "wall": 100.0 + t, "done": rows, "rows": rows,
+        ...     "errors": {}, "servers": {"http://a/v1": {"rows": rows, "in_flight": 4}}}
+        >>> run = RunRecord(wall=100.0, total=40, done_before=0,
+        ...     ticks=[tick(0.0, 0), tick(1.0, 10), tick(2.0, 30), tick(3.0, 40)])
+        >>> series = run_series([run])
+        >>> series.rate
+        [(1.0, 10.0), (2.0, 20.0), (3.0, 10.0)]
+        >>> series.server_rows, series.tail
+        ({'http://a/v1': 40}, (2.96, 3.0))
+    """
+    series = RunSeries()
+    if not runs:
+        return series
+    origin = runs[0].wall
+    series.total = runs[-1].total
+    busy: dict[str, float] = {}
+    errors_before: dict[str, int] = {}
+    for run in runs:
+        series.runs.append((run.wall - origin, run.ended))
+        ticks = _thin(run.ticks, max_points // max(1, len(runs)))
+        last: dict[str, Any] | None = None
+        for tick in ticks:
+            x = float(tick["wall"]) - origin
+            series.done.append((x, int(tick["done"])))
+            for kind, count in (tick.get("errors") or {}).items():
+                series.errors.setdefault(kind, []).append((x, errors_before.get(kind, 0) + count))
+            if last is not None:
+                dt = float(tick["wall"]) - float(last["wall"])
+                if dt > 0:
+                    series.rate.append((x, (int(tick["rows"]) - int(last["rows"])) / dt))
+                    for url, now in tick["servers"].items():
+                        before = last["servers"].get(url, {}).get("rows", 0)
+                        rate = (int(now.get("rows", 0)) - int(before)) / dt
+                        series.server_rate.setdefault(url, []).append((x, rate))
+                        held = (
+                            now.get("in_flight", 0)
+                            + last["servers"].get(url, {}).get("in_flight", 0)
+                        ) / 2
+                        busy[url] = busy.get(url, 0.0) + held * dt
+            last = tick
+            series.end = max(series.end, x)
+        if last is not None:
+            for url, now in last["servers"].items():
+                series.server_rows[url] = series.server_rows.get(url, 0) + int(now.get("rows", 0))
+            for kind, count in (last.get("errors") or {}).items():
+                errors_before[kind] = errors_before.get(kind, 0) + int(count)
+        for change in run.changes:
+            x = float(change["wall"]) - origin
+            if change.get("to") == "evicted":
+                series.evictions.append((x, str(change["server"]), change.get("reason")))
+            elif change.get("to") == "healthy" and change.get("from") == "evicted":
+                series.readmissions.append((x, str(change["server"])))
+            series.end = max(series.end, x)
+    for url, rows in series.server_rows.items():
+        series.seconds_per_row[url] = busy.get(url, 0.0) / rows if rows else None
+    series.tail = _tail(series.done, series.total)
+    return series
+
+
+def _thin(ticks: list[dict[str, Any]], most: int) -> list[dict[str, Any]]:
+    """At most ``most`` ticks, evenly spread, the first and last kept (the counters are
+    cumulative, so rates between the kept ones are averages of those between)."""
+    if most < 2 or len(ticks) <= most:
+        return ticks
+    step = (len(ticks) - 1) / (most - 1)
+    return [ticks[round(i * step)] for i in range(most)]
+
+
+def _tail(done: list[tuple[float, int]], total: int) -> tuple[float, float] | None:
+    """When 99% of the rows were done and when the last was (interpolated), or None."""
+    if not done or total <= 0 or done[-1][1] < total:
+        return None
+    mark = 0.99 * total
+    start = end = None
+    for (x0, d0), (x1, d1) in itertools.pairwise(done):
+        if start is None and d1 >= mark:
+            start = x0 + (x1 - x0) * ((mark - d0) / (d1 - d0)) if d1 > d0 and d0 < mark else x1
+        if end is None and d1 >= total:
+            end = x1
+    if start is None or end is None:
+        return None
+    return round(start, 3), round(end, 3)
+
+
+# -- the file --------------------------------------------------------------------------------
+
+
+def write_html_report(
+    run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | None = None
+) -> Path:
+    """Write the run's HTML report; returns its path (``RUN_DIR/report.html`` by default).
+
+    Raises:
+        JobError: The directory holds no job.
+        ConfigurationError: matplotlib is not installed (the ``report`` extra).
+    """
+    directory = Path(run_dir)
+    status = run_status(directory)  # raises JobError for a directory without a job
+    runs = read_timeline(directory)
+    series = run_series(runs)
+    summary = _read_report(directory)
+    plots = _plots(series) if runs else []
+    page = _page(directory, status, summary, series, runs, plots)
+    path = Path(output) if output is not None else directory / HTML_REPORT_NAME
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(page, encoding="utf-8")
+    os.replace(temporary, path)
+    return path
+
+
+def _read_report(directory: Path) -> dict[str, Any]:
+    try:
+        value = orjson.loads((directory / REPORT_NAME).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _plots(series: RunSeries) -> list[tuple[str, str]]:
+    """(title, inline SVG) of each plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigurationError(
+            "the HTML report draws its plots with matplotlib, which is not installed: "
+            "pip install 'llm-annotator[report]'"
+        ) from None
+    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9, "svg.hashsalt": "report"})
+    plots = [
+        ("Throughput over time", _throughput(plt, series)),
+        ("Time a row spends in flight, by server", _per_row(plt, series)),
+        ("Error rows by type over time", _errors(plt, series)),
+        ("Progress and the tail", _progress(plt, series)),
+    ]
+    return [(title, svg) for title, svg in plots if svg]
+
+
+def _svg(plt: Any, figure: Any) -> str:
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(figure)
+    text = buffer.getvalue()
+    return text[text.find("<svg") :]
+
+
+def _marks(axes: Any, series: RunSeries) -> None:
+    for number, (x, server, _) in enumerate(series.evictions):
+        axes.axvline(
+            x,
+            color="#c0392b",
+            linestyle="--",
+            linewidth=1,
+            label="eviction" if number == 0 else None,
+        )
+        axes.annotate(
+            _short(server),
+            (x, 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color="#c0392b",
+        )
+    for number, (x, _) in enumerate(series.readmissions):
+        axes.axvline(
+            x,
+            color="#27ae60",
+            linestyle=":",
+            linewidth=1.2,
+            label="re-admission" if number == 0 else None,
+        )
+    for number, (x, _) in enumerate(series.runs[1:]):
+        axes.axvline(
+            x,
+            color="#7f8c8d",
+            linestyle="-.",
+            linewidth=1,
+            label="resumed" if number == 0 else None,
+        )
+
+
+def _time_axes(axes: Any, series: RunSeries, ylabel: str) -> None:
+    """The events marked, and the axes of a plot over the job's time."""
+    _marks(axes, series)
+    axes.set_xlim(0, max(series.end, 1.0))
+    axes.set_xlabel("seconds since the job started")
+    axes.set_ylabel(ylabel)
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+
+
+def _throughput(plt: Any, series: RunSeries) -> str:
+    figure, axes = plt.subplots(figsize=(9, 3.6))
+    if series.rate:
+        xs, ys = zip(*series.rate, strict=True)
+        axes.plot(xs, ys, color="#222222", linewidth=1.8, label="all servers")
+    for url, points in series.server_rate.items():
+        xs, ys = zip(*points, strict=True)
+        axes.plot(xs, ys, linewidth=1, label=_short(url))
+    _time_axes(axes, series, "rows / s")
+    _legend(axes)
+    return _svg(plt, figure)
+
+
+def _per_row(plt: Any, series: RunSeries) -> str:
+    known = {u: s for u, s in series.seconds_per_row.items() if s is not None}
+    if not known:
+        return ""
+    figure, axes = plt.subplots(figsize=(9, 0.5 + 0.35 * len(known)))
+    names = [_short(u) for u in known]
+    values = list(known.values())
+    axes.barh(names, values, color="#2e86c1")
+    for y, value in enumerate(values):
+        axes.annotate(f" {value:.2f} s", (value, y), va="center", fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlabel("mean seconds in flight per row (requests in flight / rows per second)")
+    axes.grid(axis="x", alpha=0.3)
+    return _svg(plt, figure)
+
+
+def _errors(plt: Any, series: RunSeries) -> str:
+    figure, axes = plt.subplots(figsize=(9, 2.8))
+    for kind, points in sorted(series.errors.items()):
+        xs, ys = zip(*points, strict=True)
+        axes.step(xs, ys, where="post", label=kind)
+    if not series.errors:
+        axes.text(
+            0.5,
+            0.5,
+            "no error rows",
+            ha="center",
+            va="center",
+            transform=axes.transAxes,
+            color="#555555",
+        )
+    _time_axes(axes, series, "error rows")
+    _legend(axes)
+    return _svg(plt, figure)
+
+
+def _progress(plt: Any, series: RunSeries) -> str:
+    if not series.done or series.total <= 0:
+        return ""
+    figure, axes = plt.subplots(figsize=(9, 2.8))
+    xs, ys = zip(*series.done, strict=True)
+    axes.plot(xs, [100.0 * y / series.total for y in ys], color="#8e44ad", linewidth=1.5)
+    if series.tail is not None:
+        start, end = series.tail
+        axes.axvspan(
+            start,
+            end,
+            color="#f39c12",
+            alpha=0.25,
+            label=f"tail: 99% to 100% in {end - start:.1f} s",
+        )
+        axes.legend(loc="lower right", fontsize=8)
+    _time_axes(axes, series, "% of the rows done")
+    axes.set_ylim(0, 101)
+    return _svg(plt, figure)
+
+
+def _legend(axes: Any) -> None:
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+
+
+def _short(url: str) -> str:
+    for prefix in ("http://", "https://"):
+        if url.startswith(prefix):
+            url = url[len(prefix) :]
+    return url.removesuffix("/v1")
+
+
+# -- the page --------------------------------------------------------------------------------
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1100px;
+       color: #222; }
+h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; }
+table { border-collapse: collapse; font-size: 13px; margin: 8px 0; }
+th, td { border: 1px solid #ccc; padding: 3px 9px; text-align: left; }
+td.n { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f3f3f3; }
+.note { color: #555; font-size: 13px; }
+figure { margin: 10px 0 18px 0; } svg { max-width: 100%; height: auto; }
+"""
+
+
+def _page(
+    directory: Path,
+    status: RunStatus,
+    summary: dict[str, Any],
+    series: RunSeries,
+    runs: Sequence[RunRecord],
+    plots: list[tuple[str, str]],
+) -> str:
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>llm-annotator run report: {e(directory.name)}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        f"<h1>Run report: {e(str(directory))}</h1>",
+        f'<p class="note">{e(_state_line(status, runs))}</p>',
+        "<h2>Summary</h2>",
+        _table(["figure", "value"], _summary_rows(status, summary, series)),
+        "<h2>Servers</h2>",
+        _table(
+            [
+                "server",
+                "rows in the output",
+                "rows in the timeline",
+                "s in flight per row",
+                "evictions",
+                "re-admissions",
+                "requeued",
+                "hedged",
+                "state",
+            ],
+            _server_rows(status, series, runs),
+        ),
+    ]
+    if not runs:
+        parts.append(
+            f'<p class="note">This run directory has no {TIMELINE_FILE} (a job from before '
+            "the timeline, or one started with timeline=False): only the tables.</p>"
+        )
+    for title, svg in plots:
+        parts.append(f"<h2>{e(title)}</h2><figure>{svg}</figure>")
+    if runs:
+        parts.append("<h2>Changes of the servers' states</h2>")
+        parts.append(_table(["seconds", "server", "from", "to", "reason"], _change_rows(runs)))
+    parts.append(
+        f'<p class="note">Written {e(_now())} by llm-annotator report from '
+        f"{TIMELINE_FILE}, the shards and {REPORT_NAME}.</p></body></html>"
+    )
+    return "\n".join(parts) + "\n"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(_cell(cell) for cell in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _cell(value: Any) -> str:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return f'<td class="n">{value}</td>' if number else f"<td>{html.escape(str(value))}</td>"
+
+
+def _state_line(status: RunStatus, runs: Sequence[RunRecord]) -> str:
+    started = (
+        datetime.fromtimestamp(runs[0].wall, UTC).isoformat(timespec="seconds") if runs else "-"
+    )
+    return (
+        f"state: {status.state}; model: {status.model or '-'}; first started {started}; "
+        f"{len(runs)} run(s) in the timeline"
+    )
+
+
+def _summary_rows(
+    status: RunStatus, summary: dict[str, Any], series: RunSeries
+) -> list[tuple[str, Any]]:
+    total = status.total or series.total or None
+    rows: list[tuple[str, Any]] = [
+        (
+            "rows done",
+            f"{status.done}" + (f" of {total} ({status.done / total:.1%})" if total else ""),
+        ),
+        ("answered", status.succeeded),
+        ("error rows", status.failed),
+    ]
+    for kind, count in status.by_error_type.items():
+        rows.append((f"  {kind}", count))
+    this_run = summary.get("this_run")
+    if not isinstance(this_run, dict):
+        this_run = {}
+    for key, label in (
+        ("wall_seconds", "wall seconds (last run)"),
+        ("rows_per_second", "rows / s (last run)"),
+        ("output_tokens_per_second", "output tokens / s (last run)"),
+        ("hedged_requests", "hedged requests (last run)"),
+    ):
+        if key in this_run:
+            rows.append((label, this_run[key]))
+    if series.tail is not None:
+        start, end = series.tail
+        rows.append(("the tail: 99% to 100% of the rows", f"{end - start:.1f} s"))
+    rows.append(("evictions", len(series.evictions)))
+    rows.append(("re-admissions", len(series.readmissions)))
+    return rows
+
+
+def _server_rows(
+    status: RunStatus, series: RunSeries, runs: Sequence[RunRecord]
+) -> list[tuple[Any, ...]]:
+    last: dict[str, dict[str, Any]] = {}
+    counts: dict[str, dict[str, int]] = {}
+    for run in runs:
+        if run.ticks:
+            for url, values in run.ticks[-1]["servers"].items():
+                last[url] = values
+                total = counts.setdefault(url, {})
+                for key in ("evictions", "readmissions", "requeued", "hedged"):
+                    total[key] = total.get(key, 0) + int(values.get(key, 0))
+    urls = list(dict.fromkeys([*last, *status.per_server]))
+    rows = []
+    for url in urls:
+        per_row = series.seconds_per_row.get(url)
+        total = counts.get(url, {})
+        rows.append(
+            (
+                url,
+                status.per_server.get(url, 0),
+                series.server_rows.get(url, 0) if url in last else "-",
+                f"{per_row:.2f}" if per_row is not None else "-",
+                total.get("evictions", "-"),
+                total.get("readmissions", "-"),
+                total.get("requeued", "-"),
+                total.get("hedged", "-"),
+                last.get(url, {}).get("state", "-"),
+            )
+        )
+    return rows
+
+
+def _change_rows(runs: Sequence[RunRecord]) -> list[tuple[Any, ...]]:
+    origin = runs[0].wall
+    rows = []
+    for run in runs:
+        for change in run.changes:
+            rows.append(
+                (
+                    f"{float(change['wall']) - origin:.1f}",
+                    change.get("server"),
+                    change.get("from"),
+                    change.get("to"),
+                    change.get("reason") or "",
+                )
+            )
+    return rows
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

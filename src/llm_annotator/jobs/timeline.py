@@ -1,0 +1,510 @@
+"""The run timeline: what a job did over time, kept in the run directory to be drawn later.
+
+A running job takes a :class:`Snapshot` of itself every second (:class:`RunWatch`, a
+task of its own, never on the path of a request): rows done, errors by type, tokens,
+and per server its state, rows, requests in flight, evictions, re-admissions,
+requeues and hedges. The live metrics (``--metrics-port``) serve the latest snapshot;
+``timeline.jsonl`` keeps some of them, and every change of a server's state as it
+happens.
+
+The file is one JSON object a line, appended (a resumed job appends its own run):
+
+- ``{"e": "start", ...}`` opens a run: its wall time, pid, rows to do and done before;
+- ``{"e": "tick", ...}`` a snapshot; the list of servers (``urls``) is written when it
+  changes, and each tick's ``servers`` holds one compact list per server in that order
+  (:data:`SERVER_FIELDS`);
+- ``{"e": "member", ...}`` a server's change of state, with the reason of an eviction;
+- ``{"e": "end", ...}`` how the run ended (missing after a crash).
+
+**Its size is bounded for a run of any length.** A tick is written every
+:func:`tick_interval` seconds: every second for the first 2,048 seconds, then every
+``elapsed / 2048`` seconds, so a run of ``T`` seconds writes about
+``2048 * (1 + ln(T / 2048))`` ticks (:func:`ticks_within`): 2,048 in the first 34
+minutes, 9,712 in a day, 13,698 in a week. A tick is about 170 bytes plus 40 a server:
+a week over 100 servers is about 57 MB, over 8 servers 7 MB. Server changes are written
+as they happen, at most :data:`MAX_CHANGES` a run (a server that flaps for a week is
+counted beyond that, not written).
+
+**Appended crash-safely:** each line is written whole with one ``write`` on a file
+opened for appending, and fsynced every minute; a reader skips a torn last line (a
+crash in mid-write) and everything that is not a line of this format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import orjson
+import structlog
+
+from llm_annotator.clients.base import Client
+from llm_annotator.jobs.progress import Progress
+from llm_annotator.jobs.streaming import Streamer
+from llm_annotator.pool.member import MemberChange
+
+log = structlog.get_logger(__name__)
+
+TIMELINE_FILE = "timeline.jsonl"
+SAMPLE_INTERVAL = 1.0
+"""Seconds between two snapshots of a running job."""
+TICK_BASE = 1.0
+"""Seconds between two ticks written, early in a run."""
+TICK_SCALE = 2048
+"""Ticks written before the interval starts growing with the run's length."""
+MAX_CHANGES = 10_000
+"""Server changes written per run at most."""
+SYNC_EVERY = 60.0
+"""Seconds between two fsyncs of the timeline."""
+SERVER_FIELDS = (
+    "state",
+    "rows",
+    "in_flight",
+    "completed",
+    "errors",
+    "evictions",
+    "readmissions",
+    "requeued",
+    "hedged",
+)
+"""The order of each server's list in a tick."""
+
+
+def tick_interval(elapsed: float, base: float = TICK_BASE, scale: int = TICK_SCALE) -> float:
+    """Seconds from a tick written ``elapsed`` seconds into a run to the next one.
+
+    Examples:
+        >>> tick_interval(10.0), tick_interval(4096.0), tick_interval(7 * 86400.0)
+        (1.0, 2.0, 295.3125)
+    """
+    return max(base, elapsed / scale)
+
+
+def ticks_within(seconds: float, base: float = TICK_BASE, scale: int = TICK_SCALE) -> int:
+    """About how many ticks a run of ``seconds`` writes (the bound on its size).
+
+    Examples:
+        >>> ticks_within(600), ticks_within(86400), ticks_within(7 * 86400)
+        (600, 9712, 13698)
+    """
+    knee = base * scale
+    if seconds <= knee:
+        return math.ceil(seconds / base)
+    return math.ceil(scale * (1 + math.log(seconds / knee)))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerPoint:
+    """One server in a :class:`Snapshot` (rows: this run's rows it answered)."""
+
+    url: str
+    state: str
+    rows: int
+    in_flight: int
+    completed: int
+    errors: int
+    evictions: int
+    readmissions: int
+    requeued: int
+    hedged: int
+
+    def values(self) -> list[Any]:
+        return [getattr(self, name) for name in SERVER_FIELDS]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A running job at one moment.
+
+    Attributes:
+        t: Seconds since this run started.
+        wall: The wall time (Unix seconds).
+        total: Rows the job takes.
+        done: Rows done, resumed ones included.
+        rows: Rows done by this run (answered and error rows).
+        failed: Error rows written by this run.
+        output_tokens: Output tokens this run generated (regenerations included).
+        by_error_type: This run's error rows by type.
+        queued: Samples waiting in the pool's queue.
+        in_flight: Requests in flight.
+        servers: The servers (none for a client that is not a pool).
+        rows_per_second: Rows a second over the last half minute.
+        changes_dropped: Server changes not written (beyond :data:`MAX_CHANGES`).
+    """
+
+    t: float
+    wall: float
+    total: int
+    done: int
+    rows: int
+    failed: int
+    output_tokens: int
+    by_error_type: dict[str, int]
+    queued: int
+    in_flight: int
+    servers: tuple[ServerPoint, ...]
+    rows_per_second: float = 0.0
+    changes_dropped: int = 0
+
+    @property
+    def eta_seconds(self) -> float | None:
+        left = self.total - self.done
+        if left <= 0 or self.rows_per_second <= 0:
+            return None
+        return left / self.rows_per_second
+
+
+def take_snapshot(
+    progress: Progress,
+    client: Client[Any],
+    t: float,
+    wall: float,
+    rows_per_second: float = 0.0,
+    changes_dropped: int = 0,
+) -> Snapshot:
+    """A :class:`Snapshot` of the job now (cheap: the counters, no I/O)."""
+    servers: tuple[ServerPoint, ...] = ()
+    queued = in_flight = 0
+    if isinstance(client, Streamer):
+        stats = client.statistics()
+        queued, in_flight = stats.queued, stats.in_flight
+        servers = tuple(
+            ServerPoint(
+                url=m.server,
+                state=m.state,
+                rows=progress.by_server.get(m.server, 0),
+                in_flight=m.in_flight,
+                completed=m.completed,
+                errors=m.errors,
+                evictions=m.evictions,
+                readmissions=m.readmissions,
+                requeued=m.requeued,
+                hedged=m.hedged,
+            )
+            for m in stats.members
+        )
+    return Snapshot(
+        t=t,
+        wall=wall,
+        total=progress.total,
+        done=progress.done,
+        rows=progress.rows,
+        failed=progress.failed,
+        output_tokens=progress.output_tokens,
+        by_error_type=dict(progress.by_error_type),
+        queued=queued,
+        in_flight=in_flight,
+        servers=servers,
+        rows_per_second=rows_per_second,
+        changes_dropped=changes_dropped,
+    )
+
+
+@runtime_checkable
+class MemberWatchable(Protocol):
+    """A client that tells of its servers' changes of state (the pool does)."""
+
+    def watch_members(self, watcher: Callable[[MemberChange], None]) -> Callable[[], None]:
+        """Call ``watcher`` with each change; returns a function that stops it."""
+        ...
+
+
+class TimelineFile:
+    """Appends a run's lines to ``timeline.jsonl`` (see the module's docstring).
+
+    A failed write (a full disk) is logged once and the timeline goes on without it: it
+    is advisory, and the job's own writes report the disk.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / TIMELINE_FILE
+        self._fd: int | None = None
+        self._urls: tuple[str, ...] | None = None
+        self._synced = time.monotonic()
+        self._failed = False
+
+    def open(self) -> None:
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as error:
+            self._fail(error)
+
+    def start(self, snapshot: Snapshot, done_before: int) -> None:
+        self._urls = None
+        self.write(
+            {
+                "e": "start",
+                "wall": round(snapshot.wall, 3),
+                "pid": os.getpid(),
+                "total": snapshot.total,
+                "done_before": done_before,
+            }
+        )
+
+    def tick(self, snapshot: Snapshot) -> None:
+        line: dict[str, Any] = {
+            "e": "tick",
+            "t": round(snapshot.t, 3),
+            "wall": round(snapshot.wall, 3),
+            "done": snapshot.done,
+            "rows": snapshot.rows,
+            "failed": snapshot.failed,
+            "out_tokens": snapshot.output_tokens,
+            "errors": snapshot.by_error_type,
+            "queued": snapshot.queued,
+            "in_flight": snapshot.in_flight,
+        }
+        urls = tuple(s.url for s in snapshot.servers)
+        if urls != self._urls:
+            line["urls"] = list(urls)
+            self._urls = urls
+        line["servers"] = [s.values() for s in snapshot.servers]
+        if snapshot.changes_dropped:
+            line["changes_dropped"] = snapshot.changes_dropped
+        self.write(line)
+
+    def change(self, t: float, wall: float, change: MemberChange) -> None:
+        self.write(
+            {
+                "e": "member",
+                "t": round(t, 3),
+                "wall": round(wall, 3),
+                "server": change.server,
+                "from": change.before,
+                "to": change.after,
+                "reason": change.reason[:300] if change.reason else None,
+            }
+        )
+
+    def end(self, t: float, wall: float, state: str) -> None:
+        self.write({"e": "end", "t": round(t, 3), "wall": round(wall, 3), "state": state})
+
+    def write(self, line: dict[str, Any]) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.write(self._fd, orjson.dumps(line) + b"\n")
+            if time.monotonic() - self._synced >= SYNC_EVERY:
+                os.fsync(self._fd)
+                self._synced = time.monotonic()
+        except OSError as error:
+            self._fail(error)
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+        os.close(fd)
+
+    def _fail(self, error: OSError) -> None:
+        if not self._failed:
+            self._failed = True
+            log.warning("timeline_not_written", path=str(self.path), error=str(error))
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+
+class RunWatch:
+    """Watches a running job: a snapshot every :data:`SAMPLE_INTERVAL` seconds for the
+    live metrics, ticks and server changes into the timeline.
+
+    Args:
+        directory: The run directory.
+        progress: The job's counters.
+        client: The job's client (a pool's statistics and changes are watched).
+        done_before: Rows done when the run started.
+        timeline: Whether to write ``timeline.jsonl``.
+        publish: Called with each snapshot (the live metrics), in the job's loop.
+        clock: Monotonic seconds (tests give their own).
+        wall: Wall-clock seconds.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        progress: Progress,
+        client: Client[Any],
+        done_before: int,
+        *,
+        timeline: bool = True,
+        publish: Callable[[Snapshot], None] | None = None,
+        interval: float = SAMPLE_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.progress = progress
+        self.client = client
+        self.done_before = done_before
+        self.file = TimelineFile(directory) if timeline else None
+        self.publish = publish
+        self.interval = interval
+        self.clock = clock
+        self.wall = wall
+        self.started = clock()
+        self.changes = 0
+        self._recent: list[tuple[float, int]] = []
+        self._next_tick = 0.0
+
+    def snapshot(self) -> Snapshot:
+        """The job now, with its rate over the last half minute."""
+        now = self.clock()
+        t = now - self.started
+        rows = self.progress.rows
+        recent = self._recent
+        recent.append((t, rows))
+        while len(recent) > 2 and t - recent[1][0] >= 30.0:
+            recent.pop(0)
+        first_t, first_rows = recent[0]
+        rate = (rows - first_rows) / (t - first_t) if t > first_t else 0.0
+        dropped = max(0, self.changes - MAX_CHANGES)
+        return take_snapshot(self.progress, self.client, t, self.wall(), rate, dropped)
+
+    def on_change(self, change: MemberChange) -> None:
+        """A server changed state: written at once (a few hundred bytes, rare)."""
+        self.changes += 1
+        if self.file is not None and self.changes <= MAX_CHANGES:
+            self.file.change(self.clock() - self.started, self.wall(), change)
+
+    @contextlib.asynccontextmanager
+    async def kept(self) -> AsyncIterator[None]:
+        """Watch while the block runs; then a last tick and how the run ended."""
+        stop_watching: Callable[[], None] | None = None
+        if self.file is not None:
+            await asyncio.to_thread(self.file.open)
+            self.file.start(self.snapshot(), self.done_before)
+        if isinstance(self.client, MemberWatchable):
+            stop_watching = self.client.watch_members(self.on_change)
+        task = asyncio.ensure_future(self._sample())
+        state = "finished"
+        try:
+            yield
+        except BaseException as failure:
+            state = "interrupted" if _interrupted(failure) else "failed"
+            raise
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if stop_watching is not None:
+                stop_watching()
+            last = self.snapshot()
+            if self.publish is not None:
+                self.publish(last)
+            if self.file is not None:
+                self.file.tick(last)
+                self.file.end(last.t, last.wall, state)
+                await asyncio.to_thread(self.file.close)
+
+    async def _sample(self) -> None:
+        while True:
+            snapshot = self.snapshot()
+            if self.publish is not None:
+                self.publish(snapshot)
+            if self.file is not None and snapshot.t >= self._next_tick:
+                self.file.tick(snapshot)
+                self._next_tick = snapshot.t + tick_interval(snapshot.t)
+            await asyncio.sleep(self.interval)
+
+
+def _interrupted(failure: BaseException) -> bool:
+    from llm_annotator.errors import RunInterruptedError
+
+    return isinstance(failure, RunInterruptedError | asyncio.CancelledError)
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RunRecord:
+    """One run of a job, as its timeline holds it (a resumed job has several).
+
+    Attributes:
+        wall: When it started (Unix seconds).
+        total: Rows the job takes.
+        done_before: Rows done when it started.
+        ticks: Its snapshots, each a dict with ``t``, ``wall``, ``done``, ``rows``,
+            ``failed``, ``out_tokens``, ``errors``, ``queued``, ``in_flight`` and
+            ``servers`` (server URL -> dict of :data:`SERVER_FIELDS`).
+        changes: Its server changes (``t``, ``wall``, ``server``, ``from``, ``to``,
+            ``reason``).
+        ended: How it ended (``finished``, ``interrupted``, ``failed``), or None if its
+            process died or it still runs.
+    """
+
+    wall: float
+    total: int
+    done_before: int
+    pid: int | None = None
+    ticks: list[dict[str, Any]] = field(default_factory=list)
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    ended: str | None = None
+
+
+def read_timeline(directory: Path) -> list[RunRecord]:
+    """The runs in a run directory's ``timeline.jsonl``, oldest first ([] if none).
+
+    Safe while a job appends to it: a torn last line and lines of another format are
+    skipped.
+    """
+    try:
+        data = (directory / TIMELINE_FILE).read_bytes()
+    except FileNotFoundError:
+        return []
+    runs: list[RunRecord] = []
+    urls: list[str] = []
+    for line in _lines(data):
+        kind = line.get("e")
+        if kind == "start":
+            runs.append(
+                RunRecord(
+                    wall=float(line.get("wall", 0.0)),
+                    total=int(line.get("total", 0)),
+                    done_before=int(line.get("done_before", 0)),
+                    pid=line.get("pid") if isinstance(line.get("pid"), int) else None,
+                )
+            )
+            urls = []
+            continue
+        if not runs:
+            continue
+        run = runs[-1]
+        if kind == "tick":
+            if isinstance(line.get("urls"), list):
+                urls = [str(u) for u in line["urls"]]
+            servers = line.get("servers")
+            if not isinstance(servers, list) or len(servers) != len(urls):
+                continue
+            line["servers"] = {
+                url: dict(zip(SERVER_FIELDS, values, strict=False))
+                for url, values in zip(urls, servers, strict=True)
+            }
+            run.ticks.append(line)
+        elif kind == "member":
+            run.changes.append(line)
+        elif kind == "end":
+            run.ended = str(line.get("state"))
+    return runs
+
+
+def _lines(data: bytes) -> Iterator[dict[str, Any]]:
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            line = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue  # a torn last line (a crash in mid-write)
+        if isinstance(line, dict) and isinstance(line.get("e"), str):
+            yield line
