@@ -7,7 +7,8 @@ in a fresh subprocess pinned to the other core:
 * ours: ``VLLMQueueAnnotator.annotate`` from the JSONL file to the consolidated
   ``annotations.parquet`` (and ``report.json``), one pool member per port,
   ``max_concurrent_batches_per_client=4`` and ``batch_size`` set so that 512 or 4,096
-  requests are in flight in total;
+  requests are in flight in total; ``ours_bare`` is the same with the run timeline off,
+  ``ours_metrics`` with live metrics served too (``--only`` picks cases);
 * the OpenAI SDK's default ``AsyncOpenAI`` driven by ``asyncio.gather`` under a
   semaphore: read the JSONL, render the prompt, send, append each answer to a JSONL
   file. The honest minimal script with the same result (no resume, no consolidation);
@@ -53,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as harness
 from _nginx import ANSWER, MODEL, CannedServer
 
-CaseKind = Literal["ours", "ours_gc", "sdk", "sdk_aiohttp"]
+CaseKind = Literal["ours", "ours_bare", "ours_metrics", "ours_gc", "sdk", "sdk_aiohttp"]
 
 RESULT_MARKER = "@@annotate-overhead-result "
 """Prefix of the one stdout line on which a worker subprocess reports its result."""
@@ -68,7 +69,8 @@ BATCHES_PER_MEMBER = 4
 GC_VARIANT = (700, 10, 100)
 """The collector thresholds of the ``ours_gc`` case (CPython's defaults are 700, 10, 10)."""
 
-CASES = ("ours", "ours_gc", "sdk", "sdk_aiohttp")
+CASES = ("ours", "ours_bare", "ours_metrics", "ours_gc", "sdk", "sdk_aiohttp")
+OURS = ("ours", "ours_bare", "ours_metrics", "ours_gc")
 
 
 # --------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ class JobClock(harness.Clock):
 def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
     import pyarrow.parquet as pq
 
-    from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
+    from llm_annotator import Annotator, VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 
     log = harness.EventLog()
     log.install()
@@ -230,9 +232,16 @@ def _worker_ours(spec: CaseSpec, result: CaseResult) -> None:
     options = VLLMOnlineRuntimeOptions(max_completion_tokens=harness.MAX_TOKENS)
     workdir = Path(spec.workdir)
 
+    annotator = Annotator(
+        pool,
+        progress=False,
+        timeline=spec.kind != "ours_bare",
+        metrics_port=0 if spec.kind == "ours_metrics" else None,
+    )
+
     def job(path: str, out: str) -> Any:
-        return pool.annotate(
-            path, harness.TEMPLATE, workdir / out, id_column="id", options=options, progress=False
+        return annotator.annotate(
+            path, harness.TEMPLATE, workdir / out, id_column="id", options=options
         )
 
     try:
@@ -367,7 +376,7 @@ def worker(spec: CaseSpec) -> None:
     if spec.kind == "ours_gc":
         gc.set_threshold(*GC_VARIANT)
     try:
-        if spec.kind in ("ours", "ours_gc"):
+        if spec.kind in OURS:
             _worker_ours(spec, result)
         else:
             _worker_sdk(spec, result, use_aiohttp=spec.kind == "sdk_aiohttp")
@@ -501,6 +510,8 @@ def build_cases(
 
     table: list[tuple[CaseKind, str, int]] = [
         ("ours", "ours: pool.annotate, 4 ports", args.rows),
+        ("ours_bare", "ours, timeline off", args.rows),
+        ("ours_metrics", "ours + live metrics served", args.rows),
         ("ours_gc", f"ours + gc.set_threshold{GC_VARIANT}", args.rows),
         ("sdk", "openai AsyncOpenAI default + gather", args.sdk_rows),
         ("sdk_aiohttp", "openai AsyncOpenAI + DefaultAioHttpClient", args.sdk_rows),

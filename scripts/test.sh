@@ -31,6 +31,22 @@ if ! command -v nginx >/dev/null && [[ ! -x /usr/sbin/nginx ]]; then
     fi
 fi
 
+# Headless Chromium opens the HTML run report in the report test (renders, no errors).
+if ! command -v chromium >/dev/null; then
+    if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "test: installing chromium" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            chromium >/dev/null 2>&1 || {
+            apt-get update -qq >/dev/null 2>&1 || true
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                chromium >/dev/null
+        }
+    else
+        echo "test: chromium is missing; install it (Debian: apt-get install chromium)" >&2
+        exit 1
+    fi
+fi
+
 LLM_ANNOTATOR_VLLM_PYTHON="$(bash scripts/vllm-env.sh)"
 export LLM_ANNOTATOR_VLLM_PYTHON
 export LLM_ANNOTATOR_REQUIRE_VLLM=1  # the real-vLLM tests must run, never skip

@@ -26,6 +26,7 @@ from llm_annotator import ConfigurationError, VLLMQueueAnnotator
 from llm_annotator.cli.main import main
 from llm_annotator.jobs.annotate import Annotator
 from llm_annotator.jobs.run_report import run_series, write_html_report
+from llm_annotator.jobs.status import run_status
 from llm_annotator.jobs.timeline import (
     TIMELINE_FILE,
     RunRecord,
@@ -235,6 +236,12 @@ def test_a_job_with_an_evicted_server_leaves_a_timeline_and_a_report(
     assert f"<td>{failing.base_url}</td><td>healthy</td><td>evicted</td>" in page
     series = run_series([run])
     assert series.evictions[0][0] == pytest.approx(evicted[0]["wall"] - run.wall)
+    # A tick follows each change, so the pool right after the eviction is drawn.
+    assert any(evicted[0]["wall"] <= t["wall"] <= evicted[0]["wall"] + 1.5 for t in run.ticks)
+    assert run_status(out).servers == {
+        steady.base_url: {"state": "healthy", "evictions": 0},
+        failing.base_url: {"state": "evicted", "evictions": 1},
+    }
 
 
 def test_metrics_are_served_while_the_job_runs_and_match_the_output(

@@ -23,12 +23,14 @@ def show_status(status: RunStatus, out: TextIO) -> None:
         >>> show_status(RunStatus("runs/a", "running", 41, "node-7", 200, 120, 118, 2,
         ...     {"read_timeout": 2}, {"http://a/v1": 70, "http://b/v1": 50},
         ...     rows_per_second=8.0, eta_seconds=10.0, updated="2026-12-01T10:00:00+00:00",
-        ...     model="small"), out)
+        ...     model="small", servers={"http://a/v1": {"state": "healthy", "evictions": 0},
+        ...     "http://b/v1": {"state": "evicted", "evictions": 1}}), out)
         >>> print(out.getvalue())
         runs/a: running (pid 41 on node-7), status written 2026-12-01T10:00:00+00:00
           rows: 120 of 200 done (60.0%): 118 answered, 2 failed; 8.0 rows/s, ETA 10s
           failed by type: read_timeout 2
           rows by server: http://a/v1 70, http://b/v1 50
+          servers at the last snapshot: http://a/v1 healthy, http://b/v1 evicted (evicted 1x)
           model: small
         <BLANKLINE>
     """
@@ -53,6 +55,13 @@ def show_status(status: RunStatus, out: TextIO) -> None:
     if status.per_server:
         servers = ", ".join(f"{server} {n}" for server, n in status.per_server.items())
         print(f"  rows by server: {servers}", file=out)
+    if status.servers:
+        servers = ", ".join(
+            f"{url} {now['state']}"
+            + (f" (evicted {now['evictions']}x)" if now.get("evictions") else "")
+            for url, now in status.servers.items()
+        )
+        print(f"  servers at the last snapshot: {servers}", file=out)
     if status.model:
         print(f"  model: {status.model}", file=out)
     if status.sample:

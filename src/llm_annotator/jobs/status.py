@@ -31,6 +31,7 @@ from llm_annotator.jobs.store import (
     read_shard,
     shard_paths,
 )
+from llm_annotator.jobs.timeline import read_timeline
 
 STATUS_FILE = "status.json"
 """The job's own account of itself, rewritten every few seconds while it runs."""
@@ -147,6 +148,8 @@ class RunStatus:
         model: The model in the job's fingerprint.
         sample: The sample of a trial run (``limit``, ``shuffle_seed``), or None.
         error: Why the job failed, if it said.
+        servers: Each server's state and evictions at the last snapshot of the run's
+            timeline (``{"state": ..., "evictions": ...}`` by URL), if it has one.
     """
 
     output_dir: str
@@ -165,6 +168,7 @@ class RunStatus:
     model: str | None = None
     sample: dict[str, Any] | None = None
     error: str | None = None
+    servers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The status as a JSON-able dict (what ``status --json`` prints)."""
@@ -210,7 +214,20 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
         model=fingerprint.get("model"),
         sample=fingerprint.get("sample"),
         error=status.get("error"),
+        servers=_servers_now(directory),
     )
+
+
+def _servers_now(directory: Path) -> dict[str, dict[str, Any]]:
+    """The servers of the timeline's last snapshot, with the run's evictions of each."""
+    runs = read_timeline(directory)
+    if not runs or not runs[-1].ticks:
+        return {}
+    last = runs[-1].ticks[-1]["servers"]
+    return {
+        url: {"state": values.get("state"), "evictions": values.get("evictions", 0)}
+        for url, values in last.items()
+    }
 
 
 def _state(directory: Path, status: dict[str, Any]) -> tuple[str, int | None, str | None]:

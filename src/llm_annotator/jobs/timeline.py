@@ -375,6 +375,7 @@ class RunWatch:
         self.changes += 1
         if self.file is not None and self.changes <= MAX_CHANGES:
             self.file.change(self.clock() - self.started, self.wall(), change)
+            self._next_tick = 0.0  # and the next snapshot is a tick: the pool after it
 
     @contextlib.asynccontextmanager
     async def kept(self) -> AsyncIterator[None]:
