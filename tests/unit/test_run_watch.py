@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_annotator import ConfigurationError, VLLMQueueAnnotator
+from llm_annotator import ConfigurationError, RunInterruptedError, VLLMQueueAnnotator
 from llm_annotator.cli.main import main
 from llm_annotator.jobs.annotate import Annotator
 from llm_annotator.jobs.run_report import run_series, write_html_report
@@ -275,6 +275,7 @@ def test_metrics_are_served_while_the_job_runs_and_match_the_output(
     runner = threading.Thread(target=job)
     runner.start()
     scrapes = []
+    live = ""
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -290,12 +291,16 @@ def test_metrics_are_served_while_the_job_runs_and_match_the_output(
             ):
                 time.sleep(1.5)  # two more snapshots: nothing more may come
                 scrapes.append(scrape(port))
+                live = write_html_report(out, tmp_path / "live.html").read_text()
                 break
             time.sleep(0.1)
     finally:
         release.set()
         runner.join(timeout=60)
     (result,) = results
+    # The report of the run while it ran: drawn as far as it got.
+    assert "state: running" in live and "<svg" in live
+    assert "250 of 300 (83.3%)" in live
     held = scrapes[-1]
     assert held[("llm_annotator_rows_processed_total", (("outcome", "answered"),))] == 250
     assert held[("llm_annotator_rows_processed_total", (("outcome", "failed"),))] == 0
@@ -365,3 +370,59 @@ def test_the_report_command_writes_the_file_or_says_what_is_wrong(
         main(["run", "--metrics-port", "70000"])
     assert exited.value.code == 1
     assert "--metrics-port: expected an integer >= 0 and <= 65535" in capsys.readouterr().err
+
+
+def test_an_interrupted_then_resumed_job_is_drawn_as_two_runs(
+    fake_servers: FakeServers, tmp_path: Path
+) -> None:
+    """A run stopped part way (the report drawn while the directory is left that way)
+    then resumed: two runs in the timeline, the first ``interrupted``; the rows of both
+    add up per server to the output's."""
+    servers = fake_servers(2)
+    answered = 0
+
+    async def slow(body: dict[str, Any]) -> Any:
+        nonlocal answered
+        await asyncio.sleep(0.01)
+        answered += 1
+        return completion(body["messages"][-1]["content"])
+
+    for server in servers:
+        server.handler = slow
+    out = tmp_path / "run"
+
+    async def first_run() -> None:
+        stop = asyncio.Event()
+
+        async def stop_at_200() -> None:
+            for _ in range(3000):  # 30 s at most
+                if answered >= 200:
+                    break
+                await asyncio.sleep(0.01)
+            stop.set()
+
+        stopper = asyncio.ensure_future(stop_at_200())
+        pool = VLLMQueueAnnotator([s.base_url for s in servers], batch_size=16, **FAST)
+        try:
+            await pool.aannotate(rows(1000), "x {text}", out, progress=False, stop=stop)
+        finally:
+            stopper.cancel()
+            await pool.aclose()
+
+    with pytest.raises(RunInterruptedError):
+        asyncio.run(first_run())
+    (stopped,) = read_timeline(out)
+    assert stopped.ended == "interrupted"
+    page = write_html_report(out).read_text()
+    assert "state: interrupted" in page and page.count("<svg") >= 3
+
+    with VLLMQueueAnnotator([s.base_url for s in servers], batch_size=16, **FAST) as pool:
+        result = pool.annotate(rows(1000), "x {text}", out, progress=False)
+    first, second = read_timeline(out)
+    assert (first.ended, second.ended) == ("interrupted", "finished")
+    assert second.done_before == result.num_resumed == first.ticks[-1]["done"]
+    series = run_series([first, second])
+    assert series.server_rows == output_by_server(result.output_path)
+    assert len(series.runs) == 2 and series.runs[1][0] > 0
+    page = write_html_report(out).read_text()
+    assert "2 run(s) in the timeline" in page

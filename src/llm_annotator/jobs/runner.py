@@ -153,32 +153,58 @@ class JobRun:
             self._wake.set()
 
     async def _consume(self) -> None:
-        """Write every record, in the job's task, until the stream is over."""
+        """Write every record, in the job's task, until the stream is over.
+
+        Records are flushed every ``flush_interval`` and synced every ``sync_interval``
+        seconds, also when no answer comes for a while (a timer wakes the consumer): what
+        a job has written is on disk for ``status`` and ``report`` to read, and is not
+        redone after a crash, however long the servers then stay quiet.
+        """
         annotator, store = self.annotator, self.store
         answers, ready = self.answers, self.ready
         flushed = synced = time.monotonic()
-        while True:
-            while ready or answers:
-                while ready:
-                    self._write(ready.popleft(), failed=True)
-                self._drained.set()
-                while answers:
-                    item, response = answers.popleft()
-                    self._conclude(item, response)
-                self._answers_taken.set()
+        dirty = unsynced = False
+        timer: asyncio.TimerHandle | None = None
+
+        def wake_to_write() -> None:
+            nonlocal timer
+            timer = None
+            self._wake.set()
+
+        try:
+            while True:
+                while ready or answers:
+                    while ready:
+                        self._write(ready.popleft(), failed=True)
+                    self._drained.set()
+                    while answers:
+                        item, response = answers.popleft()
+                        self._conclude(item, response)
+                    self._answers_taken.set()
+                    dirty = unsynced = True
                 now = time.monotonic()
-                if now - flushed >= annotator.flush_interval:
+                if dirty and now - flushed >= annotator.flush_interval:
                     store.flush()
-                    flushed = now
-                    if now - synced >= annotator.sync_interval:
-                        await asyncio.to_thread(store.sync)
-                        synced = time.monotonic()
-            if self._stream_over:
-                if self._failure is not None:
-                    raise self._failure
-                return
-            self._wake.clear()
-            await self._wake.wait()
+                    flushed, dirty = now, False
+                if unsynced and not dirty and now - synced >= annotator.sync_interval:
+                    await asyncio.to_thread(store.sync)
+                    synced, unsynced = time.monotonic(), False
+                    if ready or answers:
+                        continue  # they came during the sync: write them first
+                if self._stream_over:
+                    if self._failure is not None:
+                        raise self._failure
+                    return
+                self._wake.clear()
+                if (dirty or unsynced) and timer is None:
+                    due = flushed + annotator.flush_interval if dirty else synced
+                    due += 0.0 if dirty else annotator.sync_interval
+                    delay = min(max(0.0, due - now), 3600.0)
+                    timer = asyncio.get_running_loop().call_later(delay, wake_to_write)
+                await self._wake.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _requests(self) -> AsyncIterator[tuple[_Item, Messages]]:
         """Rows not done yet, as prompts; regenerations go first. Rows that need no
