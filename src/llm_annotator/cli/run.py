@@ -32,6 +32,7 @@ from llm_annotator.errors import (
     ServersUnusableError,
 )
 from llm_annotator.jobs.schema import OutputSchema
+from llm_annotator.jobs.shard import Shard
 from llm_annotator.pool.discovery import (
     DirectorySource,
     DnsSource,
@@ -252,6 +253,12 @@ _SETTINGS: tuple[_Setting, ...] = (
     ),
     _Setting("log_format", _log_format, "json or console (default: console on a terminal)"),
     _Setting(
+        "shard",
+        _text,
+        "take only this shard's rows: INDEX/COUNT, auto (a SLURM array task) or auto/COUNT "
+        "(a Kubernetes Indexed Job); the last shard to finish merges them",
+    ),
+    _Setting(
         "metrics_port",
         _number(integer=True, low=0, high=65535),
         "serve live Prometheus metrics of the job on this port (0: any free port)",
@@ -260,7 +267,6 @@ _SETTINGS: tuple[_Setting, ...] = (
         "metrics_host",
         _text,
         "the address of --metrics-port (default 127.0.0.1; 0.0.0.0 for other hosts)",
-        "127.0.0.1",
     ),
 )
 _REQUIRED = ("input", "prompt_template", "output_dir")
@@ -342,6 +348,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         )
     if merged["api_key_file"] and merged["api_key_env"]:
         raise ConfigurationError("give --api-key-file or --api-key-env, not both")
+    if merged["metrics_host"] and merged["metrics_port"] is None:
+        raise ConfigurationError("--metrics-host needs --metrics-port (the port to serve on)")
     if merged["ca_bundle"] and not merged["verify_tls"]:
         raise ConfigurationError("give --ca-bundle or --no-verify-tls, not both")
     return merged
@@ -441,7 +449,7 @@ def run_command(args: argparse.Namespace) -> int:
         pool,
         stop_grace=settings["stop_grace"],
         metrics_port=settings["metrics_port"],
-        metrics_host=settings["metrics_host"],
+        metrics_host=settings["metrics_host"] or "127.0.0.1",
     )
     try:
         result = annotator.annotate(
@@ -459,6 +467,7 @@ def run_command(args: argparse.Namespace) -> int:
             limit=settings["limit"],
             shuffle_seed=settings["shuffle_seed"],
             validate=validate,
+            shard=Shard.parse(settings["shard"]) if settings["shard"] else None,
         )
     except RunInterruptedError as stopped:
         print(f"llm-annotator run: {stopped}", file=sys.stderr, flush=True)
@@ -482,6 +491,8 @@ def run_command(args: argparse.Namespace) -> int:
     finally:
         pool.close()
     print(f"annotations: {result.output_path}")
+    if result.merged_path is not None:
+        print(f"all shards merged: {result.merged_path}")
     if result.jsonl_path is not None:
         print(f"annotations (JSONL): {result.jsonl_path}")
     print(f"report: {result.report_path}")

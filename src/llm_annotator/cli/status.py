@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import TextIO
 
 import orjson
 import structlog
 
+from llm_annotator.jobs.consolidate import PARQUET_FILE
+from llm_annotator.jobs.merge import shard_states
 from llm_annotator.jobs.progress import duration
+from llm_annotator.jobs.shard import read_sharding
 from llm_annotator.jobs.status import RunStatus, run_status
 
 
@@ -72,9 +76,41 @@ def show_status(status: RunStatus, out: TextIO) -> None:
         print(f"  error: {status.error}", file=out)
 
 
+def _sharded_status(run_dir: Path, as_json: bool) -> None:
+    """Each shard's status, and whether the shards were merged."""
+    count, states = shard_states(run_dir)
+    merged = (run_dir / PARQUET_FILE).is_file()
+    shards = [run_status(s.directory) if s.state != "missing" else None for s in states]
+    if as_json:
+        body = {
+            "output_dir": str(run_dir),
+            "shards": count,
+            "merged": merged,
+            "shard": [
+                status.to_json() if status is not None else {"state": "missing"}
+                for status in shards
+            ],
+        }
+        sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    done = sum(1 for s in states if s.complete)
+    print(
+        f"{run_dir}: a job in {count} shards, {done} complete; "
+        + ("merged into " + str(run_dir / PARQUET_FILE) if merged else "not merged yet"),
+    )
+    for state, status in zip(states, shards, strict=True):
+        if status is None:
+            print(f"shard {state.index}: not started (--shard {state.index}/{count})")
+        else:
+            show_status(status, sys.stdout)
+
+
 def _status(args: argparse.Namespace) -> int:
     # Reading a shard that a job is writing may meet a half-written last line: no warning.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    if read_sharding(Path(args.run_dir)) is not None:
+        _sharded_status(Path(args.run_dir), args.json)
+        return 0
     status = run_status(args.run_dir)
     if args.json:
         sys.stdout.write(orjson.dumps(status.to_json(), option=orjson.OPT_INDENT_2).decode())

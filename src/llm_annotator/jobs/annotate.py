@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -34,6 +35,7 @@ from llm_annotator.jobs.fingerprint import make_fingerprint
 from llm_annotator.jobs.inputs import RowSource, open_input
 from llm_annotator.jobs.interrupt import Interrupt, handling_signals
 from llm_annotator.jobs.live_metrics import LiveMetrics
+from llm_annotator.jobs.merge import merge_if_complete
 from llm_annotator.jobs.progress import Progress
 from llm_annotator.jobs.prompts import PromptTemplate
 from llm_annotator.jobs.records import RecordBuilder
@@ -47,6 +49,7 @@ from llm_annotator.jobs.report import (
 from llm_annotator.jobs.runner import JobRun, varies
 from llm_annotator.jobs.sample import Sample
 from llm_annotator.jobs.schema import OutputSchema
+from llm_annotator.jobs.shard import Shard, claim, read_sharding
 from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_name
 from llm_annotator.jobs.status import StatusFile
 from llm_annotator.jobs.store import ResultStore, output_write_error
@@ -73,6 +76,9 @@ class AnnotationResult:
         num_resumed: Rows already done by an earlier run of the same job.
         num_sent: Rows sent to the model by this run (regenerations not counted).
         seconds: Wall time of this run.
+        merged_path: For a shard (``shard=``): the whole job's ``annotations.parquet``
+            in the run directory if this shard was the last to finish and merged them
+            all, else None.
     """
 
     output_dir: Path
@@ -85,6 +91,7 @@ class AnnotationResult:
     num_resumed: int
     num_sent: int
     seconds: float
+    merged_path: Path | None = None
 
 
 class Annotator:
@@ -212,6 +219,11 @@ class Annotator:
                 is generated again, as one that does not follow the output schema, then
                 kept as an ``invalid_output`` error row. Recorded by name in the
                 fingerprint.
+            shard (tuple[int, int] | str | None): ``(index, count)``, ``"INDEX/COUNT"`` or
+                ``"auto"``: this process takes only the rows whose id hashes to shard
+                ``index`` of ``count``, kept in ``output_dir/shard-IIII-of-NNNN``; the
+                last shard to finish merges them all into ``output_dir`` (see
+                :mod:`llm_annotator.jobs.shard` and :func:`llm_annotator.jobs.merge.merge`).
 
         Returns:
             An :class:`AnnotationResult`.
@@ -269,6 +281,12 @@ class Annotator:
         raw_schema = getattr(spec.options, "output_schema", None)
         schema = OutputSchema(raw_schema) if raw_schema is not None else None
         sample = Sample(spec.limit, spec.shuffle_seed)
+        shard = Shard.of(spec.shard)
+        if shard is not None and not sample.everything:
+            raise ConfigurationError(
+                "a trial run (limit) is not sharded: run it without shard (--shard), "
+                "in a run directory of its own"
+            )
         retry = retry_choice(spec.retry_errors)
         if spec.validate is not None and not callable(spec.validate):
             raise ConfigurationError(f"validate must be a callable, got {spec.validate!r}")
@@ -291,6 +309,14 @@ class Annotator:
             columns=list(spec.columns) if spec.columns is not None else None,
             **_extras(sample, spec, input_rows),
         )
+        run_dir = spec.output_dir
+        if shard is None:
+            await asyncio.to_thread(_not_sharded, run_dir)
+        else:
+            await asyncio.to_thread(claim, run_dir, shard, fingerprint, force=spec.force)
+            fingerprint = {**fingerprint, "shard": {"index": shard.index, "count": shard.count}}
+            spec = dataclasses.replace(spec, output_dir=shard.directory(run_dir))
+            total = await asyncio.to_thread(shard.size, source, input_rows)
         store = await _open_store(spec, fingerprint, retry)
         resumed = store.num_done
         status = StatusFile(spec.output_dir, total)
@@ -303,9 +329,10 @@ class Annotator:
             output_dir=str(spec.output_dir),
             model=model,
         )
+        rows = sample.rows(source, input_rows)
         job = JobRun(
             annotator=self,
-            rows=sample.rows(source, input_rows),
+            rows=shard.rows(rows) if shard is not None else rows,
             template=template,
             system_message=spec.system_message,
             builder=RecordBuilder(schema, spec.columns, validate=spec.validate is not None),
@@ -329,7 +356,12 @@ class Annotator:
             publish=metrics.publish if metrics is not None else None,
         )
         async with status.kept(job.progress), watch.kept():
-            return await self._run(spec, job, interrupt, status, resumed, started)
+            result = await self._run(spec, job, interrupt, status, resumed, started)
+        if shard is not None:  # the last shard to finish merges them all
+            merged = await asyncio.to_thread(merge_if_complete, run_dir, jsonl=spec.write_jsonl)
+            if merged is not None:
+                result = dataclasses.replace(result, merged_path=merged.output_path)
+        return result
 
     async def _run(
         self,
@@ -434,6 +466,17 @@ async def _serving(metrics: LiveMetrics | None, port: int | None, host: str) -> 
         yield
     finally:
         await asyncio.to_thread(metrics.stop)
+
+
+def _not_sharded(run_dir: Path) -> None:
+    """Refuse a job without a shard in a directory split into shards."""
+    said = read_sharding(run_dir)
+    if said is not None:
+        raise ConfigurationError(
+            f"{run_dir} is split into {said['count']} shards: run each with --shard "
+            f"INDEX/{said['count']} (shard=(index, {said['count']})), or merge what they "
+            f"did with llm-annotator merge {run_dir}"
+        )
 
 
 def _check_columns(

@@ -121,8 +121,16 @@ def consolidate(
         lock.release()
 
 
-def _consolidate(directory: Path, *, jsonl: bool, column_order: Sequence[str]) -> Consolidated:
-    shards = shard_paths(directory)
+def _consolidate(
+    directory: Path,
+    *,
+    jsonl: bool,
+    column_order: Sequence[str],
+    shards: list[Path] | None = None,
+) -> Consolidated:
+    """Consolidate ``shards`` (the directory's own by default) into ``directory``."""
+    if shards is None:
+        shards = shard_paths(directory)
     loaded = _Loader()
     for index, path in enumerate(shards):
         loaded.read(index, path)

@@ -105,6 +105,19 @@ class RowSource(ABC):
                 row_id = self._checked_id(where, values, error)
                 yield Row(row_id, values if values is not None else {}, where)
 
+    def ids(self) -> Iterator[RowId]:
+        """Each row's id, in order, reading no more of each row than its id where the
+        reader can (positions without an id column).
+
+        Raises:
+            InputError: A row has no valid id (:meth:`scan` finds these first).
+        """
+        if self.id_column is None:
+            yield from range(self._count())
+            return
+        for where, values, error in self._id_records():
+            yield self._checked_id(where, values, error)
+
     def scan(self) -> int:
         """One pass over the input: count the rows and, with an id column, check the ids.
 

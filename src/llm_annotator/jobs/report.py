@@ -44,14 +44,8 @@ def job_report(
             }
     elapsed = max(seconds, 1e-9)
     return {
-        "rows": result.num_rows,
+        **result_summary(result),
         "input_rows": total,
-        "succeeded": result.num_succeeded,
-        "failed": result.num_failed,
-        "by_finish_reason": result.by_finish_reason,
-        "by_error_type": result.by_error_type,
-        "prompt_tokens": result.prompt_tokens,
-        "output_tokens": result.output_tokens,
         "this_run": {
             "resumed_rows": resumed,
             "sent_rows": job.sent,
@@ -62,6 +56,20 @@ def job_report(
             "prompt_tokens_per_second": round(job.prompt_tokens / elapsed, 2),
         },
         "per_server": per_server,
+    }
+
+
+def result_summary(result: Any) -> dict[str, Any]:
+    """The counts of a consolidation (:class:`~llm_annotator.jobs.consolidate.
+    Consolidated`), as ``report.json`` gives them."""
+    return {
+        "rows": result.num_rows,
+        "succeeded": result.num_succeeded,
+        "failed": result.num_failed,
+        "by_finish_reason": result.by_finish_reason,
+        "by_error_type": result.by_error_type,
+        "prompt_tokens": result.prompt_tokens,
+        "output_tokens": result.output_tokens,
     }
 
 

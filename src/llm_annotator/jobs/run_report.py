@@ -6,10 +6,11 @@ script, style sheet, font or image from anywhere else: it opens offline, from a 
 a shared folder. It works for a run that finished, one that was interrupted or killed,
 and one still running (drawn as far as it got).
 
-What it shows: throughput over time, overall and per server, with evictions and
-re-admissions marked; the time a row spends in flight on each server; error rows by
-type over time; the progress and its tail (the time from 99% of the rows to the last);
-a summary table of the run and one row per server; every change of a server's state.
+What it shows: throughput over time (answers a second, overall and per server, and the
+rows written), with evictions and re-admissions marked; the time a request spends in
+flight on each server; error rows by type over time; the progress and its tail (the
+time from 99% of the rows to the last); a summary table of the run and one row per
+server; every change of a server's state.
 
 The plots need matplotlib (``pip install 'llm-annotator[report]'``); the series are
 computed here without it (:func:`run_series`), so they are tested on their own.
@@ -45,8 +46,12 @@ class RunSeries:
     start, over all its runs).
 
     Attributes:
-        rate: ``(x, rows/s)`` over all servers.
-        server_rate: Per server URL, its ``(x, rows/s)``.
+        rate: ``(x, answers/s)`` over all servers (rows written a second, for a client
+            that is not a pool).
+        server_rate: Per server URL, its ``(x, answers/s)``: what the pool received from
+            it (answers and error rows; a regeneration and a hedged copy count too).
+        written: ``(x, rows/s)`` written to the run directory (behind the answers while
+            the job syncs its file; never ahead).
         done: ``(x, rows done)``, resumed rows included.
         errors: Per error type, ``(x, error rows so far)``.
         evictions: ``(x, server, reason)`` of each eviction (and of a start while down).
@@ -62,6 +67,7 @@ class RunSeries:
 
     rate: list[tuple[float, float]] = field(default_factory=list)
     server_rate: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    written: list[tuple[float, float]] = field(default_factory=list)
     done: list[tuple[float, int]] = field(default_factory=list)
     errors: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     evictions: list[tuple[float, str, str | None]] = field(default_factory=list)
@@ -95,10 +101,11 @@ def run_series(runs: Sequence[RunRecord], max_points: int = MAX_POINTS) -> RunSe
     origin = runs[0].wall
     series.total = runs[-1].total
     busy: dict[str, float] = {}
+    answers: dict[str, int] = {}
     errors_before: dict[str, int] = {}
     for run in runs:
         series.runs.append((run.wall - origin, run.ended))
-        ticks = _thin(run.ticks, max_points // max(1, len(runs)))
+        ticks = _thin(run.ticks, max(2, max_points // len(runs)))
         last: dict[str, Any] | None = None
         for tick in ticks:
             x = float(tick["wall"]) - origin
@@ -108,16 +115,18 @@ def run_series(runs: Sequence[RunRecord], max_points: int = MAX_POINTS) -> RunSe
             if last is not None:
                 dt = float(tick["wall"]) - float(last["wall"])
                 if dt > 0:
-                    series.rate.append((x, (int(tick["rows"]) - int(last["rows"])) / dt))
+                    written = (int(tick["rows"]) - int(last["rows"])) / dt
+                    series.written.append((x, written))
+                    overall = 0.0
                     for url, now in tick["servers"].items():
-                        before = last["servers"].get(url, {}).get("rows", 0)
-                        rate = (int(now.get("rows", 0)) - int(before)) / dt
-                        series.server_rate.setdefault(url, []).append((x, rate))
-                        held = (
-                            now.get("in_flight", 0)
-                            + last["servers"].get(url, {}).get("in_flight", 0)
-                        ) / 2
+                        before = last["servers"].get(url, {})
+                        got = max(0, _answers(now) - _answers(before))
+                        answers[url] = answers.get(url, 0) + got
+                        overall += got / dt
+                        series.server_rate.setdefault(url, []).append((x, got / dt))
+                        held = (now.get("in_flight", 0) + before.get("in_flight", 0)) / 2
                         busy[url] = busy.get(url, 0.0) + held * dt
+                    series.rate.append((x, overall if tick["servers"] else written))
             last = tick
             series.end = max(series.end, x)
         if last is not None:
@@ -132,16 +141,25 @@ def run_series(runs: Sequence[RunRecord], max_points: int = MAX_POINTS) -> RunSe
             elif change.get("to") == "healthy" and change.get("from") == "evicted":
                 series.readmissions.append((x, str(change["server"])))
             series.end = max(series.end, x)
-    for url, rows in series.server_rows.items():
-        series.seconds_per_row[url] = busy.get(url, 0.0) / rows if rows else None
+    for url in series.server_rows:
+        got = answers.get(url, 0)
+        series.seconds_per_row[url] = busy.get(url, 0.0) / got if got else None
     series.tail = _tail(series.done, series.total)
     return series
+
+
+def _answers(server: dict[str, Any]) -> int:
+    """What the pool received from a server so far (its rows, in a line without the
+    pool's counters)."""
+    if "completed" not in server:
+        return int(server.get("rows", 0))
+    return int(server["completed"]) + int(server.get("errors", 0))
 
 
 def _thin(ticks: list[dict[str, Any]], most: int) -> list[dict[str, Any]]:
     """At most ``most`` ticks, evenly spread, the first and last kept (the counters are
     cumulative, so rates between the kept ones are averages of those between)."""
-    if most < 2 or len(ticks) <= most:
+    if len(ticks) <= most:
         return ticks
     step = (len(ticks) - 1) / (most - 1)
     return [ticks[round(i * step)] for i in range(most)]
@@ -198,31 +216,35 @@ def _read_report(directory: Path) -> dict[str, Any]:
 
 
 def _plots(series: RunSeries) -> list[tuple[str, str]]:
-    """(title, inline SVG) of each plot."""
+    """(title, inline SVG) of each plot. Drawn on figures of their own (no pyplot), in
+    a context of their own: a caller's backend, figures and settings stay as they are."""
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise ConfigurationError(
             "the HTML report draws its plots with matplotlib, which is not installed: "
             "pip install 'llm-annotator[report]'"
         ) from None
-    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9, "svg.hashsalt": "report"})
-    plots = [
-        ("Throughput over time", _throughput(plt, series)),
-        ("Time a row spends in flight, by server", _per_row(plt, series)),
-        ("Error rows by type over time", _errors(plt, series)),
-        ("Progress and the tail", _progress(plt, series)),
-    ]
+
+    def figure(width: float, height: float) -> tuple[Any, Any]:
+        drawn = Figure(figsize=(width, height))
+        return drawn, drawn.subplots()
+
+    style: dict[Any, Any] = {"svg.fonttype": "path", "font.size": 9, "svg.hashsalt": "report"}
+    with matplotlib.rc_context(style):
+        plots = [
+            ("Throughput over time", _throughput(figure, series)),
+            ("Time a request spends in flight, by server", _per_row(figure, series)),
+            ("Error rows by type over time", _errors(figure, series)),
+            ("Progress and the tail", _progress(figure, series)),
+        ]
     return [(title, svg) for title, svg in plots if svg]
 
 
-def _svg(plt: Any, figure: Any) -> str:
+def _svg(figure: Any) -> str:
     buffer = io.StringIO()
     figure.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
-    plt.close(figure)
     text = buffer.getvalue()
     return text[text.find("<svg") :]
 
@@ -274,37 +296,40 @@ def _time_axes(axes: Any, series: RunSeries, ylabel: str) -> None:
     axes.grid(alpha=0.3)
 
 
-def _throughput(plt: Any, series: RunSeries) -> str:
-    figure, axes = plt.subplots(figsize=(9, 3.6))
+def _throughput(figure: Any, series: RunSeries) -> str:
+    drawn, axes = figure(9, 3.6)
     if series.rate:
         xs, ys = zip(*series.rate, strict=True)
         axes.plot(xs, ys, color="#222222", linewidth=1.8, label="all servers")
     for url, points in series.server_rate.items():
         xs, ys = zip(*points, strict=True)
         axes.plot(xs, ys, linewidth=1, label=_short(url))
-    _time_axes(axes, series, "rows / s")
+    if series.written and series.server_rate:
+        xs, ys = zip(*series.written, strict=True)
+        axes.plot(xs, ys, color="#999999", linewidth=1, linestyle="--", label="rows written")
+    _time_axes(axes, series, "answers / s")
     _legend(axes)
-    return _svg(plt, figure)
+    return _svg(drawn)
 
 
-def _per_row(plt: Any, series: RunSeries) -> str:
+def _per_row(figure: Any, series: RunSeries) -> str:
     known = {u: s for u, s in series.seconds_per_row.items() if s is not None}
     if not known:
         return ""
-    figure, axes = plt.subplots(figsize=(9, 0.5 + 0.35 * len(known)))
+    drawn, axes = figure(9, 0.5 + 0.35 * len(known))
     names = [_short(u) for u in known]
     values = list(known.values())
     axes.barh(names, values, color="#2e86c1")
     for y, value in enumerate(values):
         axes.annotate(f" {value:.2f} s", (value, y), va="center", fontsize=7)
     axes.invert_yaxis()
-    axes.set_xlabel("mean seconds in flight per row (requests in flight / rows per second)")
+    axes.set_xlabel("mean seconds in flight per answer (requests in flight / answers per second)")
     axes.grid(axis="x", alpha=0.3)
-    return _svg(plt, figure)
+    return _svg(drawn)
 
 
-def _errors(plt: Any, series: RunSeries) -> str:
-    figure, axes = plt.subplots(figsize=(9, 2.8))
+def _errors(figure: Any, series: RunSeries) -> str:
+    drawn, axes = figure(9, 2.8)
     for kind, points in sorted(series.errors.items()):
         xs, ys = zip(*points, strict=True)
         axes.step(xs, ys, where="post", label=kind)
@@ -320,13 +345,13 @@ def _errors(plt: Any, series: RunSeries) -> str:
         )
     _time_axes(axes, series, "error rows")
     _legend(axes)
-    return _svg(plt, figure)
+    return _svg(drawn)
 
 
-def _progress(plt: Any, series: RunSeries) -> str:
+def _progress(figure: Any, series: RunSeries) -> str:
     if not series.done or series.total <= 0:
         return ""
-    figure, axes = plt.subplots(figsize=(9, 2.8))
+    drawn, axes = figure(9, 2.8)
     xs, ys = zip(*series.done, strict=True)
     axes.plot(xs, [100.0 * y / series.total for y in ys], color="#8e44ad", linewidth=1.5)
     if series.tail is not None:
@@ -341,7 +366,7 @@ def _progress(plt: Any, series: RunSeries) -> str:
         axes.legend(loc="lower right", fontsize=8)
     _time_axes(axes, series, "% of the rows done")
     axes.set_ylim(0, 101)
-    return _svg(plt, figure)
+    return _svg(drawn)
 
 
 def _legend(axes: Any) -> None:
@@ -395,7 +420,7 @@ def _page(
                 "server",
                 "rows in the output",
                 "rows in the timeline",
-                "s in flight per row",
+                "s in flight per answer",
                 "evictions",
                 "re-admissions",
                 "requeued",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -165,6 +166,8 @@ class JobRun:
         flushed = synced = time.monotonic()
         dirty = unsynced = False
         timer: asyncio.TimerHandle | None = None
+        timer_due = math.inf
+        loop = asyncio.get_running_loop()
 
         def wake_to_write() -> None:
             nonlocal timer
@@ -196,11 +199,20 @@ class JobRun:
                         raise self._failure
                     return
                 self._wake.clear()
-                if (dirty or unsynced) and timer is None:
-                    due = flushed + annotator.flush_interval if dirty else synced
-                    due += 0.0 if dirty else annotator.sync_interval
-                    delay = min(max(0.0, due - now), 3600.0)
-                    timer = asyncio.get_running_loop().call_later(delay, wake_to_write)
+                if dirty or unsynced:
+                    # Wake for the next flush (or, with everything flushed, the next
+                    # sync: a sync follows a flush); a timer set for a later sync is
+                    # moved up to the flush.
+                    if dirty:
+                        due = flushed + annotator.flush_interval
+                    else:
+                        due = synced + annotator.sync_interval
+                    if timer is None or due < timer_due:
+                        if timer is not None:
+                            timer.cancel()
+                        timer_due = due
+                        delay = min(max(0.0, due - now), 3600.0)
+                        timer = loop.call_later(delay, wake_to_write)
                 await self._wake.wait()
         finally:
             if timer is not None:

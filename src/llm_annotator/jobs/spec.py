@@ -32,6 +32,7 @@ class JobArgs(TypedDict, total=False):
     limit: int | None
     shuffle_seed: int | None
     validate: Validate | None
+    shard: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class JobSpec:
     limit: int | None = None
     shuffle_seed: int | None = None
     validate: Validate | None = None
+    shard: Any = None
 
     @classmethod
     def of(

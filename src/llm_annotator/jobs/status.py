@@ -31,7 +31,7 @@ from llm_annotator.jobs.store import (
     read_shard,
     shard_paths,
 )
-from llm_annotator.jobs.timeline import read_timeline
+from llm_annotator.jobs.timeline import last_servers
 
 STATUS_FILE = "status.json"
 """The job's own account of itself, rewritten every few seconds while it runs."""
@@ -219,11 +219,8 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
 
 
 def _servers_now(directory: Path) -> dict[str, dict[str, Any]]:
-    """The servers of the timeline's last snapshot, with the run's evictions of each."""
-    runs = read_timeline(directory)
-    if not runs or not runs[-1].ticks:
-        return {}
-    last = runs[-1].ticks[-1]["servers"]
+    """The servers of the timeline's last snapshot, with the pool's evictions of each."""
+    last = last_servers(directory)
     return {
         url: {"state": values.get("state"), "evictions": values.get("evictions", 0)}
         for url, values in last.items()
@@ -241,7 +238,7 @@ def _state(directory: Path, status: dict[str, Any]) -> tuple[str, int | None, st
     said = status.get("state")
     pid = status.get("pid") if isinstance(status.get("pid"), int) else None
     host = status.get("host") if isinstance(status.get("host"), str) else None
-    holder = _lock_holder(directory)
+    holder = lock_holder(directory)
     if holder is not None:
         live = said == "consolidating" and pid == holder
         return ("consolidating" if live else "running"), holder, socket.gethostname()
@@ -308,7 +305,7 @@ def _read_status(directory: Path) -> dict[str, Any]:
     return status if isinstance(status, dict) else {}
 
 
-def _lock_holder(directory: Path) -> int | None:
+def lock_holder(directory: Path) -> int | None:
     """The pid of the process holding the directory's lock now, or None.
 
     Read from the kernel's table of locks (``/proc/locks``) by the lock file's inode,

@@ -63,6 +63,10 @@ MAX_CHANGES = 10_000
 """Server changes written per run at most."""
 SYNC_EVERY = 60.0
 """Seconds between two fsyncs of the timeline."""
+URLS_EVERY = 256
+"""A tick names its servers when they change, and at least every this many ticks (so
+that the end of the file alone tells the servers: ``llm-annotator status`` reads only
+that)."""
 SERVER_FIELDS = (
     "state",
     "rows",
@@ -227,12 +231,18 @@ class TimelineFile:
         self.path = directory / TIMELINE_FILE
         self._fd: int | None = None
         self._urls: tuple[str, ...] | None = None
+        self._ticks = 0
         self._synced = time.monotonic()
         self._failed = False
 
     def open(self) -> None:
+        """Open for appending; a line cut by a crash is ended first, so that this run's
+        lines stay whole (the reader skips the cut one)."""
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            size = os.fstat(self._fd).st_size
+            if size and os.pread(self._fd, 1, size - 1) != b"\n":
+                self._append(b"\n")
         except OSError as error:
             self._fail(error)
 
@@ -262,7 +272,8 @@ class TimelineFile:
             "in_flight": snapshot.in_flight,
         }
         urls = tuple(s.url for s in snapshot.servers)
-        if urls != self._urls:
+        self._ticks += 1
+        if urls != self._urls or self._ticks % URLS_EVERY == 0:
             line["urls"] = list(urls)
             self._urls = urls
         line["servers"] = [s.values() for s in snapshot.servers]
@@ -287,13 +298,32 @@ class TimelineFile:
         self.write({"e": "end", "t": round(t, 3), "wall": round(wall, 3), "state": state})
 
     def write(self, line: dict[str, Any]) -> None:
+        """Append one line, whole (no fsync here: see :meth:`sync`)."""
         if self._fd is None:
             return
         try:
-            os.write(self._fd, orjson.dumps(line) + b"\n")
-            if time.monotonic() - self._synced >= SYNC_EVERY:
-                os.fsync(self._fd)
-                self._synced = time.monotonic()
+            self._append(orjson.dumps(line) + b"\n")
+        except OSError as error:
+            self._fail(error)
+
+    def _append(self, data: bytes) -> None:
+        assert self._fd is not None
+        written = os.write(self._fd, data)
+        if written != len(data):  # a full disk: the line is cut, and so is the timeline
+            raise OSError(f"wrote {written} of {len(data)} bytes")
+
+    def sync_due(self) -> bool:
+        """Whether it is time for :meth:`sync` (every :data:`SYNC_EVERY` seconds)."""
+        return self._fd is not None and time.monotonic() - self._synced >= SYNC_EVERY
+
+    def sync(self) -> None:
+        """Make what is written durable (in a thread: never on the job's loop)."""
+        fd = self._fd
+        self._synced = time.monotonic()
+        if fd is None:
+            return
+        try:
+            os.fsync(fd)
         except OSError as error:
             self._fail(error)
 
@@ -399,22 +429,31 @@ class RunWatch:
                 await task
             if stop_watching is not None:
                 stop_watching()
-            last = self.snapshot()
-            if self.publish is not None:
-                self.publish(last)
+            try:
+                last = self.snapshot()
+                if self.publish is not None:
+                    self.publish(last)
+                if self.file is not None:
+                    self.file.tick(last)
+                    self.file.end(last.t, last.wall, state)
+            except Exception as error:  # never over the job's own result or error
+                log.warning("run_watch_failed", error=repr(error))
             if self.file is not None:
-                self.file.tick(last)
-                self.file.end(last.t, last.wall, state)
                 await asyncio.to_thread(self.file.close)
 
     async def _sample(self) -> None:
         while True:
-            snapshot = self.snapshot()
-            if self.publish is not None:
-                self.publish(snapshot)
-            if self.file is not None and snapshot.t >= self._next_tick:
-                self.file.tick(snapshot)
-                self._next_tick = snapshot.t + tick_interval(snapshot.t)
+            try:
+                snapshot = self.snapshot()
+                if self.publish is not None:
+                    self.publish(snapshot)
+                if self.file is not None and snapshot.t >= self._next_tick:
+                    self.file.tick(snapshot)
+                    self._next_tick = snapshot.t + tick_interval(snapshot.t)
+                if self.file is not None and self.file.sync_due():
+                    await asyncio.to_thread(self.file.sync)
+            except Exception as error:  # watching must never stop the job
+                log.warning("run_watch_failed", error=repr(error))
             await asyncio.sleep(self.interval)
 
 
@@ -463,16 +502,22 @@ def read_timeline(directory: Path) -> list[RunRecord]:
         data = (directory / TIMELINE_FILE).read_bytes()
     except FileNotFoundError:
         return []
+    return _runs(_lines(data))
+
+
+def _runs(lines: Iterator[dict[str, Any]]) -> list[RunRecord]:
     runs: list[RunRecord] = []
     urls: list[str] = []
-    for line in _lines(data):
+    for line in lines:
         kind = line.get("e")
         if kind == "start":
+            if not _numbers(line, "wall", "total", "done_before"):
+                continue
             runs.append(
                 RunRecord(
-                    wall=float(line.get("wall", 0.0)),
-                    total=int(line.get("total", 0)),
-                    done_before=int(line.get("done_before", 0)),
+                    wall=float(line["wall"]),
+                    total=int(line["total"]),
+                    done_before=int(line["done_before"]),
                     pid=line.get("pid") if isinstance(line.get("pid"), int) else None,
                 )
             )
@@ -484,19 +529,61 @@ def read_timeline(directory: Path) -> list[RunRecord]:
         if kind == "tick":
             if isinstance(line.get("urls"), list):
                 urls = [str(u) for u in line["urls"]]
-            servers = line.get("servers")
-            if not isinstance(servers, list) or len(servers) != len(urls):
+            servers = _servers(line.get("servers"), urls)
+            if servers is None or not _numbers(line, "t", "wall", "done", "rows"):
                 continue
-            line["servers"] = {
-                url: dict(zip(SERVER_FIELDS, values, strict=False))
-                for url, values in zip(urls, servers, strict=True)
-            }
+            if not isinstance(line.get("errors", {}), dict):
+                line["errors"] = {}
+            line["servers"] = servers
             run.ticks.append(line)
         elif kind == "member":
-            run.changes.append(line)
+            if _numbers(line, "t", "wall") and isinstance(line.get("server"), str):
+                run.changes.append(line)
         elif kind == "end":
             run.ended = str(line.get("state"))
     return runs
+
+
+def _numbers(line: dict[str, Any], *names: str) -> bool:
+    return all(
+        isinstance(line.get(n), int | float) and not isinstance(line.get(n), bool) for n in names
+    )
+
+
+def _servers(values: Any, urls: list[str]) -> dict[str, dict[str, Any]] | None:
+    if not isinstance(values, list) or len(values) != len(urls):
+        return None
+    servers = {}
+    for url, entry in zip(urls, values, strict=True):
+        if not isinstance(entry, list):
+            return None
+        fields = dict(zip(SERVER_FIELDS, entry, strict=False))
+        if not all(_numbers(fields, n) for n in SERVER_FIELDS[1:] if n in fields):
+            return None
+        servers[url] = fields
+    return servers
+
+
+def last_servers(directory: Path, tail: int = 1 << 20) -> dict[str, dict[str, Any]]:
+    """The servers of the timeline's last tick, read from the end of the file only
+    (a week-long run's timeline is tens of MB); {} if it has none there."""
+    path = directory / TIMELINE_FILE
+    try:
+        with path.open("rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - tail))
+            data = file.read()
+    except OSError:
+        return {}
+    lines = list(_lines(data))
+    # The urls of the last tick: the last tick that names them, at or before it.
+    start = {"e": "start", "wall": 0, "total": 0, "done_before": 0}
+    first_named = next((i for i, line in enumerate(lines) if "urls" in line), None)
+    if first_named is None:
+        return {}
+    runs = _runs(iter([start, *lines[first_named:]]))
+    ticks = [tick for run in runs for tick in run.ticks]
+    return ticks[-1]["servers"] if ticks else {}
 
 
 def _lines(data: bytes) -> Iterator[dict[str, Any]]:

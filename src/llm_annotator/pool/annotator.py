@@ -30,7 +30,7 @@ from llm_annotator.pool.statistics import PoolStatistics
 from llm_annotator.response import OnError, Response
 
 if TYPE_CHECKING:
-    from llm_annotator.jobs.annotate import AnnotationResult, JobArgs
+    from llm_annotator.jobs.annotate import AnnotationResult, Annotator, JobArgs
 
 log = structlog.get_logger(__name__)
 
@@ -300,22 +300,18 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         progress: bool | None = None,
         stop_grace: float = default.STOP_GRACE,
         metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        timeline: bool = True,
         **job: Unpack[JobArgs],
     ) -> AnnotationResult:
         """Annotate a dataset over the pool into ``output_dir``, resumably.
 
-        The same as ``Annotator(pool, progress=..., stop_grace=..., metrics_port=...)
-        .annotate(...)``;
+        The same as ``Annotator(pool, progress=..., stop_grace=..., metrics_port=...,
+        metrics_host=..., timeline=...).annotate(...)``;
         see :meth:`llm_annotator.Annotator.annotate` for every argument (the keywords
         of :class:`~llm_annotator.jobs.annotate.JobArgs`).
         """
-        # The one call up the layers (pool -> jobs), allowed by name in the import
-        # contract: the documented shortcut hands the pool to the job runner.
-        from llm_annotator.jobs.annotate import Annotator
-
-        runner = Annotator(
-            self, progress=progress, stop_grace=stop_grace, metrics_port=metrics_port
-        )
+        runner = self._runner(progress, stop_grace, metrics_port, metrics_host, timeline)
         return runner.annotate(data, prompt_template, output_dir, **job)
 
     async def aannotate(
@@ -327,16 +323,35 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         progress: bool | None = None,
         stop_grace: float = default.STOP_GRACE,
         metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        timeline: bool = True,
         stop: asyncio.Event | None = None,
         **job: Unpack[JobArgs],
     ) -> AnnotationResult:
         """Async twin of :meth:`annotate`; set ``stop`` for a clean stop."""
+        runner = self._runner(progress, stop_grace, metrics_port, metrics_host, timeline)
+        return await runner.aannotate(data, prompt_template, output_dir, stop=stop, **job)
+
+    def _runner(
+        self,
+        progress: bool | None,
+        stop_grace: float,
+        metrics_port: int | None,
+        metrics_host: str,
+        timeline: bool,
+    ) -> Annotator:
+        # The one call up the layers (pool -> jobs), allowed by name in the import
+        # contract: the documented shortcut hands the pool to the job runner.
         from llm_annotator.jobs.annotate import Annotator
 
-        runner = Annotator(
-            self, progress=progress, stop_grace=stop_grace, metrics_port=metrics_port
+        return Annotator(
+            self,
+            progress=progress,
+            stop_grace=stop_grace,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+            timeline=timeline,
         )
-        return await runner.aannotate(data, prompt_template, output_dir, stop=stop, **job)
 
     # -- the rest of the Client contract -------------------------------------------------
 

@@ -1,0 +1,227 @@
+"""``llm-annotator merge RUN_DIR``: the shards of a sharded job, consolidated into one
+output with one row per id.
+
+Each shard keeps its own results (:mod:`llm_annotator.jobs.shard`); the merge checks that
+every shard of the count in ``sharding.json`` finished with all its rows, then
+consolidates all their records at once (the same rules as one run's consolidation: a
+success beats an error, the last record of a kind wins) into ``RUN_DIR/
+annotations.parquet`` and ``RUN_DIR/report.json``. It names the shards that are missing,
+still running or incomplete instead of merging silently. The last shard to finish runs
+it by itself (:func:`merge_if_complete`); it can also be a final step of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import structlog
+
+from llm_annotator.errors import JobError
+from llm_annotator.jobs.consolidate import PARQUET_FILE, Consolidated, _consolidate
+from llm_annotator.jobs.report import REPORT_NAME, result_summary, write_json
+from llm_annotator.jobs.shard import Shard, read_sharding, shard_directories
+from llm_annotator.jobs.status import STATUS_FILE, lock_holder
+from llm_annotator.jobs.store import DirectoryLock, shard_paths
+
+log = structlog.get_logger(__name__)
+
+_ATTEMPTS = 5
+"""Tries of the last shard's merge while another process holds a lock it needs."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardState:
+    """How one shard of a sharded job stands.
+
+    Attributes:
+        index: The shard's index.
+        directory: Its folder.
+        state: ``finished``, ``running``, ``interrupted``, ``failed``, ``stopped``
+            (killed, or it did not say) or ``missing`` (never started).
+        done: Rows it has done, if it said.
+        total: Rows it takes, if it said.
+    """
+
+    index: int
+    directory: Path
+    state: str
+    done: int | None
+    total: int | None
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "finished" and self.total is not None and self.done == self.total
+
+    def describe(self, count: int) -> str:
+        """The shard's state in words, with what to do."""
+        name = f"shard {self.index} of {count}"
+        if self.state == "missing":
+            return f"{name}: not started (run it with --shard {self.index}/{count})"
+        rows = f"{self.done} of {self.total} rows" if self.total is not None else "rows unknown"
+        if self.state == "running":
+            return f"{name}: still running ({rows})"
+        return f"{name}: {self.state} with {rows} (run it again with --shard {self.index}/{count})"
+
+
+def shard_states(run_dir: str | os.PathLike[str]) -> tuple[int, list[ShardState]]:
+    """The shard count and each shard's state.
+
+    Raises:
+        JobError: The directory is not a sharded run directory.
+    """
+    directory = Path(run_dir)
+    sharding = read_sharding(directory)
+    if sharding is None:
+        raise JobError(
+            f"{directory} is not a sharded run directory (no sharding.json): a job run "
+            "without --shard consolidates its own output"
+        )
+    count = int(sharding["count"])
+    present = shard_directories(directory)
+    states = []
+    for index in range(count):
+        folder = present.get(index, Shard(index, count).directory(directory))
+        states.append(_state(index, folder))
+    return count, states
+
+
+def _state(index: int, folder: Path) -> ShardState:
+    if not folder.is_dir():
+        return ShardState(index, folder, "missing", None, None)
+    try:
+        status = orjson.loads((folder / STATUS_FILE).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        status = {}
+    if not isinstance(status, dict):
+        status = {}
+    said = status.get("state")
+    state = said if said in ("finished", "interrupted", "failed") else "stopped"
+    if _held(folder):
+        state = "running"
+    done = status.get("done") if isinstance(status.get("done"), int) else None
+    total = status.get("total") if isinstance(status.get("total"), int) else None
+    return ShardState(index, folder, state, done, total)
+
+
+def _held(folder: Path) -> bool:
+    """Whether a process holds the shard's lock now (read, never taken)."""
+    return lock_holder(folder) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Merged:
+    """What :func:`merge` wrote.
+
+    Attributes:
+        output_path: ``RUN_DIR/annotations.parquet``.
+        report_path: ``RUN_DIR/report.json``.
+        shards: Shards merged.
+        result: The consolidation's counts.
+    """
+
+    output_path: Path
+    report_path: Path
+    shards: int
+    result: Consolidated
+
+
+def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
+    """Consolidate every shard of a sharded job into one output.
+
+    Raises:
+        JobError: The directory is not sharded, a shard is missing, running or
+            incomplete (the message names each, and what to run), or another process
+            merges it now.
+    """
+    directory = Path(run_dir)
+    count, states = shard_states(directory)
+    waiting = [s for s in states if not s.complete]
+    if waiting:
+        listed = "".join(f"\n  {s.describe(count)}" for s in waiting)
+        raise JobError(
+            f"cannot merge {directory}: {len(waiting)} of its {count} shards are not "
+            f"complete:{listed}\nRun those, then llm-annotator merge {directory}."
+        )
+    with _locked([directory, *(s.directory for s in states)]):
+        files = [path for state in states for path in shard_paths(state.directory)]
+        order = _column_order(states[0].directory)
+        result = _consolidate(directory, jsonl=jsonl, column_order=order, shards=files)
+        expected = sum(s.total or 0 for s in states)
+        if result.num_rows != expected:
+            raise JobError(
+                f"merged {result.num_rows} rows in {directory} where its shards said "
+                f"{expected}: a shard's rows changed while merging, or the input differs "
+                "between shards. The shards' own outputs are kept."
+            )
+        report = _report(result, states)
+        report_path = directory / REPORT_NAME
+        write_json(report_path, report)
+    log.info("shards_merged", output_dir=str(directory), shards=count, rows=result.num_rows)
+    return Merged(result.parquet_path, report_path, count, result)
+
+
+def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
+    """Merge if every shard is complete and no other process merges now; None
+    otherwise (logged: which shards it waits for)."""
+    try:
+        count, states = shard_states(run_dir)
+    except JobError:
+        return None
+    waiting = [s.index for s in states if not s.complete]
+    if waiting:
+        log.info("merge_waits", output_dir=str(run_dir), shards=count, waiting_for=waiting)
+        return None
+    for attempt in range(_ATTEMPTS):
+        try:
+            return merge(run_dir, jsonl=jsonl)
+        except JobError as error:  # another shard merges it right now, or one restarted
+            reason = str(error)
+            if "another run" not in reason or attempt == _ATTEMPTS - 1:
+                log.info("merge_skipped", output_dir=str(run_dir), reason=reason)
+                return None
+        time.sleep(0.2 * (attempt + 1))
+    return None
+
+
+@contextlib.contextmanager
+def _locked(directories: list[Path]) -> Iterator[None]:
+    locks: list[DirectoryLock] = []
+    try:
+        for directory in directories:
+            locks.append(DirectoryLock.acquire(directory, "merge"))
+        yield
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _column_order(directory: Path) -> list[str]:
+    try:
+        return list(pq.read_schema(directory / PARQUET_FILE).names)
+    except OSError:
+        return []
+
+
+def _report(result: Consolidated, states: list[ShardState]) -> dict[str, Any]:
+    shards = []
+    for state in states:
+        try:
+            own = orjson.loads((state.directory / REPORT_NAME).read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            own = {}
+        shards.append({"shard": state.index, "rows": state.total, **_parts(own)})
+    return {**result_summary(result), "shards": shards}
+
+
+def _parts(report: Any) -> dict[str, Any]:
+    if not isinstance(report, dict):
+        return {}
+    return {key: report[key] for key in ("this_run", "per_server") if key in report}

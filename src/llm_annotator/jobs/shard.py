@@ -1,0 +1,238 @@
+"""One job over many annotator processes: which rows a shard takes, and where it keeps
+them.
+
+Every shard reads the same input and takes the rows whose id hashes to it (a stable
+64-bit hash of the id, :func:`~llm_annotator.jobs.ids.hash_id`, not the row's
+position), so the shards of a job split its rows into disjoint parts that do not
+depend on the order of the input or on how many rows each shard has done. Shard ``i``
+of ``n`` keeps its own store, lock, status and timeline in ``RUN_DIR/shard-000i-of-000n``
+(a run directory of its own); ``RUN_DIR/sharding.json`` records the shard count and the
+job's fingerprint, so a shard started with another count or other settings is refused
+(another count would hand rows to other shards than before).
+
+A scheduler's array sets which shard a process is: ``--shard auto`` reads SLURM's
+``SLURM_ARRAY_TASK_ID`` / ``SLURM_ARRAY_TASK_MIN`` / ``SLURM_ARRAY_TASK_STEP`` /
+``SLURM_ARRAY_TASK_COUNT``, or a Kubernetes Indexed Job's ``JOB_COMPLETION_INDEX`` with
+the count given as ``auto/N`` (or in ``LLM_ANNOTATOR_SHARD_COUNT``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from llm_annotator.errors import ConfigurationError, FingerprintMismatchError
+from llm_annotator.jobs.ids import RowId, hash_id
+from llm_annotator.jobs.inputs import Row, RowSource
+
+SHARDING_FILE = "sharding.json"
+"""In a sharded run directory: the shard count and the job's fingerprint."""
+COUNT_VARIABLE = "LLM_ANNOTATOR_SHARD_COUNT"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Shard ``index`` of ``count`` (0-based).
+
+    Examples:
+        >>> Shard.parse("1/3")
+        Shard(index=1, count=3)
+        >>> Shard(1, 3).name
+        'shard-0001-of-0003'
+        >>> sum(Shard(i, 3).owns("row-7") for i in range(3))
+        1
+        >>> Shard.parse("auto", {"SLURM_ARRAY_TASK_ID": "12", "SLURM_ARRAY_TASK_MIN": "10",
+        ...     "SLURM_ARRAY_TASK_COUNT": "4"})
+        Shard(index=2, count=4)
+        >>> Shard.parse("auto/8", {"JOB_COMPLETION_INDEX": "5"})
+        Shard(index=5, count=8)
+        >>> Shard.parse("3/3")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.ConfigurationError: shard: the index must be from 0 to 2 ...
+    """
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        for name in ("index", "count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigurationError(f"shard: the {name} must be an int, got {value!r}")
+        if self.count < 1:
+            raise ConfigurationError(f"shard: the count must be at least 1, got {self.count}")
+        if not 0 <= self.index < self.count:
+            raise ConfigurationError(
+                f"shard: the index must be from 0 to {self.count - 1} (of {self.count} "
+                f"shards), got {self.index}"
+            )
+
+    @classmethod
+    def of(cls, value: Any) -> Shard | None:
+        """A ``shard=`` argument: None, a :class:`Shard`, an ``(index, count)`` pair or
+        text (:meth:`parse`)."""
+        if value is None or isinstance(value, Shard):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        if isinstance(value, tuple | list) and len(value) == 2:
+            return cls(value[0], value[1])
+        raise ConfigurationError(
+            f"shard must be (index, count), 'INDEX/COUNT' or 'auto', got {value!r}"
+        )
+
+    @classmethod
+    def parse(cls, text: str, environ: Mapping[str, str] | None = None) -> Shard:
+        """``"INDEX/COUNT"``, ``"auto"`` or ``"auto/COUNT"`` (see the module's docstring).
+
+        Raises:
+            ConfigurationError: The text or the environment does not say a shard.
+        """
+        env = os.environ if environ is None else environ
+        head, _, tail = text.strip().partition("/")
+        if head == "auto":
+            return cls._auto(env, _integer(tail, "the count of auto/COUNT") if tail else None)
+        if not tail:
+            raise ConfigurationError(
+                f"shard: expected INDEX/COUNT (like 0/4), auto or auto/COUNT, got {text!r}"
+            )
+        return cls(_integer(head, "the index"), _integer(tail, "the count"))
+
+    @classmethod
+    def _auto(cls, env: Mapping[str, str], count: int | None) -> Shard:
+        if "SLURM_ARRAY_TASK_ID" in env:
+            task = _integer(env["SLURM_ARRAY_TASK_ID"], "SLURM_ARRAY_TASK_ID")
+            first = _integer(env.get("SLURM_ARRAY_TASK_MIN", "0"), "SLURM_ARRAY_TASK_MIN")
+            step = _integer(env.get("SLURM_ARRAY_TASK_STEP", "1"), "SLURM_ARRAY_TASK_STEP")
+            if count is None:
+                if "SLURM_ARRAY_TASK_COUNT" not in env:
+                    raise ConfigurationError(
+                        "shard auto: SLURM_ARRAY_TASK_COUNT is not set; give auto/COUNT"
+                    )
+                count = _integer(env["SLURM_ARRAY_TASK_COUNT"], "SLURM_ARRAY_TASK_COUNT")
+            return cls((task - first) // max(step, 1), count)
+        if "JOB_COMPLETION_INDEX" in env:
+            index = _integer(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
+            if count is None and COUNT_VARIABLE in env:
+                count = _integer(env[COUNT_VARIABLE], COUNT_VARIABLE)
+            if count is None:
+                raise ConfigurationError(
+                    "shard auto: in a Kubernetes Indexed Job give the count, as auto/COUNT "
+                    f"(the Job's completions) or in {COUNT_VARIABLE}"
+                )
+            return cls(index, count)
+        raise ConfigurationError(
+            "shard auto: neither SLURM_ARRAY_TASK_ID (a SLURM job array) nor "
+            "JOB_COMPLETION_INDEX (a Kubernetes Indexed Job) is set; give INDEX/COUNT"
+        )
+
+    @property
+    def name(self) -> str:
+        """The shard's folder in the run directory."""
+        return f"shard-{self.index:04d}-of-{self.count:04d}"
+
+    def directory(self, run_dir: Path) -> Path:
+        return run_dir / self.name
+
+    def owns(self, row_id: RowId) -> bool:
+        """Whether the row with this id is this shard's."""
+        return hash_id(row_id) % self.count == self.index
+
+    def rows(self, rows: Iterator[Row]) -> Iterator[Row]:
+        """This shard's rows of ``rows``."""
+        count, index = self.count, self.index
+        for row in rows:
+            if hash_id(row.id) % count == index:
+                yield row
+
+    def size(self, source: RowSource, input_rows: int) -> int:
+        """How many of the input's rows are this shard's (one more pass over the ids)."""
+        count, index = self.count, self.index
+        if source.id_column is None:
+            return sum(1 for p in range(input_rows) if hash_id(p) % count == index)
+        return sum(1 for row_id in source.ids() if hash_id(row_id) % count == index)
+
+
+def _integer(text: str, what: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConfigurationError(f"shard: {what} must be an integer, got {text!r}") from None
+
+
+def shard_directories(run_dir: Path) -> dict[int, Path]:
+    """The shards' folders present in a sharded run directory, by index."""
+    found: dict[int, Path] = {}
+    for path in sorted(run_dir.glob("shard-*-of-*")):
+        parts = path.name.split("-")
+        if len(parts) == 4 and parts[1].isdigit() and path.is_dir():
+            found[int(parts[1])] = path
+    return found
+
+
+def read_sharding(run_dir: Path) -> dict[str, Any] | None:
+    """``sharding.json`` of a run directory, or None if it is not sharded."""
+    try:
+        value = orjson.loads((run_dir / SHARDING_FILE).read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, orjson.JSONDecodeError) as error:
+        raise ConfigurationError(f"cannot read {run_dir / SHARDING_FILE}: {error}") from None
+    if not isinstance(value, dict) or not isinstance(value.get("count"), int):
+        raise ConfigurationError(f"{run_dir / SHARDING_FILE} is not a sharding record")
+    return value
+
+
+def claim(run_dir: Path, shard: Shard, fingerprint: Mapping[str, Any], *, force: bool) -> None:
+    """Record the sharding in ``run_dir`` (the first shard), or check it (the others).
+
+    Raises:
+        ConfigurationError: The directory holds an unsharded job, or was split into
+            another count of shards.
+        FingerprintMismatchError: Its shards were started with other settings (and
+            ``force`` is False).
+    """
+    from llm_annotator.jobs.store import JOB_FILE, atomic_write
+
+    if (run_dir / JOB_FILE).exists():
+        raise ConfigurationError(
+            f"{run_dir} holds a job that is not sharded; run without --shard to resume "
+            "it, or give the sharded job another --output-dir"
+        )
+    record = {"count": shard.count, "fingerprint": dict(fingerprint)}
+    said = read_sharding(run_dir)
+    if said is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(run_dir / SHARDING_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            said = read_sharding(run_dir)  # another shard was first, just now
+        else:
+            with os.fdopen(fd, "wb") as file:
+                file.write(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+                file.flush()
+                os.fsync(file.fileno())
+            return
+    assert said is not None
+    if said["count"] != shard.count:
+        raise ConfigurationError(
+            f"{run_dir} is split into {said['count']} shards, not {shard.count}: another "
+            f"count would hand rows to other shards than before. Run the shards as "
+            f"--shard INDEX/{said['count']}, or merge them (llm-annotator merge {run_dir}) "
+            "and start the new split in another --output-dir"
+        )
+    if said.get("fingerprint") != record["fingerprint"]:
+        if not force:
+            raise FingerprintMismatchError(
+                f"{run_dir}: its shards were started with other settings (prompt, model, "
+                "options or input columns); give the same settings, or --force to go on "
+                "with these"
+            )
+        with atomic_write(run_dir / SHARDING_FILE) as file:
+            file.write(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
