@@ -109,13 +109,15 @@ EOF
     if command -v kubectl >/dev/null; then
         rendered="$(mktemp --suffix=.yaml)"
         trap 'rm -f "$rendered"' EXIT
-        echo "lint-deploy: kubectl kustomize deploy/kubernetes | kubernetes-validate"
-        if kubectl kustomize deploy/kubernetes >"$rendered"; then
-            "$python" -m kubernetes_validate --strict --quiet "$rendered" ||
-                fail "the rendered kustomization"
-        else
-            fail "kubectl kustomize deploy/kubernetes"
-        fi
+        for folder in deploy/kubernetes deploy/kubernetes-sharded; do
+            echo "lint-deploy: kubectl kustomize $folder | kubernetes-validate"
+            if kubectl kustomize "$folder" >"$rendered"; then
+                "$python" -m kubernetes_validate --strict --quiet "$rendered" ||
+                    fail "the rendered kustomization of $folder"
+            else
+                fail "kubectl kustomize $folder"
+            fi
+        done
     else
         echo "lint-deploy: kubectl not found: the kustomization is not rendered" >&2
     fi

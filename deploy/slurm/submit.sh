@@ -6,6 +6,8 @@
 #
 # Options:
 #   -n N      number of servers, one array task each (default 4)
+#   -a N      number of annotator processes (shards), one array task each (default 1:
+#             one annotate job); with N > 1 a merge job follows the array
 #   -i FILE   input file (required)
 #   -o DIR    run folder, where annotations.parquet ends up (required)
 #   -s DIR    folder the servers announce their URLs in (default: DIR.servers beside -o)
@@ -25,23 +27,25 @@
 #
 # The annotate job starts once the first server task has started (--dependency=after),
 # waits for the first URL, and cancels the server array when the run ends. Prints the
-# two job ids on stdout as `server_job=ID` and `annotate_job=ID`.
+# job ids on stdout as `server_job=ID` and `annotate_job=ID` (and `merge_job=ID` with -a).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 num_servers=4
+num_shards=1
 input=""
 output_dir=""
 servers_dir=""
 
 usage() {
-    sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
 while (($# > 0)); do
     case "$1" in
         -n) num_servers="${2:?}" && shift 2 ;;
+        -a) num_shards="${2:?}" && shift 2 ;;
         -i) input="${2:?}" && shift 2 ;;
         -o) output_dir="${2:?}" && shift 2 ;;
         -s) servers_dir="${2:?}" && shift 2 ;;
@@ -53,6 +57,10 @@ done
 [[ -n "$input" && -n "$output_dir" ]] || usage
 [[ "$num_servers" =~ ^[1-9][0-9]*$ ]] || {
     echo "submit.sh: -n wants a positive number, not '$num_servers'" >&2
+    exit 2
+}
+[[ "$num_shards" =~ ^[1-9][0-9]*$ ]] || {
+    echo "submit.sh: -a wants a positive number, not '$num_shards'" >&2
     exit 2
 }
 : "${MODEL:?set MODEL to the model the servers serve}"
@@ -78,10 +86,22 @@ server_job="$(sbatch --parsable --array="0-$((num_servers - 1))" "${server_opts[
     "$here/server.sbatch")"
 server_job="${server_job%%;*}" # "ID;cluster" on federated clusters
 
-annotate_job="$(SERVER_JOB_ID="$server_job" sbatch --parsable \
-    --dependency="after:${server_job}_0" "${annotate_opts[@]}" \
-    "$here/annotate.sbatch" "$@")"
-annotate_job="${annotate_job%%;*}"
+if ((num_shards == 1)); then
+    annotate_job="$(SERVER_JOB_ID="$server_job" sbatch --parsable \
+        --dependency="after:${server_job}_0" "${annotate_opts[@]}" \
+        "$here/annotate.sbatch" "$@")"
+    annotate_job="${annotate_job%%;*}"
+else
+    # The shards, then the merge once all of them ended (it frees the servers).
+    annotate_job="$(ANNOTATE_SCRIPT="$here/annotate.sbatch" sbatch --parsable \
+        --array="0-$((num_shards - 1))" --dependency="after:${server_job}_0" \
+        "${annotate_opts[@]}" "$here/annotate-array.sbatch" "$@")"
+    annotate_job="${annotate_job%%;*}"
+    merge_job="$(SERVER_JOB_ID="$server_job" sbatch --parsable \
+        --dependency="afterany:$annotate_job" "${annotate_opts[@]}" "$here/merge.sbatch")"
+    merge_job="${merge_job%%;*}"
+    echo "merge_job=$merge_job"
+fi
 
 echo "server_job=$server_job"
 echo "annotate_job=$annotate_job"

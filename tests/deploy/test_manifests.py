@@ -154,3 +154,21 @@ def test_compose_pins_each_server_to_its_own_gpu(yaml: ModuleType) -> None:
     command = " ".join(services["annotator"]["command"])
     for name in servers:
         assert f"http://{name}:8000/v1" in command
+
+
+def test_the_sharded_overlay_runs_one_shard_per_index(yaml: ModuleType) -> None:
+    """deploy/kubernetes-sharded: an Indexed Job whose completions, parallelism and
+    shard count agree, each pod with --shard auto (its JOB_COMPLETION_INDEX)."""
+    overlay = _load(yaml, REPO / "deploy" / "kubernetes-sharded" / "kustomization.yaml")
+    assert overlay["resources"] == ["../kubernetes"]
+    (patch,) = overlay["patches"]
+    assert patch["target"] == {"kind": "Job", "name": "llm-annotator"}
+    ops = {op["path"]: op["value"] for op in yaml.safe_load(patch["patch"])}
+    assert ops["/spec/completionMode"] == "Indexed"
+    (count,) = ops["/spec/template/spec/containers/0/env"]
+    assert count["name"] == "LLM_ANNOTATOR_SHARD_COUNT"
+    assert ops["/spec/completions"] == ops["/spec/parallelism"] == int(count["value"])
+    args = ops["/spec/template/spec/containers/0/args/0"]
+    job = _load(yaml, KUBERNETES / "annotator-job.yaml")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert args.replace(" --shard auto", "") == container["args"][0]  # the same run

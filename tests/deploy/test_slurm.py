@@ -161,6 +161,22 @@ def _rows_written(output_dir: Path) -> int:
     return count
 
 
+def _run_setup(server_env: dict[str, str], tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """The input of ROWS reviews, the run folder, and submit.sh's environment."""
+    input_path = tmp_path / "input.jsonl"
+    with input_path.open("w", encoding="utf-8") as handle:
+        for i in range(ROWS):
+            handle.write(json.dumps({"text": f"review {i}: the service was slow but kind"}) + "\n")
+    env = {
+        **server_env,
+        "SERVER_SBATCH_ARGS": "",  # no GPUs here
+        "ANNOTATE_SBATCH_ARGS": "--cpus-per-task=1",  # the node has 2
+        "LLM_ANNOTATOR": str(_annotator_command()),
+        "SERVERS_WAIT": str(int(STARTUP_TIMEOUT)),
+    }
+    return input_path, tmp_path / "run", env
+
+
 @pytest.mark.timeout(STARTUP_TIMEOUT + RUN_TIMEOUT + 3 * STOP_TIMEOUT + 120)
 def test_annotation_run_survives_a_cancelled_server(
     slurm_cluster: SlurmCluster, server_env: dict[str, str], tmp_path: Path
@@ -171,20 +187,8 @@ def test_annotation_run_survives_a_cancelled_server(
     its URL is withdrawn before the last row is; the annotator finishes on the other
     server, and the annotate job completes.
     """
-    annotator = _annotator_command()
     servers_dir = Path(server_env["SERVERS_DIR"])
-    input_path = tmp_path / "input.jsonl"
-    output_dir = tmp_path / "run"
-    with input_path.open("w", encoding="utf-8") as handle:
-        for i in range(ROWS):
-            handle.write(json.dumps({"text": f"review {i}: the service was slow but kind"}) + "\n")
-    env = {
-        **server_env,
-        "SERVER_SBATCH_ARGS": "",  # no GPUs here
-        "ANNOTATE_SBATCH_ARGS": "--cpus-per-task=1",  # the node has 2
-        "LLM_ANNOTATOR": str(annotator),
-        "SERVERS_WAIT": str(int(STARTUP_TIMEOUT)),
-    }
+    input_path, output_dir, env = _run_setup(server_env, tmp_path)
     submitted = slurm_cluster.run(
         "bash",
         str(SUBMIT),
@@ -247,3 +251,72 @@ def test_annotation_run_survives_a_cancelled_server(
     for name in error_columns:
         errors = [value for value in table.column(name).to_pylist() if value]
         assert not errors, f"{len(errors)} error rows, e.g. {errors[:3]}"
+
+
+def _shard_rows_written(output_dir: Path, index: int, count: int) -> int:
+    return _rows_written(output_dir / f"shard-{index:04d}-of-{count:04d}")
+
+
+@pytest.mark.timeout(STARTUP_TIMEOUT + 2 * RUN_TIMEOUT + 3 * STOP_TIMEOUT + 180)
+def test_sharded_run_as_an_annotator_array_with_a_requeued_task(
+    slurm_cluster: SlurmCluster, server_env: dict[str, str], tmp_path: Path
+) -> None:
+    """submit.sh -a 3: three annotator tasks, each its own shard, then the merge job.
+
+    Shard 1's task is requeued (scontrol requeue) when it has written a third of its
+    rows; it starts again, resumes only its own shard (its report: the rows done before
+    were not sent again), and the merge job puts every row in the output exactly once.
+    """
+    servers_dir = Path(server_env["SERVERS_DIR"])
+    input_path, output_dir, env = _run_setup(server_env, tmp_path)
+    submitted = slurm_cluster.run(
+        "bash", str(SUBMIT), "-n", "2", "-a", "3",
+        "-i", str(input_path), "-o", str(output_dir), "-s", str(servers_dir), "--",
+        "--prompt-template", "Is this review positive or negative? {text}",
+        "--max-completion-tokens", "32", "--temperature", "0",
+        "--batch-size", "4", "--max-concurrent-batches-per-client", "1",
+        "--log-format", "json",
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+    jobs = dict(line.split("=", 1) for line in submitted.split())
+    server_job, annotate_job, merge_job = (
+        jobs["server_job"],
+        jobs["annotate_job"],
+        jobs["merge_job"],
+    )
+    victim = f"{annotate_job}_1"
+    try:
+        _wait_for_servers(slurm_cluster, server_job, servers_dir, 2, tmp_path)
+        third = ROWS // 9  # a third of one shard's rows, about
+
+        def a_third_of_shard_1() -> bool:
+            if slurm_cluster.is_finished(victim):
+                pytest.fail(f"shard 1 ended early\n{_job_logs(tmp_path)}")
+            return _shard_rows_written(output_dir, 1, 3) >= third
+
+        wait_until(
+            a_third_of_shard_1, RUN_TIMEOUT, "a third of shard 1", lambda: _job_logs(tmp_path), 0.1
+        )
+        slurm_cluster.run("scontrol", "requeue", victim)
+        wait_until(
+            lambda: slurm_cluster.is_finished(merge_job),
+            RUN_TIMEOUT + 240,  # a requeued task waits before it is eligible again
+            "the merge job to finish",
+            lambda: _job_logs(tmp_path),
+        )
+        states = {**slurm_cluster.task_states(annotate_job), **slurm_cluster.task_states(merge_job)}
+        assert set(states.values()) == {"COMPLETED"}, f"{states}\n{_job_logs(tmp_path)}"
+    finally:
+        _end_jobs(slurm_cluster, merge_job, annotate_job, server_job)
+
+    table = pq.read_table(output_dir / "annotations.parquet")
+    assert sorted(table.column("id").to_pylist()) == list(range(ROWS))
+    assert not [value for value in table.column("error").to_pylist() if value]
+    shard = output_dir / "shard-0001-of-0003"
+    report = json.loads((shard / "report.json").read_text())
+    resumed, sent = report["this_run"]["resumed_rows"], report["this_run"]["sent_rows"]
+    assert resumed >= third, "the requeued task did not resume its shard"
+    assert resumed + sent == report["rows"], report["this_run"]  # only its rows left
+    merged = json.loads((output_dir / "report.json").read_text())
+    assert [s["shard"] for s in merged["shards"]] == [0, 1, 2]
+    assert sum(s["rows"] for s in merged["shards"]) == ROWS

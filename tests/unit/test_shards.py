@@ -123,12 +123,15 @@ def test_a_killed_shard_re_run_alone_sends_only_its_rows_left(
 ) -> None:
     servers = fake_servers(2)
     for server in servers:
-        server.handler = slow_by(0.05)
+        server.handler = slow_by(0.1)
     data = write_rows(tmp_path / "data.jsonl", 600)
     out = tmp_path / "run"
     victim = Shard(1, 3)
+    # 8 requests in flight at 0.1 s each: shard 1's 200-odd rows take about 3 s, so
+    # the kill at 40 rows comes in the middle.
+    slow = ["--batch-size", "4", "--max-concurrent-batches-per-client", "1"]
     killed = subprocess.Popen(
-        shard_command(servers, data, out, "1/3"),
+        [*shard_command(servers, data, out, "1/3"), *slow],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,
@@ -138,6 +141,7 @@ def test_a_killed_shard_re_run_alone_sends_only_its_rows_left(
         while time.monotonic() < deadline and written(out / victim.name) < 40:
             time.sleep(0.05)
         assert written(out / victim.name) >= 40
+        assert killed.poll() is None, "shard 1 ended before the kill"
     finally:
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait(timeout=30)

@@ -208,17 +208,19 @@ def claim(run_dir: Path, shard: Shard, fingerprint: Mapping[str, Any], *, force:
     record = {"count": shard.count, "fingerprint": dict(fingerprint)}
     said = read_sharding(run_dir)
     if said is None:
+        # Written whole under a name of its own, then linked in place: a shard that
+        # starts at the same moment sees no file or a whole one, never half of one.
         run_dir.mkdir(parents=True, exist_ok=True)
+        temporary = run_dir / f".{SHARDING_FILE}.{os.getpid()}.{shard.index}"
+        temporary.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
         try:
-            fd = os.open(run_dir / SHARDING_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.link(temporary, run_dir / SHARDING_FILE)
         except FileExistsError:
             said = read_sharding(run_dir)  # another shard was first, just now
         else:
-            with os.fdopen(fd, "wb") as file:
-                file.write(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
-                file.flush()
-                os.fsync(file.fileno())
             return
+        finally:
+            temporary.unlink()
     assert said is not None
     if said["count"] != shard.count:
         raise ConfigurationError(
