@@ -33,6 +33,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 num_servers=4
 num_shards=1
+merge_job=""
 input=""
 output_dir=""
 servers_dir=""
@@ -109,5 +110,5 @@ cat >&2 <<EOF
 submitted $num_servers servers (job $server_job) and the annotator (job $annotate_job)
   servers announce themselves in  $servers_dir
   results go to                   $output_dir/annotations.parquet
-  follow with: squeue -j $server_job,$annotate_job   stop with: scancel $server_job $annotate_job
+  follow with: squeue -j $server_job,$annotate_job${merge_job:+,$merge_job}   stop with: scancel $server_job $annotate_job${merge_job:+ $merge_job}
 EOF

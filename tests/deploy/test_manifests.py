@@ -161,8 +161,10 @@ def test_the_sharded_overlay_runs_one_shard_per_index(yaml: ModuleType) -> None:
     shard count agree, each pod with --shard auto (its JOB_COMPLETION_INDEX)."""
     overlay = _load(yaml, REPO / "deploy" / "kubernetes-sharded" / "kustomization.yaml")
     assert overlay["resources"] == ["../kubernetes"]
-    (patch,) = overlay["patches"]
+    patch, volume = overlay["patches"]
     assert patch["target"] == {"kind": "Job", "name": "llm-annotator"}
+    assert volume["target"]["kind"] == "PersistentVolumeClaim"  # pods on many nodes
+    assert yaml.safe_load(volume["patch"])[0]["value"] == ["ReadWriteMany"]
     ops = {op["path"]: op["value"] for op in yaml.safe_load(patch["patch"])}
     assert ops["/spec/completionMode"] == "Indexed"
     (count,) = ops["/spec/template/spec/containers/0/env"]

@@ -70,9 +70,12 @@ def test_the_shards_split_the_ids_into_balanced_disjoint_parts() -> None:
 
 
 def test_auto_reads_the_schedulers_index_or_says_what_is_missing() -> None:
-    slurm = {"SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_MIN": "0",
-             "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": "4"}  # fmt: skip
+    slurm = {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4"}
     assert Shard.parse("auto", slurm) == Shard(3, 4)
+    rerun = {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "1"}  # sbatch --array=3
+    assert Shard.parse("auto/4", rerun) == Shard(3, 4)
+    with pytest.raises(ConfigurationError, match="submit the array as --array=0-0"):
+        Shard.parse("auto", rerun)
     assert Shard.parse("auto", {"JOB_COMPLETION_INDEX": "2", "LLM_ANNOTATOR_SHARD_COUNT": "5"}) == (
         Shard(2, 5)
     )
@@ -116,6 +119,13 @@ def test_three_shard_processes_send_each_row_once_and_the_last_merges(
     report = orjson.loads((out / "report.json").read_bytes())
     assert report["rows"] == report["succeeded"] == 900
     assert [s["shard"] for s in report["shards"]] == [0, 1, 2]
+    assert main(["report", str(out)]) == 0  # the shards, and each one's plots
+    page = (out / "report.html").read_text()
+    assert "A job in 3 shards; merged into annotations.parquet." in page
+    for index in range(3):
+        assert f"<h2>Shard {index} of 3</h2>" in page
+        assert f"<td>shard-{index:04d}-of-0003</td>" in page
+    assert page.count("<svg") >= 9
 
 
 def test_a_killed_shard_re_run_alone_sends_only_its_rows_left(

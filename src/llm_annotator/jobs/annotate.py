@@ -316,8 +316,13 @@ class Annotator:
             await asyncio.to_thread(claim, run_dir, shard, fingerprint, force=spec.force)
             fingerprint = {**fingerprint, "shard": {"index": shard.index, "count": shard.count}}
             spec = dataclasses.replace(spec, output_dir=shard.directory(run_dir))
-            total = await asyncio.to_thread(shard.size, source, input_rows)
         store = await _open_store(spec, fingerprint, retry)
+        if shard is not None:  # counted with the shard's lock held: it shows as running
+            try:
+                total = await asyncio.to_thread(shard.size, source, input_rows)
+            except BaseException:
+                await asyncio.to_thread(store.close)
+                raise
         resumed = store.num_done
         status = StatusFile(spec.output_dir, total)
         log.info(

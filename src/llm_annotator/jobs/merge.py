@@ -27,9 +27,9 @@ import structlog
 from llm_annotator.errors import JobError
 from llm_annotator.jobs.consolidate import PARQUET_FILE, Consolidated, _consolidate
 from llm_annotator.jobs.report import REPORT_NAME, result_summary, write_json
-from llm_annotator.jobs.shard import Shard, read_sharding, shard_directories
-from llm_annotator.jobs.status import STATUS_FILE, lock_holder
-from llm_annotator.jobs.store import DirectoryLock, shard_paths
+from llm_annotator.jobs.shard import Shard, read_sharding
+from llm_annotator.jobs.status import run_status
+from llm_annotator.jobs.store import JOB_FILE, DirectoryLock, shard_paths
 
 log = structlog.get_logger(__name__)
 
@@ -85,35 +85,21 @@ def shard_states(run_dir: str | os.PathLike[str]) -> tuple[int, list[ShardState]
             "without --shard consolidates its own output"
         )
     count = int(sharding["count"])
-    present = shard_directories(directory)
-    states = []
-    for index in range(count):
-        folder = present.get(index, Shard(index, count).directory(directory))
-        states.append(_state(index, folder))
+    states = [_state(i, Shard(i, count).directory(directory)) for i in range(count)]
     return count, states
 
 
 def _state(index: int, folder: Path) -> ShardState:
-    if not folder.is_dir():
+    """The shard's state as ``llm-annotator status`` sees it (a lock held on this host,
+    or a fresh ``status.json`` from another), with the rows its files hold."""
+    if not folder.is_dir() or not (folder / JOB_FILE).is_file():
         return ShardState(index, folder, "missing", None, None)
     try:
-        status = orjson.loads((folder / STATUS_FILE).read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        status = {}
-    if not isinstance(status, dict):
-        status = {}
-    said = status.get("state")
-    state = said if said in ("finished", "interrupted", "failed") else "stopped"
-    if _held(folder):
-        state = "running"
-    done = status.get("done") if isinstance(status.get("done"), int) else None
-    total = status.get("total") if isinstance(status.get("total"), int) else None
-    return ShardState(index, folder, state, done, total)
-
-
-def _held(folder: Path) -> bool:
-    """Whether a process holds the shard's lock now (read, never taken)."""
-    return lock_holder(folder) is not None
+        status = run_status(folder)
+    except JobError:
+        return ShardState(index, folder, "missing", None, None)
+    state = "running" if status.state in ("running", "consolidating") else status.state
+    return ShardState(index, folder, state, status.done, status.total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,10 +142,16 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
         result = _consolidate(directory, jsonl=jsonl, column_order=order, shards=files)
         expected = sum(s.total or 0 for s in states)
         if result.num_rows != expected:
+            for path in (result.parquet_path, result.jsonl_path):
+                if path is not None:
+                    path.unlink(missing_ok=True)  # no output that looks final
+            log.error(
+                "merge_refused", output_dir=str(directory), rows=result.num_rows, expected=expected
+            )
             raise JobError(
                 f"merged {result.num_rows} rows in {directory} where its shards said "
                 f"{expected}: a shard's rows changed while merging, or the input differs "
-                "between shards. The shards' own outputs are kept."
+                "between shards. Nothing is merged; the shards' own outputs are kept."
             )
         report = _report(result, states)
         report_path = directory / REPORT_NAME
@@ -185,8 +177,16 @@ def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
         except JobError as error:  # another shard merges it right now, or one restarted
             reason = str(error)
             if "another run" not in reason or attempt == _ATTEMPTS - 1:
-                log.info("merge_skipped", output_dir=str(run_dir), reason=reason)
+                log.warning("merge_skipped", output_dir=str(run_dir), reason=reason)
                 return None
+        except Exception as error:  # a full disk, say: this shard's own work is done
+            log.warning(
+                "merge_failed",
+                output_dir=str(run_dir),
+                error=f"{type(error).__name__}: {error}",
+                fix=f"llm-annotator merge {run_dir}",
+            )
+            return None
         time.sleep(0.2 * (attempt + 1))
     return None
 

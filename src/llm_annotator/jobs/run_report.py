@@ -10,7 +10,8 @@ What it shows: throughput over time (answers a second, overall and per server, a
 rows written), with evictions and re-admissions marked; the time a request spends in
 flight on each server; error rows by type over time; the progress and its tail (the
 time from 99% of the rows to the last); a summary table of the run and one row per
-server; every change of a server's state.
+server; every change of a server's state. For a sharded job (``--shard``), a table of
+its shards, then each shard's sections.
 
 The plots need matplotlib (``pip install 'llm-annotator[report]'``); the series are
 computed here without it (:func:`run_series`), so they are tested on their own.
@@ -31,7 +32,10 @@ from typing import Any
 import orjson
 
 from llm_annotator.errors import ConfigurationError
+from llm_annotator.jobs.consolidate import PARQUET_FILE
+from llm_annotator.jobs.merge import shard_states
 from llm_annotator.jobs.report import REPORT_NAME
+from llm_annotator.jobs.shard import read_sharding
 from llm_annotator.jobs.status import RunStatus, run_status
 from llm_annotator.jobs.timeline import TIMELINE_FILE, RunRecord, read_timeline
 
@@ -194,12 +198,11 @@ def write_html_report(
         ConfigurationError: matplotlib is not installed (the ``report`` extra).
     """
     directory = Path(run_dir)
-    status = run_status(directory)  # raises JobError for a directory without a job
-    runs = read_timeline(directory)
-    series = run_series(runs)
-    summary = _read_report(directory)
-    plots = _plots(series) if runs else []
-    page = _page(directory, status, summary, series, runs, plots)
+    if read_sharding(directory) is None:
+        body = _run_parts(directory, "h2")  # raises JobError for a directory without a job
+    else:
+        body = _sharded_parts(directory)
+    page = _page(directory, body)
     path = Path(output) if output is not None else directory / HTML_REPORT_NAME
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(page, encoding="utf-8")
@@ -396,14 +399,7 @@ figure { margin: 10px 0 18px 0; } svg { max-width: 100%; height: auto; }
 """
 
 
-def _page(
-    directory: Path,
-    status: RunStatus,
-    summary: dict[str, Any],
-    series: RunSeries,
-    runs: Sequence[RunRecord],
-    plots: list[tuple[str, str]],
-) -> str:
+def _page(directory: Path, body: list[str]) -> str:
     e = html.escape
     parts = [
         "<!DOCTYPE html>",
@@ -411,10 +407,54 @@ def _page(
         f"<title>llm-annotator run report: {e(directory.name)}</title>",
         f"<style>{_STYLE}</style></head><body>",
         f"<h1>Run report: {e(str(directory))}</h1>",
+        *body,
+        f'<p class="note">Written {e(_now())} by llm-annotator report from '
+        f"{TIMELINE_FILE}, the shards and {REPORT_NAME}.</p></body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def _sharded_parts(directory: Path) -> list[str]:
+    """A sharded job: a table of its shards, then each shard's own sections."""
+    count, states = shard_states(directory)
+    merged = (directory / PARQUET_FILE).is_file()
+    rows = [
+        (
+            state.index,
+            state.state,
+            state.done if state.done is not None else "-",
+            state.total if state.total is not None else "-",
+            state.directory.name,
+        )
+        for state in states
+    ]
+    parts = [
+        f'<p class="note">A job in {count} shards; '
+        + (f"merged into {PARQUET_FILE}" if merged else "not merged yet")
+        + ".</p>",
+        "<h2>Shards</h2>",
+        _table(["shard", "state", "rows done", "rows", "folder"], rows),
+    ]
+    for state in states:
+        if state.state != "missing":
+            parts.append(f"<h2>Shard {state.index} of {count}</h2>")
+            parts.extend(_run_parts(state.directory, "h3"))
+    return parts
+
+
+def _run_parts(directory: Path, h: str) -> list[str]:
+    """The sections of one run directory's report, under headings ``h``."""
+    e = html.escape
+    status = run_status(directory)
+    runs = read_timeline(directory)
+    series = run_series(runs)
+    summary = _read_report(directory)
+    plots = _plots(series) if runs else []
+    parts = [
         f'<p class="note">{e(_state_line(status, runs))}</p>',
-        "<h2>Summary</h2>",
+        f"<{h}>Summary</{h}>",
         _table(["figure", "value"], _summary_rows(status, summary, series)),
-        "<h2>Servers</h2>",
+        f"<{h}>Servers</{h}>",
         _table(
             [
                 "server",
@@ -436,15 +476,11 @@ def _page(
             "the timeline, or one started with timeline=False): only the tables.</p>"
         )
     for title, svg in plots:
-        parts.append(f"<h2>{e(title)}</h2><figure>{svg}</figure>")
+        parts.append(f"<{h}>{e(title)}</{h}><figure>{svg}</figure>")
     if runs:
-        parts.append("<h2>Changes of the servers' states</h2>")
+        parts.append(f"<{h}>Changes of the servers' states</{h}>")
         parts.append(_table(["seconds", "server", "from", "to", "reason"], _change_rows(runs)))
-    parts.append(
-        f'<p class="note">Written {e(_now())} by llm-annotator report from '
-        f"{TIMELINE_FILE}, the shards and {REPORT_NAME}.</p></body></html>"
-    )
-    return "\n".join(parts) + "\n"
+    return parts
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

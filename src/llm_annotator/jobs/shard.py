@@ -11,9 +11,10 @@ job's fingerprint, so a shard started with another count or other settings is re
 (another count would hand rows to other shards than before).
 
 A scheduler's array sets which shard a process is: ``--shard auto`` reads SLURM's
-``SLURM_ARRAY_TASK_ID`` / ``SLURM_ARRAY_TASK_MIN`` / ``SLURM_ARRAY_TASK_STEP`` /
+``SLURM_ARRAY_TASK_ID`` (the index: submit ``--array=0-(N-1)``) and
 ``SLURM_ARRAY_TASK_COUNT``, or a Kubernetes Indexed Job's ``JOB_COMPLETION_INDEX`` with
-the count given as ``auto/N`` (or in ``LLM_ANNOTATOR_SHARD_COUNT``).
+the count given as ``auto/N`` (or in ``LLM_ANNOTATOR_SHARD_COUNT``); ``auto/N`` also
+fixes the count of a SLURM task re-run alone (``sbatch --array=3``).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class Shard:
         'shard-0001-of-0003'
         >>> sum(Shard(i, 3).owns("row-7") for i in range(3))
         1
-        >>> Shard.parse("auto", {"SLURM_ARRAY_TASK_ID": "12", "SLURM_ARRAY_TASK_MIN": "10",
-        ...     "SLURM_ARRAY_TASK_COUNT": "4"})
+        >>> Shard.parse("auto", {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4"})
         Shard(index=2, count=4)
+        >>> Shard.parse("auto/8", {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "1"})
+        Shard(index=3, count=8)
         >>> Shard.parse("auto/8", {"JOB_COMPLETION_INDEX": "5"})
         Shard(index=5, count=8)
         >>> Shard.parse("3/3")
@@ -107,16 +109,22 @@ class Shard:
     @classmethod
     def _auto(cls, env: Mapping[str, str], count: int | None) -> Shard:
         if "SLURM_ARRAY_TASK_ID" in env:
+            # The task id is the index (an array of 0-(N-1)), so that one task re-run
+            # alone (sbatch --array=3 with auto/N) is still its own shard.
             task = _integer(env["SLURM_ARRAY_TASK_ID"], "SLURM_ARRAY_TASK_ID")
-            first = _integer(env.get("SLURM_ARRAY_TASK_MIN", "0"), "SLURM_ARRAY_TASK_MIN")
-            step = _integer(env.get("SLURM_ARRAY_TASK_STEP", "1"), "SLURM_ARRAY_TASK_STEP")
             if count is None:
                 if "SLURM_ARRAY_TASK_COUNT" not in env:
                     raise ConfigurationError(
                         "shard auto: SLURM_ARRAY_TASK_COUNT is not set; give auto/COUNT"
                     )
                 count = _integer(env["SLURM_ARRAY_TASK_COUNT"], "SLURM_ARRAY_TASK_COUNT")
-            return cls((task - first) // max(step, 1), count)
+            if not 0 <= task < count:
+                raise ConfigurationError(
+                    f"shard auto: SLURM_ARRAY_TASK_ID is {task}, not a shard of {count}: "
+                    f"submit the array as --array=0-{count - 1} (a task re-run alone: "
+                    "--shard auto/COUNT)"
+                )
+            return cls(task, count)
         if "JOB_COMPLETION_INDEX" in env:
             index = _integer(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
             if count is None and COUNT_VARIABLE in env:
@@ -164,16 +172,6 @@ def _integer(text: str, what: str) -> int:
         return int(text.strip())
     except ValueError:
         raise ConfigurationError(f"shard: {what} must be an integer, got {text!r}") from None
-
-
-def shard_directories(run_dir: Path) -> dict[int, Path]:
-    """The shards' folders present in a sharded run directory, by index."""
-    found: dict[int, Path] = {}
-    for path in sorted(run_dir.glob("shard-*-of-*")):
-        parts = path.name.split("-")
-        if len(parts) == 4 and parts[1].isdigit() and path.is_dir():
-            found[int(parts[1])] = path
-    return found
 
 
 def read_sharding(run_dir: Path) -> dict[str, Any] | None:
