@@ -5,6 +5,10 @@ The public API lives here; everything else is an implementation module.
 
 from llm_annotator.clients.base import Client, ProviderRuntimeOptions
 from llm_annotator.clients.openai_client import OpenAIClient
+from llm_annotator.clients.vllm_offline_client import (
+    VLLMOfflineClient,
+    VLLMOfflineRuntimeOptions,
+)
 from llm_annotator.clients.vllm_online_client import (
     MAX_CONNECTIONS,
     VLLMBaseRuntimeOptions,
@@ -92,6 +96,8 @@ __all__ = [
     "TLSError",
     "TransportError",
     "VLLMBaseRuntimeOptions",
+    "VLLMOfflineClient",
+    "VLLMOfflineRuntimeOptions",
     "VLLMOnlineClient",
     "VLLMOnlineRuntimeOptions",
     "VLLMQueueAnnotator",

@@ -1,0 +1,395 @@
+"""VLLMOfflineClient against a stand-in for vLLM's engine (the real one runs in
+tests/integration/test_offline_vllm.py): ordering, per-sample errors, a shared
+continuous batch, cancelling, a dying engine, closing, and the options' sampling rule."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pyarrow.parquet as pq
+import pytest
+
+from llm_annotator import (
+    Annotator,
+    ConfigurationError,
+    ProviderError,
+    VLLMBaseRuntimeOptions,
+    VLLMOfflineClient,
+    VLLMOfflineRuntimeOptions,
+)
+from llm_annotator.clients._sampling import sampling_kwargs
+from llm_annotator.clients.vllm_offline_client import engine_arguments
+
+
+class FakeSamplingParams:
+    __struct_fields__: ClassVar[tuple[str, ...]] = (
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "max_tokens",
+        "structured_outputs",
+        "ignore_eos",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> FakeSamplingParams:
+        return cls(**kwargs)
+
+    def clone(self) -> FakeSamplingParams:
+        return FakeSamplingParams(**self.kwargs)
+
+
+@dataclasses.dataclass
+class FakeStructured:
+    json: Any = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+@dataclasses.dataclass
+class FakeCompletion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: Any = None
+
+
+@dataclasses.dataclass
+class FakeOutput:
+    request_id: str
+    outputs: list[FakeCompletion]
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class FakeEngine:
+    """Answers each request after ``steps`` engine steps; records what it held."""
+
+    def __init__(self, steps: int = 3) -> None:
+        self.steps = steps
+        self.requests: dict[str, tuple[list[dict[str, str]], Any, int]] = {}
+        self.aborted: list[str] = []
+        self.max_held = 0
+        self.fail_with: BaseException | None = None
+        self.shut_down = False
+        self.engine_core = types.SimpleNamespace(shutdown=self._shutdown)
+        self.lock = threading.Lock()
+
+    def _shutdown(self) -> None:
+        self.shut_down = True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_request(self, ids: list[str]) -> None:
+        for request_id in ids:
+            self.aborted.append(request_id)
+            self.requests.pop(request_id, None)
+
+    def step(self) -> list[FakeOutput]:
+        if self.fail_with is not None:
+            raise self.fail_with
+        time.sleep(0.001)
+        self.max_held = max(self.max_held, len(self.requests))
+        done = []
+        for request_id, (conversation, params, left) in list(self.requests.items()):
+            if left > 1:
+                self.requests[request_id] = (conversation, params, left - 1)
+                continue
+            del self.requests[request_id]
+            text = "echo: " + conversation[-1]["content"]
+            tokens = params.kwargs.get("max_tokens") or 5
+            done.append(
+                FakeOutput(
+                    request_id,
+                    [FakeCompletion(text, list(range(tokens)), "length", None)],
+                    list(range(len(conversation[-1]["content"]))),
+                )
+            )
+        return done
+
+
+class FakeLLM:
+    instances: ClassVar[list[FakeLLM]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.llm_engine = FakeEngine()
+        self.model_config = types.SimpleNamespace(
+            get_diff_sampling_param=lambda: {"temperature": 0.6, "top_p": 0.95}
+        )
+        self.counter = 0
+        self.chats: list[dict[str, Any]] = []
+        FakeLLM.instances.append(self)
+
+    def enqueue_chat(
+        self, conversations: list[Any], params: Any, use_tqdm: bool, **chat: Any
+    ) -> list[str]:
+        (conversation,) = conversations
+        if "too long" in conversation[-1]["content"]:
+            raise ValueError("This model's maximum context length is 512 tokens")
+        self.chats.append(chat)
+        request_id = str(self.counter)
+        self.counter += 1
+        self.llm_engine.requests[request_id] = (conversation, params, self.llm_engine.steps)
+        return [f"{request_id}-a1b2c3d4"]  # the engine's suffixed id
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> type[FakeLLM]:
+    module = types.ModuleType("vllm")
+    module.LLM = FakeLLM  # type: ignore[attr-defined]
+    module.sampling_params = types.SimpleNamespace(  # type: ignore[attr-defined]
+        SamplingParams=FakeSamplingParams, StructuredOutputsParams=FakeStructured
+    )
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    FakeLLM.instances.clear()
+    return FakeLLM
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def test_a_batch_is_answered_in_order_with_token_counts(fake_vllm: type[FakeLLM]) -> None:
+    with VLLMOfflineClient("/models/m", max_model_len=512, served_model_name="m") as client:
+        responses = client.batch_generate(
+            messages=[_user(f"row {i}") for i in range(20)],
+            options=VLLMOfflineRuntimeOptions(max_completion_tokens=7),
+        )
+    assert [r.text for r in responses] == [f"echo: row {i}" for i in range(20)]
+    assert all(r.num_output_tokens == 7 and r.finish_reason == "length" for r in responses)
+    assert responses[3].num_prompt_tokens == len("row 3")
+    assert {r.model for r in responses} == {"m"}
+    assert {r.provider for r in responses} == {"vllm_offline"}
+    assert fake_vllm.instances[0].kwargs["max_model_len"] == 512
+
+
+def test_one_failed_sample_is_one_error_response(fake_vllm: type[FakeLLM]) -> None:
+    with VLLMOfflineClient("/models/m", on_error="ignore") as client:
+        responses = client.batch_generate(messages=[_user("a"), _user("too long"), _user("b")])
+    assert [r.ok for r in responses] == [True, False, True]
+    assert responses[1].error_type == "bad_request"
+    assert "maximum context length" in (responses[1].error or "")
+
+
+def test_on_error_raise_raises_the_sample_error(fake_vllm: type[FakeLLM]) -> None:
+    with (
+        VLLMOfflineClient("/models/m", on_error="raise") as client,
+        pytest.raises(ProviderError, match="maximum context length") as caught,
+    ):
+        client.generate(messages=_user("too long"))
+    assert caught.value.kind.value == "bad_request"
+
+
+def test_concurrent_calls_share_one_continuous_batch(fake_vllm: type[FakeLLM]) -> None:
+    """Requests of calls made at once are in the engine together, as on a server."""
+
+    async def run(client: VLLMOfflineClient) -> list[Any]:
+        return await asyncio.gather(
+            *(
+                client.abatch_generate(messages=[_user(f"{b}-{i}") for i in range(10)])
+                for b in range(4)
+            )
+        )
+
+    with VLLMOfflineClient("/models/m") as client:
+        fake_vllm.instances[0].llm_engine.steps = 50
+        batches = asyncio.run(run(client))
+    assert [len(b) for b in batches] == [10, 10, 10, 10]
+    assert fake_vllm.instances[0].llm_engine.max_held == 40
+
+
+def test_a_cancelled_call_aborts_its_requests(fake_vllm: type[FakeLLM]) -> None:
+    async def run(client: VLLMOfflineClient, engine: FakeEngine) -> None:
+        task = asyncio.ensure_future(client.abatch_generate(messages=[_user("x"), _user("y")]))
+        for _ in range(200):  # bounded: the driver takes them within milliseconds
+            if len(engine.requests) == 2:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if len(engine.aborted) == 2:
+                break
+            await asyncio.sleep(0.01)
+
+    with VLLMOfflineClient("/models/m") as client:
+        engine = fake_vllm.instances[0].llm_engine
+        engine.steps = 10**9  # never answers
+        asyncio.run(run(client, engine))
+        assert sorted(engine.aborted) == ["0", "1"]  # the ids they were added under
+        assert not engine.requests
+
+
+def test_a_dead_engine_fails_every_request_and_is_unhealthy(fake_vllm: type[FakeLLM]) -> None:
+    with VLLMOfflineClient("/models/m", on_error="ignore") as client:
+        assert client.is_healthy()
+        fake_vllm.instances[0].llm_engine.fail_with = RuntimeError("EngineCore died")
+        first = client.batch_generate(messages=[_user("a"), _user("b")])
+        later = client.generate(messages=_user("c"))
+        assert not client.is_healthy()
+    assert {r.error_type for r in [*first, later]} == {"engine_dead"}
+    assert "EngineCore died" in (first[0].error or "")
+
+
+def test_close_releases_the_engine_once(fake_vllm: type[FakeLLM]) -> None:
+    client = VLLMOfflineClient("/models/m", on_error="ignore")
+    engine = fake_vllm.instances[0].llm_engine
+    client.close()
+    client.close()
+    assert engine.shut_down
+    assert not client.is_healthy()
+    assert client.generate(messages=_user("a")).error_type == "engine_dead"
+
+
+def test_chat_options_reach_the_chat_renderer(fake_vllm: type[FakeLLM]) -> None:
+    options = VLLMOfflineRuntimeOptions(
+        chat_template_kwargs={"enable_thinking": False},
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    with VLLMOfflineClient("/models/m") as client:
+        client.generate(messages=_user("a"), options=options)
+    (chat,) = fake_vllm.instances[0].chats
+    assert chat == {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+
+
+def test_an_unknown_engine_parameter_is_refused_by_name(fake_vllm: type[FakeLLM]) -> None:
+    with (
+        VLLMOfflineClient("/models/m") as client,
+        pytest.raises(ConfigurationError, match="no parameter banana"),
+    ):
+        client.generate(
+            messages=_user("a"), options=VLLMOfflineRuntimeOptions(extra_body={"banana": 1})
+        )
+
+
+def test_without_vllm_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"llm-annotator\[offline\]"):
+        VLLMOfflineClient("/models/m")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_model_len": -1}, "max_model_len"),
+        ({"seed": "1"}, "seed"),
+        ({"engine_kwargs": {"dtype": "half"}}, "engine_kwargs sets dtype"),
+    ],
+)
+def test_engine_settings_out_of_range_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        engine_arguments("/models/m", **kwargs)
+
+
+def test_engine_arguments_leave_unset_settings_to_vllm() -> None:
+    assert engine_arguments(
+        "/m", enable_prefix_caching=False, seed=3, engine_kwargs={"enforce_eager": True}
+    ) == {
+        "model": "/m",
+        "tensor_parallel_size": 1,
+        "dtype": "auto",
+        "enable_prefix_caching": False,
+        "seed": 3,
+        "enforce_eager": True,
+    }
+
+
+_SCHEMA = {"type": "object", "properties": {"label": {"enum": ["a", "b"]}}}
+
+
+@pytest.mark.parametrize(
+    ("options", "defaults", "expected"),
+    [
+        # A value the request sets wins over the model's default and the OpenAI one.
+        (VLLMBaseRuntimeOptions(temperature=0.0), {"temperature": 0.6}, {"temperature": 0.0}),
+        # Unset: the model's default (generation_config.json) ...
+        (VLLMBaseRuntimeOptions(), {"temperature": 0.6, "top_k": 20}, {"temperature": 0.6}),
+        (VLLMBaseRuntimeOptions(), {"top_k": 20}, {"top_k": 20}),
+        # ... else the OpenAI default.
+        (VLLMBaseRuntimeOptions(), {}, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}),
+        (VLLMBaseRuntimeOptions(), {}, {"max_tokens": None, "n": 1, "stop_token_ids": None}),
+        (VLLMBaseRuntimeOptions(max_completion_tokens=9), {}, {"max_tokens": 9}),
+        (VLLMBaseRuntimeOptions(stop=["\n"], seed=4), {}, {"stop": ["\n"], "seed": 4}),
+        # extra_body is merged last, as into a server request's body.
+        (VLLMBaseRuntimeOptions(extra_body={"min_p": 0.1}), {}, {"min_p": 0.1}),
+        (
+            VLLMBaseRuntimeOptions(temperature=0.5, extra_body={"temperature": 0.0}),
+            {},
+            {"temperature": 0.0},
+        ),
+        (
+            VLLMBaseRuntimeOptions(max_completion_tokens=9, extra_body={"max_tokens": 3}),
+            {},
+            {"max_tokens": 3},
+        ),
+        # The model's stop tokens follow the request's, each once.
+        (
+            VLLMBaseRuntimeOptions(extra_body={"stop_token_ids": [5, 7]}),
+            {"stop_token_ids": [7, 9]},
+            {"stop_token_ids": [5, 7, 9]},
+        ),
+        # A schema is the engine's json constraint and overrides a structured_outputs one.
+        (
+            VLLMBaseRuntimeOptions(
+                output_schema=_SCHEMA,
+                extra_body={
+                    "structured_outputs": {
+                        "json": {"type": "string"},
+                        "disable_any_whitespace": True,
+                    }
+                },
+            ),
+            {},
+            {"structured_outputs": {"json": _SCHEMA, "disable_any_whitespace": True}},
+        ),
+        (
+            VLLMBaseRuntimeOptions(extra_body={"response_format": {"type": "json_object"}}),
+            {},
+            {"structured_outputs": {"json_object": True}},
+        ),
+    ],
+)
+def test_sampling_follows_the_servers_rule(
+    options: VLLMBaseRuntimeOptions, defaults: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    built = sampling_kwargs(options, defaults)
+    assert {key: built.get(key) for key in expected} == expected
+
+
+def test_an_annotator_job_runs_in_process(fake_vllm: type[FakeLLM], tmp_path: Path) -> None:
+    rows = [{"id": f"r{i}", "text": f"t{i}"} for i in range(300)]
+    with VLLMOfflineClient("/models/m", served_model_name="m") as client:
+        result = Annotator(client, batch_size=32, progress=False).annotate(
+            rows, "Say {text}", tmp_path / "run", id_column="id", handle_signals=False
+        )
+    table = pq.read_table(result.output_path).to_pylist()
+    assert result.num_succeeded == 300
+    assert sorted(r["id"] for r in table) == sorted(r["id"] for r in rows)
+    assert {r["id"]: r["response"] for r in table}["r7"] == "echo: Say t7"
