@@ -24,6 +24,7 @@ from llm_annotator import (
     VLLMOfflineClient,
     VLLMOfflineRuntimeOptions,
 )
+from llm_annotator.cli import main
 from llm_annotator.clients._sampling import sampling_kwargs
 from llm_annotator.clients.vllm_offline_client import engine_arguments
 
@@ -393,3 +394,69 @@ def test_an_annotator_job_runs_in_process(fake_vllm: type[FakeLLM], tmp_path: Pa
     assert result.num_succeeded == 300
     assert sorted(r["id"] for r in table) == sorted(r["id"] for r in rows)
     assert {r["id"]: r["response"] for r in table}["r7"] == "echo: Say t7"
+
+
+def _run_args(tmp_path: Path, *extra: str) -> list[str]:
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(f'{{"text": "t{i}"}}\n' for i in range(50)))
+    return [
+        "run",
+        "--input",
+        str(data),
+        "--prompt-template",
+        "Say {text}",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--log-format",
+        "json",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--offline-model", "/m", "--servers", "http://127.0.0.1:9/v1"],
+            "drop --servers, or drop --offline-model",
+        ),
+        (["--servers", "http://127.0.0.1:9/v1", "--dtype", "float32"], "give --offline-model"),
+        ([], "or --offline-model DIR"),
+    ],
+)
+def test_the_command_refuses_offline_settings_that_do_not_go_together(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert main(_run_args(tmp_path, *extra)) == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_the_command_without_vllm_says_what_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert main(_run_args(tmp_path, "--offline-model", str(tmp_path))) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'llm-annotator[offline]'" in err
+    assert "Traceback" not in err
+
+
+def test_the_command_runs_a_job_in_process(
+    fake_vllm: type[FakeLLM], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _run_args(
+        tmp_path, "--offline-model", "/models/m", "--dtype", "float32", "--max-model-len", "512"
+    )
+    assert main(args) == 0
+    assert "50 succeeded" in capsys.readouterr().out
+    (llm,) = fake_vllm.instances
+    assert llm.kwargs == {
+        "model": "/models/m",
+        "tensor_parallel_size": 1,
+        "dtype": "float32",
+        "max_model_len": 512,
+    }
+    assert llm.llm_engine.engine_core.shutdown is not None
+    assert llm.llm_engine.shut_down

@@ -2,4 +2,7 @@
 
 from llm_annotator.cli.main import main
 
-raise SystemExit(main())
+# Guarded: vLLM's engine (``run --offline-model``) starts its processes by spawning,
+# which imports this module again in each of them.
+if __name__ == "__main__":
+    raise SystemExit(main())

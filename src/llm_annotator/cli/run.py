@@ -17,13 +17,15 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from llm_annotator import _constants as default
+from llm_annotator.cli._offline import SERVER_SETTINGS, check_offline_settings, offline_client
 from llm_annotator.clients.tls import Verify, ssl_setting
 from llm_annotator.clients.urls import normalize_base_url
+from llm_annotator.clients.vllm_offline_client import VLLMOfflineRuntimeOptions
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import (
     ConfigurationError,
@@ -40,6 +42,10 @@ from llm_annotator.pool.discovery import (
     ServerDiscovery,
     ServerSource,
 )
+
+if TYPE_CHECKING:
+    from llm_annotator.clients.base import Client
+    from llm_annotator.pool.annotator import VLLMQueueAnnotator
 
 log = structlog.get_logger(__name__)
 
@@ -132,6 +138,21 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("servers_file", _text, "a file of base URLs, one a line, re-read during the run"),
     _Setting("servers_dir", _text, "a folder where each server writes <name>.url when healthy"),
     _Setting("servers_dns", _text, "NAME:PORT, a DNS name resolving to every server"),
+    _Setting(
+        "offline_model",
+        _text,
+        "a model folder to run in this process with vLLM instead of servers (needs "
+        "vLLM in this Python: pip install 'llm-annotator[offline]')",
+    ),
+    _Setting("tensor_parallel_size", _POSITIVE_INT, "with --offline-model: GPUs per model"),
+    _Setting("max_model_len", _POSITIVE_INT, "with --offline-model: the context length"),
+    _Setting("dtype", _text, "with --offline-model: auto, bfloat16, float32, ..."),
+    _Setting("max_num_seqs", _POSITIVE_INT, "with --offline-model: most sequences run at once"),
+    _Setting(
+        "gpu_memory_utilization",
+        _number(integer=False, low=0, high=1, low_open=True),
+        "with --offline-model: share of each GPU's memory the engine may take",
+    ),
     _Setting("input", _text, "the dataset: .jsonl, .parquet or .csv"),
     _Setting("prompt_template", _text, "the user message, with {column} fields"),
     _Setting("output_dir", _text, "the run directory; run again to resume"),
@@ -341,10 +362,12 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
         raise ConfigurationError(f"missing {flags} (give the flags or set them in --config)")
-    if not any(merged.get(k) for k in ("servers", "servers_file", "servers_dir", "servers_dns")):
+    check_offline_settings(merged)
+    if not merged["offline_model"] and not any(merged.get(k) for k in SERVER_SETTINGS):
         raise ConfigurationError(
             "give the servers: --servers URL [URL ...], --servers-file FILE, "
-            "--servers-dir DIR or --servers-dns NAME:PORT"
+            "--servers-dir DIR or --servers-dns NAME:PORT; or --offline-model DIR to run "
+            "the model in this process"
         )
     if merged["api_key_file"] and merged["api_key_env"]:
         raise ConfigurationError("give --api-key-file or --api-key-env, not both")
@@ -410,43 +433,33 @@ def verify_from(settings: dict[str, Any]) -> Verify:
 def run_command(args: argparse.Namespace) -> int:
     """Run the job; the exit status is 0 when it finished, 128+signal when stopped."""
     from llm_annotator.jobs.annotate import Annotator
-    from llm_annotator.pool.annotator import VLLMQueueAnnotator
 
     settings = settings_from(args)
     validate = load_validator(settings["validate"]) if settings["validate"] else None
     schema = None
     if settings["output_schema"]:
         schema = OutputSchema.from_file(settings["output_schema"]).schema
-    options = VLLMOnlineRuntimeOptions(
+    option_type = (
+        VLLMOfflineRuntimeOptions if settings["offline_model"] else VLLMOnlineRuntimeOptions
+    )
+    options = option_type(
         max_completion_tokens=settings["max_completion_tokens"],
         temperature=settings["temperature"],
         top_p=settings["top_p"],
         seed=settings["seed"],
         output_schema=schema,
     )
-    for url in settings["servers"] or []:
-        try:
-            normalize_base_url(url)
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"--servers: {exc}") from None
-    pool = VLLMQueueAnnotator(
-        settings["servers"] or [],
-        discovery=_discovery(settings),
-        model=settings["model"],
-        batch_size=settings["batch_size"],
-        max_concurrent_batches_per_client=settings["max_concurrent_batches_per_client"],
-        timeout=settings["timeout"],
-        all_down_timeout=settings["all_down_timeout"],
-        hedge_tail=settings["hedge_tail"],
-        adaptive=settings["adaptive"],
-        api_key=api_key_from(settings),
-        verify=verify_from(settings),
-        max_response_bytes=settings["max_response_bytes"],
-        max_server_faults=settings["max_server_faults"],
-        stall_window=settings["stall_window"],
-    )
+    if settings["offline_model"]:
+        client: Client[Any] = offline_client(settings)
+        batch_size = settings["batch_size"]
+        batches = settings["max_concurrent_batches_per_client"]
+    else:
+        client = _pool(settings)
+        batch_size, batches = default.BATCH_SIZE, default.MAX_CONCURRENT_BATCHES
     annotator = Annotator(
-        pool,
+        client,
+        batch_size=batch_size,
+        max_concurrent_batches=batches,
         stop_grace=settings["stop_grace"],
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"] or "127.0.0.1",
@@ -489,7 +502,7 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return 3
     finally:
-        pool.close()
+        client.close()
     print(f"annotations: {result.output_path}")
     if result.merged_path is not None:
         print(f"all shards merged: {result.merged_path}")
@@ -502,6 +515,33 @@ def run_command(args: argparse.Namespace) -> int:
         f"in {result.seconds:.1f} s"
     )
     return 0
+
+
+def _pool(settings: dict[str, Any]) -> VLLMQueueAnnotator:
+    """The pool of servers the settings name."""
+    from llm_annotator.pool.annotator import VLLMQueueAnnotator
+
+    for url in settings["servers"] or []:
+        try:
+            normalize_base_url(url)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"--servers: {exc}") from None
+    return VLLMQueueAnnotator(
+        settings["servers"] or [],
+        discovery=_discovery(settings),
+        model=settings["model"],
+        batch_size=settings["batch_size"],
+        max_concurrent_batches_per_client=settings["max_concurrent_batches_per_client"],
+        timeout=settings["timeout"],
+        all_down_timeout=settings["all_down_timeout"],
+        hedge_tail=settings["hedge_tail"],
+        adaptive=settings["adaptive"],
+        api_key=api_key_from(settings),
+        verify=verify_from(settings),
+        max_response_bytes=settings["max_response_bytes"],
+        max_server_faults=settings["max_server_faults"],
+        stall_window=settings["stall_window"],
+    )
 
 
 def load_validator(spec: str) -> Callable[[str], Any]:
