@@ -5,7 +5,11 @@ continuous batch, cancelling, a dying engine, closing, and the options' sampling
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -49,6 +53,7 @@ class FakeSamplingParams:
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
+        self.max_tokens = kwargs.get("max_tokens")
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> FakeSamplingParams:
@@ -135,7 +140,8 @@ class FakeLLM:
         self.kwargs = kwargs
         self.llm_engine = FakeEngine()
         self.model_config = types.SimpleNamespace(
-            get_diff_sampling_param=lambda: {"temperature": 0.6, "top_p": 0.95}
+            get_diff_sampling_param=lambda: {"temperature": 0.6, "top_p": 0.95},
+            max_model_len=512,
         )
         self.counter = 0
         self.chats: list[dict[str, Any]] = []
@@ -190,6 +196,19 @@ def test_one_failed_sample_is_one_error_response(fake_vllm: type[FakeLLM]) -> No
     assert [r.ok for r in responses] == [True, False, True]
     assert responses[1].error_type == "bad_request"
     assert "maximum context length" in (responses[1].error or "")
+
+
+def test_more_tokens_than_the_context_is_refused_as_by_a_server(
+    fake_vllm: type[FakeLLM],
+) -> None:
+    with VLLMOfflineClient("/models/m", on_error="ignore") as client:
+        responses = client.batch_generate(
+            messages=[_user("a"), _user("b")],
+            options=VLLMOfflineRuntimeOptions(max_completion_tokens=513),
+        )
+    assert [r.error_type for r in responses] == ["bad_request", "bad_request"]
+    assert "max_model_len=512" in (responses[0].error or "")
+    assert not fake_vllm.instances[0].llm_engine.aborted
 
 
 def test_on_error_raise_raises_the_sample_error(fake_vllm: type[FakeLLM]) -> None:
@@ -460,3 +479,53 @@ def test_the_command_runs_a_job_in_process(
     }
     assert llm.llm_engine.engine_core.shutdown is not None
     assert llm.llm_engine.shut_down
+
+
+_REAPED_PARENT = """
+import subprocess, sys, time
+from llm_annotator.clients._reaper import descendants, start_reaper
+before = descendants()
+engine = subprocess.Popen(["sleep", "600"])
+reaper = start_reaper(before)
+if sys.argv[1] == "release":
+    reaper.release()
+print("PID", engine.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("close", ["sigkill", "release"])
+def test_the_engines_processes_die_with_a_killed_parent(close: str) -> None:
+    """A process holding an engine is SIGKILLed: what the engine started goes too; a
+    closed engine's reaper leaves everything alone."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _REAPED_PARENT, close], stdout=subprocess.PIPE, text=True
+    )
+    engine_pid = 0
+    try:
+        assert parent.stdout is not None
+        engine_pid = next(int(line.split()[1]) for line in parent.stdout if line.startswith("PID "))
+        assert _alive(engine_pid)
+        parent.kill()
+        parent.wait(timeout=10)
+        # Long enough for the reaper to act (it does within milliseconds).
+        deadline = time.monotonic() + (10 if close == "sigkill" else 2)
+        while _alive(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(engine_pid) == (close == "release")
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+        if parent.stdout is not None:
+            parent.stdout.close()
+        if engine_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine_pid, signal.SIGKILL)

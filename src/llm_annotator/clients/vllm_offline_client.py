@@ -23,6 +23,7 @@ import structlog
 from llm_annotator._constants import HEALTH_TIMEOUT
 from llm_annotator._validate import one_of, positive_int
 from llm_annotator.clients._engine import EngineDriver, EngineStoppedError, Job
+from llm_annotator.clients._reaper import descendants, start_reaper
 from llm_annotator.clients._sampling import chat_kwargs, sampling_kwargs
 from llm_annotator.clients.base import Client, Messages
 from llm_annotator.clients.openai_client import check_single_choice
@@ -205,7 +206,10 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
         vllm = load_vllm()
         self._vllm = vllm
         log.info("offline_engine_starting", model=str(model))
+        before = descendants()
         self._llm = vllm.LLM(**self._engine_args)
+        # The engine's processes go with this one, even when it is SIGKILLed.
+        self._reaper = start_reaper(before)
         self._defaults: dict[str, Any] = dict(self._llm.model_config.get_diff_sampling_param())
         self._driver = EngineDriver(self._llm, name=f"vllm-offline-{next(_IDS)}")
         self._closed = False
@@ -231,21 +235,7 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
             ConfigurationError: ``extra_body`` or ``gen_kwargs`` name a parameter the
                 engine does not take, or ask for more than one response.
         """
-        options = options if options is not None else _DEFAULT_OPTIONS
-        if gen_kwargs:
-            check_single_choice(gen_kwargs, "gen_kwargs")
-        kwargs = sampling_kwargs(options, self._defaults, gen_kwargs=gen_kwargs)
-        structured = kwargs.pop("structured_outputs", None)
-        module = self._vllm.sampling_params
-        if structured is not None:
-            kwargs["structured_outputs"] = module.StructuredOutputsParams(**structured)
-        unknown = sorted(set(kwargs) - set(module.SamplingParams.__struct_fields__))
-        if unknown:
-            raise ConfigurationError(
-                f"the in-process engine takes no parameter {', '.join(unknown)} (from "
-                "extra_body or gen_kwargs); see vllm.SamplingParams for what it takes"
-            )
-        return module.SamplingParams.from_optional(**kwargs)
+        return build_sampling_params(self._vllm, options, self._defaults, gen_kwargs)
 
     async def agenerate(
         self,
@@ -273,6 +263,9 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
         chat = options.chat_arguments(gen_kwargs)
         if not messages:
             return []
+        refused = self._refusal(params)
+        if refused is not None:  # as the server answers such a request: 400, every time
+            return self._finish([refused] * len(messages))
         futures = [
             asyncio.wrap_future(self._driver.submit(Job(list(m), params.clone(), chat)))
             for m in messages
@@ -358,7 +351,22 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
             except Exception as exc:  # closing must not fail the caller's job
                 log.warning("offline_engine_shutdown_failed", error=repr(exc))
         self._llm = None
+        self._reaper.release()
         log.info("offline_engine_closed", model=self.model)
+
+    def _refusal(self, params: Any) -> ProviderError | None:
+        """The error a server gives a request asking for more tokens than the whole
+        context holds (one asking for more than the prompt leaves is only cut short)."""
+        limit = getattr(getattr(self._llm, "model_config", None), "max_model_len", None)
+        asked = params.max_tokens
+        if isinstance(limit, int) and isinstance(asked, int) and asked > limit:
+            return ProviderError(
+                f"max_tokens={asked} cannot be greater than max_model_len={limit}: ask for "
+                "fewer output tokens (max_completion_tokens)",
+                kind=ErrorKind.BAD_REQUEST,
+                server=self.server,
+            )
+        return None
 
     def _response(self, output: Any) -> Response:
         completion = output.outputs[0]
@@ -417,6 +425,43 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
             else r
             for r in results
         ]
+
+
+def build_sampling_params(
+    vllm: Any,
+    options: VLLMBaseRuntimeOptions | None,
+    model_defaults: dict[str, Any],
+    gen_kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """The engine's ``SamplingParams`` for a request: :func:`sampling_kwargs` built
+    with the ``vllm`` module given.
+
+    Args:
+        vllm: The imported ``vllm`` module.
+        options: The request's options (None: the defaults).
+        model_defaults: The model's sampling defaults
+            (``ModelConfig.get_diff_sampling_param()``).
+        gen_kwargs: Raw parameters merged last.
+
+    Raises:
+        ConfigurationError: ``extra_body`` or ``gen_kwargs`` name a parameter the
+            engine does not take, or ask for more than one response.
+    """
+    options = options if options is not None else _DEFAULT_OPTIONS
+    if gen_kwargs:
+        check_single_choice(gen_kwargs, "gen_kwargs")
+    kwargs = sampling_kwargs(options, model_defaults, gen_kwargs=gen_kwargs)
+    structured = kwargs.pop("structured_outputs", None)
+    module = vllm.sampling_params
+    if structured is not None:
+        kwargs["structured_outputs"] = module.StructuredOutputsParams(**structured)
+    unknown = sorted(set(kwargs) - set(module.SamplingParams.__struct_fields__))
+    if unknown:
+        raise ConfigurationError(
+            f"the in-process engine takes no parameter {', '.join(unknown)} (from "
+            "extra_body or gen_kwargs); see vllm.SamplingParams for what it takes"
+        )
+    return module.SamplingParams.from_optional(**kwargs)
 
 
 def engine_arguments(
@@ -490,6 +535,7 @@ __all__ = [
     "INSTALL_HINT",
     "VLLMOfflineClient",
     "VLLMOfflineRuntimeOptions",
+    "build_sampling_params",
     "engine_arguments",
     "load_vllm",
 ]
