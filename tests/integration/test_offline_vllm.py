@@ -270,7 +270,7 @@ def test_a_job_in_process_killed_and_resumed_writes_each_id_once(
     """``llm-annotator run --offline-model`` under the vLLM Python, SIGKILLed once a
     fifth of its rows are written: the engine's processes go with it, and the run
     again sends only the rest; the output has each id once, every one answered."""
-    n = 240
+    n = 160
     data = _rows(tmp_path / "reviews.jsonl", n)
     run = tmp_path / "run"
     args = [
@@ -293,7 +293,7 @@ def test_a_job_in_process_killed_and_resumed_writes_each_id_once(
         "--output-schema",
         str(_schema_file(tmp_path)),
         "--max-completion-tokens",
-        "12",
+        "32",
         "--temperature",
         "0",
         "--batch-size",
