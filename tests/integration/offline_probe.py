@@ -86,7 +86,11 @@ def generate(model: str, dtype: str, max_model_len: int, cases: list[dict[str, A
 
     answers = []
     with VLLMOfflineClient(
-        model, dtype=dtype, max_model_len=max_model_len, on_error="ignore"
+        model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        on_error="ignore",
+        engine_kwargs={"enforce_eager": True},  # as the server runs
     ) as client:
         for case in cases:
             response = client.generate(

@@ -284,6 +284,7 @@ def test_a_job_in_process_killed_and_resumed_writes_each_id_once(
         "float32",
         "--max-model-len",
         "512",
+        "--enforce-eager",  # as the local servers run: a start in seconds
         "--input",
         str(data),
         "--id-column",

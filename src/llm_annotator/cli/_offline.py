@@ -16,6 +16,7 @@ _ENGINE_SETTINGS = (
     "dtype",
     "max_num_seqs",
     "gpu_memory_utilization",
+    "enforce_eager",
 )
 
 
@@ -60,11 +61,13 @@ def offline_client(settings: dict[str, Any]) -> VLLMOfflineClient:
     """
     folder = settings["offline_model"]
     engine = {name: settings[name] for name in _ENGINE_SETTINGS if settings.get(name) is not None}
+    extra = {"enforce_eager": engine.pop("enforce_eager")} if "enforce_eager" in engine else None
     try:
         return VLLMOfflineClient(
             folder,
             served_model_name=settings.get("model"),
             dtype=engine.pop("dtype", "auto"),
+            engine_kwargs=extra,
             **engine,
         )
     except ImportError as missing:

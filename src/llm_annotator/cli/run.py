@@ -149,6 +149,12 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("dtype", _text, "with --offline-model: auto, bfloat16, float32, ..."),
     _Setting("max_num_seqs", _POSITIVE_INT, "with --offline-model: most sequences run at once"),
     _Setting(
+        "enforce_eager",
+        _bool,
+        "with --offline-model: no compiling and no CUDA graphs (a faster start, a slower "
+        "decode on GPUs)",
+    ),
+    _Setting(
         "gpu_memory_utilization",
         _number(integer=False, low=0, high=1, low_open=True),
         "with --offline-model: share of each GPU's memory the engine may take",
