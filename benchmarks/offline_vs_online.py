@@ -1,8 +1,9 @@
 """In-process vLLM (VLLMOfflineClient) against one local vLLM server, on the same model.
 
 The small real model (SmolLM2-135M-Instruct, built once into the cache) with the same
-engine settings on both sides: float32, a 512-token context, eager mode, one unpinned compute
-thread (as the project's local servers run). Each round runs both ways, one after the
+engine settings on both sides: float32, a 512-token context, eager mode, 128 sequences
+and 2,048 tokens a step, one unpinned compute thread (as the project's local servers
+run). Each round runs both ways, one after the
 other so they never share the CPUs, in an order that alternates from round to round:
 
 * online: ``start_local_servers(1, "small")``, then one ``VLLMOnlineClient`` sends the N
@@ -65,6 +66,10 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+# The engine's batch limits, set on both sides (the server's and the in-process
+# engine's defaults differ on CPUs: 128 / 2048 and 256 / 4096).
+SERVER_ARGS = ("--max-num-seqs", "128", "--max-num-batched-tokens", "2048")
+
 _OFFLINE_WORKER = textwrap.dedent(
     """
     import json, os, sys, time
@@ -80,7 +85,8 @@ _OFFLINE_WORKER = textwrap.dedent(
         began = time.perf_counter()
         with VLLMOfflineClient(
             spec["model"], dtype="float32", max_model_len=512,
-            engine_kwargs={"enforce_eager": True},  # as the local servers run
+            max_num_seqs=128,
+            engine_kwargs={"enforce_eager": True, "max_num_batched_tokens": 2048},
         ) as client:
             ready, busy_before = time.perf_counter(), busy()
             responses = client.batch_generate(
@@ -118,7 +124,9 @@ def run_online(model: Path, python: str, convs: list[Any]) -> dict[str, Any]:
     began = time.perf_counter()
     options = VLLMOnlineRuntimeOptions(**OPTIONS)
     with tempfile.TemporaryDirectory() as logs:
-        servers = start_local_servers(1, model, python=python, log_dir=Path(logs))
+        servers = start_local_servers(
+            1, model, python=python, log_dir=Path(logs), extra_args=list(SERVER_ARGS)
+        )
         with servers, VLLMOnlineClient(base_url=servers.base_urls[0]) as client:
             client.batch_generate(messages=convs[:1], options=options)  # model discovery
             ready, busy_before = time.perf_counter(), busy_seconds()

@@ -129,6 +129,7 @@ def model_with_defaults(small_model: Path, folder: Path) -> Path:
                 "top_p": 0.9,
                 "top_k": 20,
                 "repetition_penalty": 1.05,
+                "max_new_tokens": 100,
             }
         )
     )
@@ -163,6 +164,13 @@ def test_sampling_params_equal_the_servers_option_by_option(
         assert results[1]["control_differ"] == ["repetition_penalty"]
 
 
+SHOUT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if shout %} Answer in capital letters.{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def _review(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Is this review positive or negative? {text}"}]
 
@@ -188,6 +196,20 @@ GREEDY_CASES: list[dict[str, Any]] = [
             {"role": "user", "content": "What colour is the sky?"},
         ],
         "options": {"max_completion_tokens": 16, "repetition_penalty": 1.3},
+    },
+    # A chat template of the request's own, then the same with a template argument
+    # that changes the prompt (the server takes both with --trust-request-chat-template).
+    {
+        "messages": _review("Great value."),
+        "options": {"max_completion_tokens": 12, "chat_template": SHOUT_TEMPLATE},
+    },
+    {
+        "messages": _review("Great value."),
+        "options": {
+            "max_completion_tokens": 12,
+            "chat_template": SHOUT_TEMPLATE,
+            "chat_template_kwargs": {"shout": True},
+        },
     },
     # No limit: the answer runs to its end of sequence or to the context's end.
     {"messages": [{"role": "user", "content": "Say hello."}], "options": {}},
@@ -237,11 +259,13 @@ def test_greedy_answers_equal_a_servers_request_by_request(
     assert online[1].num_output_tokens == 5 and online[1].finish_reason == "length"
     assert "." not in (online[2].text or "") and online[2].finish_reason == "stop"
     assert json.loads(online[3].text or "")["sentiment"] in ("positive", "negative")
-    assert online[6].finish_reason == "length"
-    assert (online[6].num_prompt_tokens or 0) + (online[6].num_output_tokens or 0) == 512
-    assert online[7].error_type == offline[7]["error_type"] == "bad_request"
-    assert "max_model_len=512" in (online[7].error or "") and "max_model_len=512" in (
-        offline[7]["error"] or ""
+    plain, shouted = online[5], online[6]
+    assert (plain.num_prompt_tokens or 0) < (shouted.num_prompt_tokens or 0)
+    assert online[8].finish_reason == "length"
+    assert (online[8].num_prompt_tokens or 0) + (online[8].num_output_tokens or 0) == 512
+    assert online[9].error_type == offline[9]["error_type"] == "bad_request"
+    assert "max_model_len=512" in (online[9].error or "") and "max_model_len=512" in (
+        offline[9]["error"] or ""
     )
 
 

@@ -261,15 +261,51 @@ def test_a_cancelled_call_aborts_its_requests(fake_vllm: type[FakeLLM]) -> None:
         assert not engine.requests
 
 
-def test_a_dead_engine_fails_every_request_and_is_unhealthy(fake_vllm: type[FakeLLM]) -> None:
+def test_a_dead_engine_raises_rather_than_answering_errors(fake_vllm: type[FakeLLM]) -> None:
+    """With no engine every later request would fail too: the call raises (whatever
+    on_error says), so a job stops instead of writing error rows to the end."""
     with VLLMOfflineClient("/models/m", on_error="ignore") as client:
         assert client.is_healthy()
         fake_vllm.instances[0].llm_engine.fail_with = RuntimeError("EngineCore died")
-        first = client.batch_generate(messages=[_user("a"), _user("b")])
-        later = client.generate(messages=_user("c"))
+        with pytest.raises(ProviderError, match="EngineCore died") as first:
+            client.batch_generate(messages=[_user("a"), _user("b")])
+        with pytest.raises(ProviderError, match="run the same job again") as later:
+            client.generate(messages=_user("c"))
         assert not client.is_healthy()
-    assert {r.error_type for r in [*first, later]} == {"engine_dead"}
-    assert "EngineCore died" in (first[0].error or "")
+    assert first.value.kind.value == later.value.kind.value == "engine_dead"
+
+
+def test_a_job_stops_when_the_engine_dies_and_resumes_on_a_new_one(
+    fake_vllm: type[FakeLLM], tmp_path: Path
+) -> None:
+    rows = [{"id": f"r{i:03d}", "text": f"t{i}"} for i in range(200)]
+    run = tmp_path / "run"
+    with VLLMOfflineClient("/models/m", served_model_name="m") as client:
+        engine = fake_vllm.instances[0].llm_engine
+        real_step = engine.step
+        answered = 0
+
+        def dying_step() -> list[FakeOutput]:
+            nonlocal answered
+            if answered >= 50:
+                raise RuntimeError("EngineCore died")
+            outputs = real_step()
+            answered += len(outputs)
+            return outputs
+
+        engine.step = dying_step  # type: ignore[method-assign]
+        with pytest.raises(ProviderError, match="EngineCore died"):
+            Annotator(client, batch_size=10, max_concurrent_batches=1, progress=False).annotate(
+                rows, "Say {text}", run, id_column="id", handle_signals=False
+            )
+    with VLLMOfflineClient("/models/m", served_model_name="m") as client:
+        result = Annotator(client, batch_size=10, progress=False).annotate(
+            rows, "Say {text}", run, id_column="id", handle_signals=False
+        )
+    assert result.num_resumed >= 40
+    assert result.num_succeeded == 200 and result.num_failed == 0
+    table = pq.read_table(result.output_path).to_pylist()
+    assert [r["id"] for r in table] == [r["id"] for r in rows]
 
 
 def test_close_releases_the_engine_once(fake_vllm: type[FakeLLM]) -> None:
@@ -279,7 +315,25 @@ def test_close_releases_the_engine_once(fake_vllm: type[FakeLLM]) -> None:
     client.close()
     assert engine.shut_down
     assert not client.is_healthy()
-    assert client.generate(messages=_user("a")).error_type == "engine_dead"
+    with pytest.raises(ProviderError, match="closed"):
+        client.generate(messages=_user("a"))
+
+
+def test_online_and_base_options_work_in_process(fake_vllm: type[FakeLLM]) -> None:
+    """A step moves between the clients with its options as they are."""
+    from llm_annotator import VLLMOnlineRuntimeOptions
+
+    with VLLMOfflineClient("/models/m") as client:
+        online = client.generate(
+            messages=_user("a"),
+            options=VLLMOnlineRuntimeOptions(max_completion_tokens=3, add_generation_prompt=False),  # type: ignore[arg-type]
+        )
+        base = client.generate(
+            messages=_user("b"),
+            options=VLLMBaseRuntimeOptions(max_completion_tokens=4),  # type: ignore[arg-type]
+        )
+    assert (online.num_output_tokens, base.num_output_tokens) == (3, 4)
+    assert fake_vllm.instances[0].chats[0]["add_generation_prompt"] is False
 
 
 def test_chat_options_reach_the_chat_renderer(fake_vllm: type[FakeLLM]) -> None:
@@ -305,6 +359,12 @@ def test_an_unknown_engine_parameter_is_refused_by_name(fake_vllm: type[FakeLLM]
         client.generate(
             messages=_user("a"), options=VLLMOfflineRuntimeOptions(extra_body={"banana": 1})
         )
+
+
+@pytest.mark.parametrize("key", ["detokenize", "output_kind", "extra_args"])
+def test_engine_bookkeeping_fields_are_refused(key: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"extra_body sets {key}"):
+        sampling_kwargs(VLLMBaseRuntimeOptions(extra_body={key: False}), {})
 
 
 def test_without_vllm_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -394,6 +454,17 @@ _SCHEMA = {"type": "object", "properties": {"label": {"enum": ["a", "b"]}}}
             {},
             {"structured_outputs": {"json_object": True}},
         ),
+        # extra_body's response_format replaces output_schema's, as in a server body.
+        (
+            VLLMBaseRuntimeOptions(
+                output_schema=_SCHEMA, extra_body={"response_format": {"type": "text"}}
+            ),
+            {},
+            {"structured_outputs": None},
+        ),
+        # No limit asked: the model's own (max_new_tokens), as on the server.
+        (VLLMBaseRuntimeOptions(), {"max_tokens": 64}, {"max_tokens": 64}),
+        (VLLMBaseRuntimeOptions(max_completion_tokens=9), {"max_tokens": 64}, {"max_tokens": 9}),
     ],
 )
 def test_sampling_follows_the_servers_rule(

@@ -70,18 +70,21 @@ class EngineDriver:
     def submit(self, job: Job) -> Future[Any]:
         """Queue ``job``; its future gets the engine's ``RequestOutput``, or an exception
         (the request's own, or :class:`EngineStoppedError`)."""
+        job.future.add_done_callback(self._on_done)
         with self._lock:
-            if self._closed or self._failure is not None:
-                job.future.set_exception(self._stopped_error())
+            if self._closed_or_failed():
+                _settle(job.future, error=self._stopped_error())
                 return job.future
             self._inbox.put(job)
-        job.future.add_done_callback(self._on_done)
         return job.future
 
     def _on_done(self, future: Future[Any]) -> None:
         """A future cancelled by its caller (a stopped job) aborts its request."""
         if future.cancelled():
             self._inbox.put(("abort", future))
+
+    def _closed_or_failed(self) -> bool:
+        return self._closed or self._failure is not None
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the thread; requests still running end with EngineStoppedError."""
@@ -108,10 +111,13 @@ class EngineDriver:
                 elif self._running:  # never left waiting for an answer that cannot come
                     self._lost()
         except BaseException as exc:  # the engine died: fail everything, accept nothing
-            self._failure = exc
+            with self._lock:  # no submit may slip in between the check and the drain
+                self._failure = exc
             log.error("offline_engine_failed", error=repr(exc))
         finally:
-            self._fail_all()
+            with self._lock:
+                self._closed = True
+                self._fail_all()
 
     def _take(self, *, block: bool) -> bool:
         """Add what arrived to the engine; False once asked to stop."""
@@ -144,13 +150,13 @@ class EngineDriver:
         # Answers and aborts name a request by the id it was added under, before
         # the engine appended its random suffix to the one it returns.
         job.request_id = external_id(request_id)
+        job.future.request_id = job.request_id  # type: ignore[attr-defined]  # for _abort
         self._running[job.request_id] = job
 
     def _abort(self, future: Future[Any]) -> None:
-        for request_id, job in list(self._running.items()):
-            if job.future is future:
-                del self._running[request_id]
-                self._llm.llm_engine.abort_request([request_id])
+        request_id = getattr(future, "request_id", None)
+        if request_id is not None and self._running.pop(request_id, None) is not None:
+            self._llm.llm_engine.abort_request([request_id])
 
     def _lost(self) -> None:
         """The engine has nothing left, yet requests wait: end them as errors."""
@@ -185,16 +191,27 @@ class EngineDriver:
 
 
 def external_id(request_id: str) -> str:
-    """The id a request was added under, from the one the engine returned for it
-    (``"7-1a2b3c4d"``: the engine appends ``-`` and 8 random characters unless told
-    not to).
+    """The id a request was added under, from the one the engine returned for it.
+
+    ``LLM`` numbers its requests (``"7"``) and the engine returns them with ``-`` and
+    a random suffix appended (``"7-1a2b3c4d"``, unless told not to); answers and aborts
+    use the number.
+
+    Raises:
+        RuntimeError: The id has another form (a vLLM this code does not know): better
+            to stop at once than to wait for answers that never match.
 
     Examples:
         >>> external_id("7-1a2b3c4d"), external_id("7")
         ('7', '7')
     """
-    head, dash, tail = request_id.rpartition("-")
-    return head if dash and len(tail) == 8 else request_id
+    head = request_id.partition("-")[0]
+    if not head.isdigit():
+        raise RuntimeError(
+            f"the engine returned a request id of an unknown form ({request_id!r}); this "
+            "version of vLLM is not supported by the offline client"
+        )
+    return head
 
 
 def _settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:

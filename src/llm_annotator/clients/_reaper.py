@@ -35,10 +35,20 @@ while True:
     data += chunk
 if b"done" in data.split():
     sys.exit(0)
+
+def started(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
 for word in data.split():
-    if word.isdigit():
+    pid, _, start = word.decode().partition(":")
+    # The same process, not another that took its number since.
+    if pid.isdigit() and start and started(pid) == start:
         try:
-            os.kill(int(word), signal.SIGKILL)
+            os.kill(int(pid), signal.SIGKILL)
         except OSError:
             pass
 """
@@ -72,6 +82,23 @@ def descendants(root: int | None = None) -> set[int]:
     return found
 
 
+def start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat`` field
+    22): with its number, it names the process even after the number is reused.
+
+    Examples:
+        >>> import os
+        >>> start_time(os.getpid()).isdigit()
+        True
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None
+
+
 class Reaper:
     """The reaper of a set of processes (see the module's text)."""
 
@@ -95,7 +122,8 @@ class Reaper:
             return
         finally:
             os.close(read)
-        os.write(write, " ".join(str(pid) for pid in sorted(pids)).encode() + b" ")
+        watched = " ".join(f"{pid}:{start_time(pid)}" for pid in sorted(pids))
+        os.write(write, watched.encode() + b" ")
         self._write = write
         log.debug("offline_reaper_started", watched=sorted(pids))
 
@@ -122,4 +150,4 @@ def start_reaper(before: set[int]) -> Reaper:
     return Reaper(descendants() - before)
 
 
-__all__ = ["Reaper", "descendants", "start_reaper"]
+__all__ = ["Reaper", "descendants", "start_reaper", "start_time"]

