@@ -462,15 +462,15 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         client = _pool(settings)
         batch_size, batches = default.BATCH_SIZE, default.MAX_CONCURRENT_BATCHES
-    annotator = Annotator(
-        client,
-        batch_size=batch_size,
-        max_concurrent_batches=batches,
-        stop_grace=settings["stop_grace"],
-        metrics_port=settings["metrics_port"],
-        metrics_host=settings["metrics_host"] or "127.0.0.1",
-    )
-    try:
+    try:  # from here on, the client (an engine in this process, say) is always closed
+        annotator = Annotator(
+            client,
+            batch_size=batch_size,
+            max_concurrent_batches=batches,
+            stop_grace=settings["stop_grace"],
+            metrics_port=settings["metrics_port"],
+            metrics_host=settings["metrics_host"] or "127.0.0.1",
+        )
         result = annotator.annotate(
             settings["input"],
             settings["prompt_template"],

@@ -140,6 +140,11 @@ def load_vllm() -> Any:
         ) from exc
     except ImportError as exc:  # a broken install: a missing library, a wrong torch
         raise ImportError(f"vLLM is installed but cannot be imported: {exc}") from exc
+    if not hasattr(getattr(vllm, "LLM", None), "enqueue_chat"):
+        raise ImportError(
+            f"vLLM {getattr(vllm, '__version__', '?')} is too old for the offline client "
+            f"(it needs LLM.enqueue_chat, vLLM 0.32 or newer): {INSTALL_HINT}"
+        )
     return vllm
 
 
