@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,8 +27,9 @@ from llm_annotator.jobs import inputs
 from llm_annotator.jobs.annotate import Annotator
 from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.inputs import open_input
-from llm_annotator.jobs.merge import merge, shard_states
+from llm_annotator.jobs.merge import merge, merge_if_complete, shard_states
 from llm_annotator.jobs.shard import Shard
+from llm_annotator.jobs.store import DirectoryLock
 from tests.unit.conftest import FakeServer, completion
 
 COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
@@ -193,6 +195,39 @@ def test_a_killed_shard_re_run_alone_sends_only_its_rows_left(
     assert all(victim.owns(row_id) for row_id in resent)  # only its rows
     assert sum(resent.values()) == sum(victim.owns(i) for i in range(600)) - before
     assert sorted(output_ids(out / "annotations.parquet")) == list(range(600))
+
+
+def test_a_shard_finishing_with_another_leaves_the_merge_to_it(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """Two shards that finish at the same moment both find every shard complete: the
+    one that waited for the other's merge sees its output and does not merge again."""
+    out = tmp_path / "run"
+    rows = [{"text": f"t{i}"} for i in range(20)]
+    with VLLMQueueAnnotator([fake_server.base_url], **FAST) as pool:
+        annotator = Annotator(pool, progress=False)
+        for index in range(2):
+            annotator.annotate(rows, "x {text}", out, shard=(index, 2))
+    merged = out / "annotations.parquet"
+    now = merged.stat().st_mtime_ns
+    os.utime(merged, ns=(now - 10**10, now - 10**10))  # as if merged before a shard re-ran
+    other = now + 10**9
+    lock = DirectoryLock.acquire(out, "merge")  # the other shard's merge, until it ends
+
+    def other_merge_ends() -> None:
+        time.sleep(0.1)
+        os.utime(merged, ns=(other, other))
+        lock.release()
+
+    ending = threading.Thread(target=other_merge_ends)
+    ending.start()
+    try:
+        assert merge_if_complete(out) is None
+    finally:
+        ending.join()
+    assert merged.stat().st_mtime_ns == other  # not written again
+    os.utime(merged, ns=(now - 10**10, now - 10**10))  # older than the shards' outputs:
+    assert merge_if_complete(out) is not None  # merged again
 
 
 def written(folder: Path) -> int:

@@ -161,8 +161,9 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
 
 
 def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
-    """Merge if every shard is complete and no other process merges now; None
-    otherwise (logged: which shards it waits for)."""
+    """Merge if every shard is complete, no other process merges now and none has
+    since the shards wrote their outputs (two shards that finish at the same moment
+    merge once); None otherwise (logged: which shards it waits for)."""
     try:
         count, states = shard_states(run_dir)
     except JobError:
@@ -172,6 +173,9 @@ def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
         log.info("merge_waits", output_dir=str(run_dir), shards=count, waiting_for=waiting)
         return None
     for attempt in range(_ATTEMPTS):
+        if _merged_since(run_dir, states):  # by a shard that finished at the same moment
+            log.info("merged_by_another", output_dir=str(run_dir), shards=count)
+            return None
         try:
             return merge(run_dir, jsonl=jsonl)
         except JobError as error:  # another shard merges it right now, or one restarted
@@ -189,6 +193,23 @@ def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
             return None
         time.sleep(0.2 * (attempt + 1))
     return None
+
+
+def _merged_since(run_dir: Path, states: list[ShardState]) -> bool:
+    """Whether the merged output was written after every shard's own output."""
+    merged = _written(run_dir / PARQUET_FILE)
+    if merged is None:
+        return False
+    shards = [_written(state.directory / PARQUET_FILE) for state in states]
+    return all(shard is not None and shard < merged for shard in shards)
+
+
+def _written(path: Path) -> int | None:
+    """When ``path`` was last written (ns), or None if it is not there."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
