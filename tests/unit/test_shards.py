@@ -24,11 +24,13 @@ from llm_annotator import ConfigurationError, JobError, VLLMQueueAnnotator
 from llm_annotator.cli.main import main
 from llm_annotator.errors import InputError
 from llm_annotator.jobs import inputs
+from llm_annotator.jobs import merge as merge_module
 from llm_annotator.jobs.annotate import Annotator
 from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.inputs import open_input
 from llm_annotator.jobs.merge import merge, merge_if_complete, shard_states
 from llm_annotator.jobs.shard import Shard
+from llm_annotator.jobs.status import run_status
 from llm_annotator.jobs.store import DirectoryLock
 from tests.unit.conftest import FakeServer, completion
 
@@ -228,6 +230,29 @@ def test_a_shard_finishing_with_another_leaves_the_merge_to_it(
     assert merged.stat().st_mtime_ns == other  # not written again
     os.utime(merged, ns=(now - 10**10, now - 10**10))  # older than the shards' outputs:
     assert merge_if_complete(out) is not None  # merged again
+
+
+def test_a_shard_that_is_not_the_last_does_not_count_the_others_rows(
+    fake_server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a shard has not finished, the others' merge check reads status files
+    only: reading every finished shard's records would cost each of them CPU per row."""
+    out = tmp_path / "run"
+    rows = [{"text": f"t{i}"} for i in range(20)]
+    counted: list[Path] = []
+
+    def counting(directory: Path) -> Any:
+        counted.append(directory)
+        return run_status(directory)
+
+    monkeypatch.setattr(merge_module, "run_status", counting)
+    with VLLMQueueAnnotator([fake_server.base_url], **FAST) as pool:
+        annotator = Annotator(pool, progress=False)
+        for index in range(2):
+            annotator.annotate(rows, "x {text}", out, shard=(index, 3))
+        assert counted == []
+        assert annotator.annotate(rows, "x {text}", out, shard=(2, 3)).merged_path is not None
+    assert sorted(set(counted)) == [out / Shard(i, 3).name for i in range(3)]
 
 
 def written(folder: Path) -> int:

@@ -28,7 +28,7 @@ from llm_annotator.errors import JobError
 from llm_annotator.jobs.consolidate import PARQUET_FILE, Consolidated, _consolidate
 from llm_annotator.jobs.report import REPORT_NAME, result_summary, write_json
 from llm_annotator.jobs.shard import Shard, read_sharding
-from llm_annotator.jobs.status import run_status
+from llm_annotator.jobs.status import run_state, run_status
 from llm_annotator.jobs.store import JOB_FILE, DirectoryLock, shard_paths
 
 log = structlog.get_logger(__name__)
@@ -71,8 +71,12 @@ class ShardState:
         return f"{name}: {self.state} with {rows} (run it again with --shard {self.index}/{count})"
 
 
-def shard_states(run_dir: str | os.PathLike[str]) -> tuple[int, list[ShardState]]:
-    """The shard count and each shard's state.
+def shard_states(
+    run_dir: str | os.PathLike[str], *, rows: bool = True
+) -> tuple[int, list[ShardState]]:
+    """The shard count and each shard's state; with ``rows=False`` only what each
+    shard's lock and ``status.json`` say, without counting the rows its files hold
+    (``done`` and ``total`` are None).
 
     Raises:
         JobError: The directory is not a sharded run directory.
@@ -85,21 +89,26 @@ def shard_states(run_dir: str | os.PathLike[str]) -> tuple[int, list[ShardState]
             "without --shard consolidates its own output"
         )
     count = int(sharding["count"])
-    states = [_state(i, Shard(i, count).directory(directory)) for i in range(count)]
+    states = [_state(i, Shard(i, count).directory(directory), rows) for i in range(count)]
     return count, states
 
 
-def _state(index: int, folder: Path) -> ShardState:
+def _state(index: int, folder: Path, rows: bool) -> ShardState:
     """The shard's state as ``llm-annotator status`` sees it (a lock held on this host,
     or a fresh ``status.json`` from another), with the rows its files hold."""
     if not folder.is_dir() or not (folder / JOB_FILE).is_file():
         return ShardState(index, folder, "missing", None, None)
+    if not rows:
+        return ShardState(index, folder, _shard_state(run_state(folder)), None, None)
     try:
         status = run_status(folder)
     except JobError:
         return ShardState(index, folder, "missing", None, None)
-    state = "running" if status.state in ("running", "consolidating") else status.state
-    return ShardState(index, folder, state, status.done, status.total)
+    return ShardState(index, folder, _shard_state(status.state), status.done, status.total)
+
+
+def _shard_state(run_state: str) -> str:
+    return "running" if run_state in ("running", "consolidating") else run_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,10 +174,15 @@ def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
     since the shards wrote their outputs (two shards that finish at the same moment
     merge once); None otherwise (logged: which shards it waits for)."""
     try:
-        count, states = shard_states(run_dir)
+        # What the shards' status files say first: a shard that finishes while others
+        # run need not count the rows of those that finished before it.
+        count, states = shard_states(run_dir, rows=False)
+        waiting = [s.index for s in states if s.state != "finished"]
+        if not waiting:
+            count, states = shard_states(run_dir)
+            waiting = [s.index for s in states if not s.complete]
     except JobError:
         return None
-    waiting = [s.index for s in states if not s.complete]
     if waiting:
         log.info("merge_waits", output_dir=str(run_dir), shards=count, waiting_for=waiting)
         return None
