@@ -174,15 +174,13 @@ def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
     since the shards wrote their outputs (two shards that finish at the same moment
     merge once); None otherwise (logged: which shards it waits for)."""
     try:
-        # What the shards' status files say first: a shard that finishes while others
-        # run need not count the rows of those that finished before it.
+        # What the shards' status files say: a shard that finishes while others run
+        # need not count the rows of those that finished before it (the merge counts
+        # them all, and names any shard whose rows are not all there).
         count, states = shard_states(run_dir, rows=False)
-        waiting = [s.index for s in states if s.state != "finished"]
-        if not waiting:
-            count, states = shard_states(run_dir)
-            waiting = [s.index for s in states if not s.complete]
     except JobError:
         return None
+    waiting = [s.index for s in states if s.state != "finished"]
     if waiting:
         log.info("merge_waits", output_dir=str(run_dir), shards=count, waiting_for=waiting)
         return None
