@@ -6,7 +6,13 @@ the merge's time and peak memory.
    run`` once whole and once as ``--shard i/4`` in four processes, one after another,
    each pinned to the other core; CPU time (user + system, from the process's rusage)
    per row it took. A shard reads and hashes every row of the input but sends only its
-   own, so the figure that matters is CPU per row *it took*.
+   own, so the figure that matters is CPU per row *it took*. A process also costs CPU
+   whatever its rows (start, imports, the servers' check, the store, the report), which
+   weighs four times as much on a shard's quarter of the rows; so a quarter of the
+   input also runs as one process of its own, the same rows sent at the same start
+   cost as a shard's: the difference is what sharding costs a row. The shard that
+   finishes last merges them all; its figure is also given less the merge (timed again
+   in this process).
 2. **The merge.** Four shards of ``--merge-rows`` rows in all (default 10^6), written as
    the job writes them (the store's own JSONL records, each shard consolidated), then
    ``llm-annotator merge`` in a subprocess: wall time and peak RSS.
@@ -71,34 +77,63 @@ def rows_of(out: Path) -> int:
     return int(pq.read_metadata(out / "annotations.parquet").num_rows)
 
 
+def quiet_logs() -> None:
+    """Only warnings and errors of what runs in this process."""
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def merge_cpu(run_dir: Path) -> float:
+    """CPU seconds of merging ``run_dir``'s shards again, in this process."""
+    from llm_annotator.jobs.merge import merge
+
+    quiet_logs()
+    before = harness.cpu_seconds()
+    merge(run_dir)
+    return harness.cpu_seconds() - before
+
+
+def line(label: str, rows: int, cpu: float) -> str:
+    """A row of the table."""
+    per_row = f"{cpu / rows * 1e6:.0f}" if rows else "-"
+    return f"{label:<36}{rows:>8,}{cpu:>8.2f}{per_row:>12}"
+
+
 def cpu_per_row(rows: int, folder: Path, rounds: int) -> None:
     data = harness.write_input(folder / "input.jsonl", rows)
+    quarter = harness.write_input(folder / "quarter.jsonl", rows // 4)
     cpus = sorted(os.sched_getaffinity(0))
     client_cpu, server_cpu = cpus[0], cpus[-1]
     with CannedServer(ports=4, cpu=server_cpu) as server:
         urls = list(server.base_urls)
         run_job(urls, data, folder / "warmup", client_cpu)  # page cache, imports
         print(f"CPU per row, {rows:,} rows, nginx on CPU {server_cpu}, jobs on CPU {client_cpu}")
-        print(f"{'run':<28}{'rows':>8}{'CPU s':>8}{'CPU us/row':>12}")
+        print(f"{'run':<36}{'rows':>8}{'CPU s':>8}{'CPU us/row':>12}")
         for round_ in range(1, rounds + 1):
             whole = run_job(urls, data, folder / f"whole-{round_}", client_cpu)
-            print(f"{'one process':<28}{rows:>8,}{whole:>8.2f}{whole / rows * 1e6:>12.0f}")
+            print(line("one process", rows, whole))
+            # A shard's share as a job of its own: the same rows sent, the same start.
+            part = run_job(urls, quarter, folder / f"quarter-{round_}", client_cpu)
+            print(line("one process, a quarter of the input", rows // 4, part))
             out = folder / f"sharded-{round_}"
-            total_cpu = 0.0
+            total_cpu = merged = 0.0
             for index in range(4):
                 cpu = run_job(urls, data, out, client_cpu, "--shard", f"{index}/4")
                 taken = rows_of(out / f"shard-{index:04d}-of-0004")
                 total_cpu += cpu
-                label = f"shard {index}/4"
-                print(f"{label:<28}{taken:>8,}{cpu:>8.2f}{cpu / taken * 1e6:>12.0f}")
-            print(
-                f"{'four shards together':<28}{rows_of(out):>8,}{total_cpu:>8.2f}"
-                f"{total_cpu / rows * 1e6:>12.0f}"
-            )
+                print(line(f"shard {index}/4", taken, cpu))
+                if (out / "annotations.parquet").exists() and not merged:
+                    # The last shard merged them all: that merge, timed again here.
+                    merged = merge_cpu(out)
+                    print(line(f"  less its merge ({merged:.2f} s)", taken, cpu - merged))
+            print(line("four shards together", rows_of(out), total_cpu))
             # What a shard costs before its first request: start, read and hash the
             # whole input, find everything done (a finished shard run again).
             fixed = run_job(urls, data, out, client_cpu, "--shard", "0/4")
-            print(f"{'shard 0/4 again (all done)':<28}{0:>8}{fixed:>8.2f}{'-':>12}")
+            print(line("shard 0/4 again (all done)", 0, fixed))
 
 
 def write_shards(run_dir: Path, rows: int) -> None:
@@ -139,11 +174,7 @@ def write_shards(run_dir: Path, rows: int) -> None:
 
 
 def merge_figures(rows: int, folder: Path) -> None:
-    import logging
-
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    quiet_logs()
     run_dir = folder / "merge"
     started = time.monotonic()
     write_shards(run_dir, rows)

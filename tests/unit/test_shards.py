@@ -4,24 +4,34 @@ servers: each row once over all shards, a killed shard re-run alone, the merge."
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from llm_annotator import ConfigurationError, JobError, VLLMQueueAnnotator
 from llm_annotator.cli.main import main
+from llm_annotator.errors import InputError
+from llm_annotator.jobs import inputs
+from llm_annotator.jobs import merge as merge_module
 from llm_annotator.jobs.annotate import Annotator
-from llm_annotator.jobs.merge import merge, shard_states
+from llm_annotator.jobs.ids import hash_id
+from llm_annotator.jobs.inputs import open_input
+from llm_annotator.jobs.merge import merge, merge_if_complete, shard_states
 from llm_annotator.jobs.shard import Shard
+from llm_annotator.jobs.status import run_status
+from llm_annotator.jobs.store import DirectoryLock
 from tests.unit.conftest import FakeServer, completion
 
 COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
@@ -189,6 +199,62 @@ def test_a_killed_shard_re_run_alone_sends_only_its_rows_left(
     assert sorted(output_ids(out / "annotations.parquet")) == list(range(600))
 
 
+def test_a_shard_finishing_with_another_leaves_the_merge_to_it(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """Two shards that finish at the same moment both find every shard complete: the
+    one that waited for the other's merge sees its output and does not merge again."""
+    out = tmp_path / "run"
+    rows = [{"text": f"t{i}"} for i in range(20)]
+    with VLLMQueueAnnotator([fake_server.base_url], **FAST) as pool:
+        annotator = Annotator(pool, progress=False)
+        for index in range(2):
+            annotator.annotate(rows, "x {text}", out, shard=(index, 2))
+    merged = out / "annotations.parquet"
+    now = merged.stat().st_mtime_ns
+    os.utime(merged, ns=(now - 10**10, now - 10**10))  # as if merged before a shard re-ran
+    other = now + 10**9
+    lock = DirectoryLock.acquire(out, "merge")  # the other shard's merge, until it ends
+
+    def other_merge_ends() -> None:
+        time.sleep(0.1)
+        os.utime(merged, ns=(other, other))
+        lock.release()
+
+    ending = threading.Thread(target=other_merge_ends)
+    ending.start()
+    try:
+        assert merge_if_complete(out) is None
+    finally:
+        ending.join()
+    assert merged.stat().st_mtime_ns == other  # not written again
+    os.utime(merged, ns=(now - 10**10, now - 10**10))  # older than the shards' outputs:
+    assert merge_if_complete(out) is not None  # merged again
+
+
+def test_a_shard_that_is_not_the_last_does_not_count_the_others_rows(
+    fake_server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a shard has not finished, the others' merge check reads status files
+    only: reading every finished shard's records would cost each of them CPU per row."""
+    out = tmp_path / "run"
+    rows = [{"text": f"t{i}"} for i in range(20)]
+    counted: list[Path] = []
+
+    def counting(directory: Path) -> Any:
+        counted.append(directory)
+        return run_status(directory)
+
+    monkeypatch.setattr(merge_module, "run_status", counting)
+    with VLLMQueueAnnotator([fake_server.base_url], **FAST) as pool:
+        annotator = Annotator(pool, progress=False)
+        for index in range(2):
+            annotator.annotate(rows, "x {text}", out, shard=(index, 3))
+        assert counted == []
+        assert annotator.annotate(rows, "x {text}", out, shard=(2, 3)).merged_path is not None
+    assert sorted(set(counted)) == [out / Shard(i, 3).name for i in range(3)]
+
+
 def written(folder: Path) -> int:
     """Complete lines in a shard's result files (a killed writer may leave half a one)."""
     total = 0
@@ -224,3 +290,166 @@ def test_another_count_or_no_shard_in_a_sharded_directory_is_refused(
         annotator.annotate(rows, "x {text}", tmp_path / "plain")  # not sharded, then:
         with pytest.raises(ConfigurationError, match="not sharded; run without --shard"):
             annotator.annotate(rows, "x {text}", tmp_path / "plain", shard=(0, 2))
+
+
+# Which rows a shard takes: the scan's selection against the definition, hash_id(id) % n
+
+
+def jsonl_lines(ids: list[Any] | None, n: int) -> list[bytes]:
+    """JSONL lines with blank and (without ids) malformed ones among them."""
+    lines = []
+    for i in range(n):
+        row: dict[str, Any] = {"text": f"t{i}"}
+        if ids is not None:
+            row["id"] = ids[i]
+        lines.append(orjson.dumps(row))
+        if ids is None and i % 17 == 5:
+            lines.append(b'{"text": "broken"')  # a row of its own: an error row
+        if ids is None and i % 23 == 7:
+            lines.append(b"[1, 2]")  # JSON, not an object
+        if i % 13 == 0:
+            lines.append(b"  ")  # blank: not a row
+    return lines
+
+
+def inputs_to_split(tmp_path: Path) -> dict[str, tuple[Any, str | None]]:
+    """Inputs of every kind, with and without an id column: (data, id_column)."""
+    n = 300
+    strings = [f"row-{i}" for i in range(n)]
+    ints = [i * 7919 - 1000 for i in range(n)]
+    mixed: list[Any] = [i if i % 2 else f"{i}" for i in range(n)]  # 7 and "7" differ
+    data: dict[str, tuple[Any, str | None]] = {}
+    for name, ids in (("positions", None), ("str ids", strings), ("int ids", ints)):
+        path = tmp_path / f"{name.replace(' ', '-')}.jsonl"
+        path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(jsonl_lines(ids, n)) + b"\n")
+        data[f"jsonl, {name}"] = (path, None if ids is None else "id")
+    mixed_path = tmp_path / "mixed.jsonl.gz"
+    mixed_path.write_bytes(gzip.compress(b"\n".join(jsonl_lines(mixed, n))))
+    data["jsonl.gz, mixed ids"] = (mixed_path, "id")
+    table = pa.table({"key": strings, "text": [f"t{i}" for i in range(n)], "n": ints})
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(table, parquet, row_group_size=37)  # batches that do not start at 8k
+    data["parquet, positions"] = (parquet, None)
+    data["parquet, str ids"] = (parquet, "key")
+    data["parquet, int ids"] = (parquet, "n")
+    lines = ["key,text", *(f'{key},"t{i}\nx"' for i, key in enumerate(strings))]
+    lines.insert(90, "")  # a blank line: not a row
+    (good := tmp_path / "good.csv").write_text("\n".join(lines) + "\n")
+    lines.insert(40, "only-one-field")  # an error row, without an id column
+    (bad := tmp_path / "bad.csv").write_text("\n".join(lines) + "\n")
+    data["csv, positions"] = (bad, None)
+    data["csv, str ids"] = (good, "key")
+    items: list[Any] = [{"id": key, "text": "x"} for key in strings]
+    data["list, str ids"] = (items, "id")
+    data["list, positions"] = ([*items[:50], "not a mapping", *items[50:]], None)
+    data["table, int ids"] = (table.rename_columns(["key", "text", "id"]), "id")
+    data["table, positions"] = (table, None)
+    return data
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_a_shard_streams_exactly_the_rows_whose_id_hashes_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int
+) -> None:
+    """The selection made by the scan, by position, picks the rows the definition does
+    (every row read, then hash_id(row.id) % count == index), with their values, where
+    and errors, for every kind of input; the shards' rows add up to the input."""
+    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 16)
+    monkeypatch.setattr(inputs, "_BLOCK_BYTES", 500)  # many blocks, some with blank lines
+    for name, (data, id_column) in inputs_to_split(tmp_path).items():
+        every = list(open_input(data, id_column=id_column))
+        assert len({row.id for row in every}) == len(every) > 250, name
+        taken = []
+        for index in range(count):
+            source = open_input(data, id_column=id_column)
+            selection = Shard(index, count).select(source)
+            expected = [row for row in every if hash_id(row.id) % count == index]
+            rows = list(source.rows(selection))
+            assert rows == expected, (name, index)
+            assert (selection.rows, selection.taken) == (len(every), len(expected)), name
+            taken += rows
+        assert sorted(taken, key=every.index) == every, name
+
+
+def test_other_shards_jsonl_lines_are_not_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan parses each line once; the stream parses only the shard's own lines."""
+    path = write_rows(tmp_path / "data.jsonl", 4000)
+    parsed = Counter[str]()
+    loads = orjson.loads
+
+    def counting(line: Any) -> Any:
+        parsed["lines"] += 1
+        return loads(line)
+
+    monkeypatch.setattr(orjson, "loads", counting)
+    source = open_input(path, id_column=None)
+    selection = Shard(2, 4).select(source)
+    assert parsed["lines"] == 1  # the first line, for the columns; positions need no parsing
+    assert sum(1 for _ in source.rows(selection)) == selection.taken
+    assert parsed["lines"] == 1 + selection.taken
+    keyed = tmp_path / "keyed.jsonl"
+    keyed.write_bytes(b"".join(b'{"id": "k%d", "t": 1}\n' % i for i in range(4000)))
+    parsed.clear()
+    source = open_input(keyed, id_column="id")
+    selection = Shard(2, 4).select(source)
+    assert parsed["lines"] == 1 + 4000
+    assert [row.id for row in source.rows(selection)] == [
+        f"k{i}" for i in range(4000) if Shard(2, 4).owns(f"k{i}")
+    ]
+    assert parsed["lines"] == 1 + 4000 + selection.taken
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (b'{"id": "r5", "t": 1', "line 6: not valid JSON"),
+        (b"[1]", "line 6: is JSON but not an object (a list)"),
+        (b'{"t": 1}', "line 6 has no 'id' field"),
+        (b'{"id": null}', "line 6: the id in field 'id' is null"),
+        (b'{"id": ""}', "line 6: the id in field 'id' is empty"),
+        (b'{"id": false}', "is False, a bool"),
+        (b'{"id": 1.5}', "is 1.5, a float"),
+        (b'{"id": "r2"}', "the id 'r2' (field 'id') appears more than once"),
+    ],
+)
+def test_every_shard_refuses_a_bad_row_as_the_scan_does(
+    tmp_path: Path, bad: bytes, message: str
+) -> None:
+    """A row without a valid id belongs to no shard: every shard refuses the input with
+    the scan's message (which line, what to do), whichever shard the row would be in."""
+    lines = [b'{"id": "r%d", "t": 1}' % i for i in range(12)]
+    lines[5] = bad
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(InputError) as scanned:
+        open_input(path, id_column="id").scan()
+    assert message in str(scanned.value)
+    for index in range(3):
+        with pytest.raises(InputError) as selected:
+            Shard(index, 3).select(open_input(path, id_column="id"))
+        assert str(selected.value) == str(scanned.value)
+
+
+def test_sharded_jobs_keyed_by_a_column_split_the_rows_and_count_them(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """Each shard's status counts its own rows (from the scan); the merge has them all."""
+    data = tmp_path / "data.parquet"
+    ids = [f"doc-{i}" for i in range(60)]
+    pq.write_table(pa.table({"doc": ids, "text": [f"t{i}" for i in range(60)]}), data)
+    out = tmp_path / "run"
+    with VLLMQueueAnnotator([fake_server.base_url], **FAST) as pool:
+        annotator = Annotator(pool, progress=False)
+        for index in range(3):
+            annotator.annotate(str(data), "x {text}", out, id_column="doc", shard=(index, 3))
+    for index in range(3):
+        shard = Shard(index, 3)
+        status = orjson.loads((out / shard.name / "status.json").read_bytes())
+        assert status["total"] == status["done"] == sum(map(shard.owns, ids))
+        assert sorted(output_ids(out / shard.name / "annotations.parquet")) == sorted(
+            filter(shard.owns, ids)
+        )
+    assert sorted(output_ids(out / "annotations.parquet")) == sorted(ids)
+    assert len(fake_server.requests) == 60

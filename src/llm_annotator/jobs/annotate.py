@@ -291,7 +291,12 @@ class Annotator:
         if spec.validate is not None and not callable(spec.validate):
             raise ConfigurationError(f"validate must be a callable, got {spec.validate!r}")
         source = open_input(spec.data, id_column=spec.id_column)
-        total = sample.size(input_rows := await asyncio.to_thread(source.scan))
+        if shard is None:
+            selection = None
+            total = sample.size(input_rows := await asyncio.to_thread(source.scan))
+        else:  # the scan finds and counts the shard's rows as well
+            selection = await asyncio.to_thread(shard.select, source)
+            input_rows, total = selection.rows, selection.taken
         _check_columns(source, template, spec.columns)
         try:
             await asyncio.to_thread(Path(spec.output_dir).mkdir, parents=True, exist_ok=True)
@@ -317,12 +322,6 @@ class Annotator:
             fingerprint = {**fingerprint, "shard": {"index": shard.index, "count": shard.count}}
             spec = dataclasses.replace(spec, output_dir=shard.directory(run_dir))
         store = await _open_store(spec, fingerprint, retry)
-        if shard is not None:  # counted with the shard's lock held: it shows as running
-            try:
-                total = await asyncio.to_thread(shard.size, source, input_rows)
-            except BaseException:
-                await asyncio.to_thread(store.close)
-                raise
         resumed = store.num_done
         status = StatusFile(spec.output_dir, total)
         log.info(
@@ -334,10 +333,9 @@ class Annotator:
             output_dir=str(spec.output_dir),
             model=model,
         )
-        rows = sample.rows(source, input_rows)
         job = JobRun(
             annotator=self,
-            rows=shard.rows(rows) if shard is not None else rows,
+            rows=sample.rows(source, input_rows) if selection is None else source.rows(selection),
             template=template,
             system_message=spec.system_message,
             builder=RecordBuilder(schema, spec.columns, validate=spec.validate is not None),

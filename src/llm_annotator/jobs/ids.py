@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
+from hashlib import blake2b
 from typing import Any, TypeGuard, cast
 
 import numpy as np
@@ -25,11 +25,17 @@ def hash_id(row_id: RowId) -> int:
         >>> 0 <= hash_id("row-1") < 2**64
         True
     """
-    if isinstance(row_id, bool) or not isinstance(row_id, int | str):
-        raise TypeError(f"a row id is an int or a str, not {type(row_id).__name__}")
-    tagged = f"i:{row_id}" if isinstance(row_id, int) else f"s:{row_id}"
-    digest = hashlib.blake2b(tagged.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    kind = type(row_id)
+    if kind is int:  # the common kinds first, without building a str
+        tagged = b"i:%d" % cast(int, row_id)
+    elif kind is str:
+        tagged = ("s:" + cast(str, row_id)).encode("utf-8", "surrogatepass")
+    elif isinstance(row_id, bool) or not isinstance(row_id, int | str):
+        raise TypeError(f"a row id is an int or a str, not {kind.__name__}")
+    else:  # a subclass of int or str
+        text = f"i:{row_id}" if isinstance(row_id, int) else f"s:{row_id}"
+        tagged = text.encode("utf-8", "surrogatepass")
+    return int.from_bytes(blake2b(tagged, digest_size=8).digest(), "little")
 
 
 _MIN_BITMAP_BITS = 1 << 23

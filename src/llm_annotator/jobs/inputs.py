@@ -5,6 +5,12 @@
 A row's id is its position (0-based, counting rows, not blank lines) or the value of
 the id column. :meth:`RowSource.scan` makes one cheap pass first: it counts the rows
 and, with an id column, checks that every id is there, an int or a str, and unique.
+
+One of several processes that split an input by the hash of its ids (a shard) calls
+:meth:`RowSource.select` instead: the same pass also marks the rows whose id hashes to
+it, in a :class:`Selection` (a bit a row), and :meth:`RowSource.rows` then skips the
+other rows before decoding them: a JSONL line is not parsed, a Parquet batch is turned
+into Python objects for the selected rows only.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import gzip
 import os
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from typing import IO, Any, cast
@@ -29,6 +35,8 @@ from llm_annotator.jobs.ids import RowId, hash_id
 
 PARQUET_BATCH_ROWS = 1024
 """Rows decoded at a time from a Parquet file."""
+_BLOCK_BYTES = 1 << 20
+"""About how much of a JSONL file is read at a time."""
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 CSV_SUFFIXES = (".csv",)
@@ -37,8 +45,9 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 _CSV_FIELD_LIMIT = 2**31 - 1
 _UTF8_CHECK = "\x1f"
 _NO_ID = "pass id_column=None to number the rows by position"
-# A record as a reader yields it: where it is, its columns (None when unreadable), the error.
-_Record = tuple[str, "dict[str, Any] | None", "str | None"]
+# A record as a reader yields it: its position, where it is, its columns (None when
+# unreadable), the error.
+_Record = tuple[int, str, "dict[str, Any] | None", "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,58 @@ class Row:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The rows of an input that one of ``count`` parts of it takes: those whose id
+    hashes to ``index`` (``hash_id(id) % count == index``), from :meth:`RowSource.select`.
+
+    Attributes:
+        index: The part's index.
+        count: How many parts the input is split into.
+        rows: The input's rows (as :meth:`RowSource.scan` counts them).
+        taken: How many of them the part takes.
+        bits: A bit a row, set where the row is taken: position ``p`` is bit ``p & 7``
+            of byte ``p >> 3`` (1.25 MB for 10^7 rows).
+
+    Examples:
+        >>> part = open_input([{"id": f"r{i}"} for i in range(10)], id_column="id").select(1, 3)
+        >>> part.rows, part.taken == sum(1 for p in range(10) if p in part)
+        (10, True)
+        >>> [p for p in range(10) if p in part] == [
+        ...     p for p in range(10) if hash_id(f"r{p}") % 3 == 1]
+        True
+    """
+
+    index: int
+    count: int
+    rows: int
+    taken: int
+    bits: bytes
+
+    def __contains__(self, position: int) -> bool:
+        """Whether the row at ``position`` is taken (none beyond the rows counted)."""
+        byte = position >> 3
+        return byte < len(self.bits) and bool(self.bits[byte] >> (position & 7) & 1)
+
+    def offsets(self, start: int, stop: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The taken positions from ``start`` up to ``stop``, less ``start``."""
+        first, last = start >> 3, min((stop + 7) >> 3, len(self.bits))
+        if first >= last:
+            return np.flatnonzero(np.zeros(0, dtype=np.bool_))
+        packed = np.frombuffer(self.bits, dtype=np.uint8, count=last - first, offset=first)
+        bits = np.unpackbits(packed, bitorder="little")
+        return np.flatnonzero(bits[start & 7 : (start & 7) + stop - start])
+
+    @classmethod
+    def of(cls, hashes: np.ndarray[Any, np.dtype[np.uint64]], index: int, count: int) -> Selection:
+        """The part ``index`` of ``count`` of the rows whose ids have these hashes."""
+        if not 0 <= index < count:
+            raise ValueError(f"part {index} of {count} does not exist")
+        taken = hashes % np.uint64(count) == np.uint64(index)
+        bits = np.packbits(taken, bitorder="little").tobytes()
+        return cls(index, count, len(hashes), int(np.count_nonzero(taken)), bits)
+
+
 class RowSource(ABC):
     """Rows from one input, streamed; iterating again reads the input again.
 
@@ -79,8 +140,9 @@ class RowSource(ABC):
         return f"<{type(self).__name__} {self.description!r} id_column={self.id_column!r}>"
 
     @abstractmethod
-    def _records(self) -> Iterator[_Record]:
-        """Every row of the input, in order, read or not."""
+    def _records(self, chosen: Selection | None = None) -> Iterator[_Record]:
+        """Every row of the input, in order, read or not; with ``chosen``, only its rows
+        (the others skipped before they are decoded, where the format allows)."""
 
     def _id_records(self) -> Iterator[_Record]:
         """Rows with at least the id column; readers that can read less override this."""
@@ -91,32 +153,39 @@ class RowSource(ABC):
         return sum(1 for _ in self._records())
 
     def __iter__(self) -> Iterator[Row]:
-        """Stream the rows.
+        """Stream the rows (:meth:`rows`)."""
+        return self.rows()
+
+    def rows(self, chosen: Selection | None = None) -> Iterator[Row]:
+        """Stream the rows, or only those ``chosen`` (from :meth:`select` of this input).
 
         Raises:
             InputError: With an id column, a row has no valid id (:meth:`scan` finds
                 these, and duplicates, before any row is used).
         """
+        records = self._records(chosen)
         if self.id_column is None:
-            for position, (where, values, error) in enumerate(self._records()):
+            for position, where, values, error in records:
                 yield Row(position, values if values is not None else {}, where, error)
-        else:
-            for where, values, error in self._records():
-                row_id = self._checked_id(where, values, error)
-                yield Row(row_id, values if values is not None else {}, where)
+            return
+        for _, where, values, error in records:
+            row_id = self._checked_id(where, values, error)
+            yield Row(row_id, values if values is not None else {}, where)
 
-    def ids(self) -> Iterator[RowId]:
-        """Each row's id, in order, reading no more of each row than its id where the
-        reader can (positions without an id column).
+    def select(self, index: int, count: int) -> Selection:
+        """:meth:`scan`, and which rows part ``index`` of ``count`` takes: those whose id
+        (the position without an id column) hashes to it, each id hashed once.
 
         Raises:
-            InputError: A row has no valid id (:meth:`scan` finds these first).
+            InputError: As :meth:`scan`.
+            ValueError: There is no part ``index`` of ``count``.
         """
         if self.id_column is None:
-            yield from range(self._count())
-            return
-        for where, values, error in self._id_records():
-            yield self._checked_id(where, values, error)
+            rows = self._count()
+            hashes = np.fromiter(map(hash_id, range(rows)), dtype=np.uint64, count=rows)
+        else:
+            hashes = self._id_hashes()
+        return Selection.of(hashes, index, count)
 
     def scan(self) -> int:
         """One pass over the input: count the rows and, with an id column, check the ids.
@@ -130,14 +199,21 @@ class RowSource(ABC):
                 message names the input, the line or row, the id and the field.
         """
         if self.id_column is None:
-            count = self._count()
-        else:
-            hashes = array("Q")
-            for where, values, error in self._id_records():
-                hashes.append(hash_id(self._checked_id(where, values, error)))
-            count = len(hashes)
-            self._check_unique(hashes)
-        return count
+            return self._count()
+        return len(self._id_hashes())
+
+    def _id_hashes(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        """Each row's id hashed, in order, once every id is checked and found unique."""
+        hashes = self._hashes()
+        self._check_unique(hashes)
+        return np.frombuffer(hashes, dtype=np.uint64)
+
+    def _hashes(self) -> array[int]:
+        """Each row's id, checked and hashed; readers that can do it faster override this."""
+        hashes = array("Q")
+        for _, where, values, error in self._id_records():
+            hashes.append(hash_id(self._checked_id(where, values, error)))
+        return hashes
 
     def _checked_id(self, where: str, values: dict[str, Any] | None, error: str | None) -> RowId:
         column = self.id_column
@@ -172,7 +248,7 @@ class RowSource(ABC):
         candidates = set(np.unique(repeated).tolist())
         del ordered, repeated
         first_seen: dict[RowId, str] = {}  # only ids whose hash is repeated
-        for where, values, error in self._id_records():
+        for _, where, values, error in self._id_records():
             row_id = self._checked_id(where, values, error)
             if hash_id(row_id) not in candidates:
                 continue
@@ -278,7 +354,7 @@ class _JsonlSource(RowSource):
         self._compressed = compressed
         with closing(self._records()) as records:
             first = next(records, None)
-        self.columns = tuple(first[1]) if first is not None and first[1] is not None else None
+        self.columns = tuple(first[2]) if first is not None and first[2] is not None else None
 
     def _open(self) -> IO[bytes]:
         try:
@@ -288,28 +364,81 @@ class _JsonlSource(RowSource):
         except OSError as exc:
             raise InputError(f"cannot read {self.description}: {exc}") from exc
 
-    def _records(self) -> Generator[_Record, None, None]:
-        path = self.description
+    def _blocks(self) -> Generator[tuple[int, list[bytes]], None, None]:
+        """The file's lines about a MiB at a time, each block with its first line's number
+        (the first line alone, which is all that finding the columns reads; a UTF-8 byte
+        order mark before it dropped)."""
         with self._open() as file:
             try:
-                for number, line in enumerate(file, 1):
-                    if number == 1 and line.startswith(b"\xef\xbb\xbf"):
-                        line = line[3:]
-                    if not line.strip():
-                        continue
-                    where = f"{path} line {number}"
-                    try:
-                        values = orjson.loads(line)
-                    except orjson.JSONDecodeError as exc:
-                        yield where, None, f"{where}: {_json_problem(line, exc)}"
-                        continue
-                    if type(values) is dict:
-                        yield where, values, None
-                    else:
-                        kind = type(values).__name__
-                        yield where, None, f"{where}: is JSON but not an object (a {kind})"
+                if block := file.readlines(1):
+                    block[0] = block[0].removeprefix(b"\xef\xbb\xbf")
+                number = 1
+                while block:
+                    yield number, block
+                    number += len(block)
+                    block = file.readlines(_BLOCK_BYTES)
             except (OSError, EOFError) as exc:
-                raise InputError(f"cannot read {path}: {exc}") from exc
+                raise InputError(f"cannot read {self.description}: {exc}") from exc
+
+    def _lines(self, chosen: Selection | None) -> Iterator[tuple[int, int, bytes]]:
+        """Each line that is not blank (``chosen``'s only): its position, number and bytes."""
+        position = 0
+        for first, block in self._blocks():
+            if chosen is not None and all(map(bytes.strip, block)):  # no blank line in it:
+                for offset in chosen.offsets(position, position + len(block)).tolist():
+                    yield position + offset, first + offset, block[offset]  # the rest unread
+                position += len(block)
+                continue
+            for number, line in enumerate(block, first):
+                if line.strip():
+                    if chosen is None or position in chosen:
+                        yield position, number, line
+                    position += 1
+
+    def _count(self) -> int:
+        return sum(sum(map(bool, map(bytes.strip, block))) for _, block in self._blocks())
+
+    def _records(self, chosen: Selection | None = None) -> Generator[_Record, None, None]:
+        path, loads = self.description, orjson.loads
+        for position, number, line in self._lines(chosen):
+            where = f"{path} line {number}"
+            try:
+                values = loads(line)
+            except orjson.JSONDecodeError:
+                values = None
+            if type(values) is dict:
+                yield position, where, values, None
+            else:  # decoded again, to say why not
+                yield position, where, *_decoded(line, where)
+
+    def _hashes(self) -> array[int]:
+        """A block at a time while each of its lines is an object with a valid id (the
+        common case); a block with anything else goes line by line, as in the records."""
+        hashes, column, loads, path = array("Q"), self.id_column, orjson.loads, self.description
+        for first, block in self._blocks():
+            try:
+                ids = [loads(line)[column] for line in block]
+                if "" not in ids:
+                    hashes.extend(list(map(hash_id, ids)))  # TypeError: an id of another type
+                    continue
+            except (orjson.JSONDecodeError, TypeError, KeyError):
+                pass  # a blank or malformed line, not an object, no id, ...
+            for number, line in enumerate(block, first):
+                if line.strip():
+                    where = f"{path} line {number}"
+                    hashes.append(hash_id(self._checked_id(where, *_decoded(line, where))))
+        return hashes
+
+
+def _decoded(line: bytes, where: str) -> tuple[dict[str, Any] | None, str | None]:
+    """A JSONL line's object, or None and why it is not one."""
+    try:
+        values = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        return None, f"{where}: {_json_problem(line, exc)}"
+    if type(values) is dict:
+        return values, None
+    return None, f"{where}: is JSON but not an object (a {type(values).__name__})"
 
 
 def _json_problem(line: bytes, exc: orjson.JSONDecodeError) -> str:
@@ -369,23 +498,36 @@ class _CsvSource(RowSource):
         except (csv.Error, OSError, EOFError) as exc:
             raise InputError(f"{self.description} line {reader.line_num + 1}: {exc}") from exc
 
-    def _records(self) -> Iterator[_Record]:
+    def _records(self, chosen: Selection | None = None) -> Iterator[_Record]:
+        return self._read(chosen, None)
+
+    def _id_records(self) -> Iterator[_Record]:
+        return self._read(None, self.id_column)
+
+    def _read(self, chosen: Selection | None, only: str | None) -> Iterator[_Record]:
+        """The rows (``chosen``'s only), with all their columns or ``only`` that one."""
         path, columns = self.description, self.columns or ()
+        key = columns.index(only) if only is not None else -1
         with self._open() as file:
             lines = self._lines(file)
             next(lines, None)
-            for number, fields in lines:
+            for position, (number, fields) in enumerate(lines):
+                if chosen is not None and position not in chosen:
+                    continue
                 where = f"{path} line {number}"
                 if len(fields) != len(columns):
                     problem = f"has {len(fields)} fields where the header has {len(columns)}"
-                    yield where, None, f"{where}: {problem}"
+                    yield position, where, None, f"{where}: {problem}"
                     continue
                 try:
                     _UTF8_CHECK.join(fields).encode("utf-8")
                 except UnicodeEncodeError:
-                    yield where, None, f"{where}: not valid UTF-8; save the file as UTF-8"
+                    yield position, where, None, f"{where}: not valid UTF-8; save the file as UTF-8"
                     continue
-                yield where, dict(zip(columns, fields, strict=True)), None
+                if only is None:
+                    yield position, where, dict(zip(columns, fields, strict=True)), None
+                else:
+                    yield position, where, {only: fields[key]}, None
 
 
 class _ParquetSource(RowSource):
@@ -402,27 +544,20 @@ class _ParquetSource(RowSource):
     def _count(self) -> int:
         return self._num_rows
 
-    def _batches(self, columns: list[str] | None) -> Iterator[list[dict[str, Any]]]:
-        try:
-            with pq.ParquetFile(self.description) as file:
-                for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-                    yield batch.to_pylist()
-        except (OSError, ValueError, pa.ArrowException) as exc:
-            raise InputError(f"cannot read {self.description} as Parquet: {exc}") from exc
-
-    def _records(self) -> Iterator[_Record]:
-        return self._rows(None)
+    def _records(self, chosen: Selection | None = None) -> Iterator[_Record]:
+        return self._read(None, chosen)
 
     def _id_records(self) -> Iterator[_Record]:
         assert self.id_column is not None
-        return self._rows([self.id_column])
+        return self._read([self.id_column], None)
 
-    def _rows(self, columns: list[str] | None) -> Iterator[_Record]:
-        path, position = self.description, 0
-        for batch in self._batches(columns):
-            for values in batch:
-                yield f"{path} row {position}", values, None
-                position += 1
+    def _read(self, columns: list[str] | None, chosen: Selection | None) -> Iterator[_Record]:
+        try:
+            with pq.ParquetFile(self.description) as file:
+                batches = file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
+                yield from _batch_records(batches, f"{self.description} row", chosen)
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise InputError(f"cannot read {self.description} as Parquet: {exc}") from exc
 
 
 class _ListSource(RowSource):
@@ -436,8 +571,8 @@ class _ListSource(RowSource):
     def _count(self) -> int:
         return len(self._data)
 
-    def _records(self) -> Iterator[_Record]:
-        return _items(self._data, "list item")
+    def _records(self, chosen: Selection | None = None) -> Iterator[_Record]:
+        return _items(self._data, "list item", chosen)
 
 
 class _DatasetSource(RowSource):
@@ -457,21 +592,46 @@ class _DatasetSource(RowSource):
     def _count(self) -> int:
         return len(self._data)
 
-    def _records(self) -> Iterator[_Record]:
+    def _records(self, chosen: Selection | None = None) -> Iterator[_Record]:
         if isinstance(self._data, pa.Table):
             batches = self._data.to_batches(max_chunksize=PARQUET_BATCH_ROWS)
-            rows = (values for batch in batches for values in batch.to_pylist())
-            return _items(rows, self._label)
-        return _items(self._data, self._label)
+            return _batch_records(batches, self._label, chosen)
+        return _items(self._data, self._label, chosen)
+
+    def _id_records(self) -> Iterator[_Record]:
+        if isinstance(self._data, pa.Table):
+            table = self._data.select([self.id_column])
+            return _batch_records(table.to_batches(max_chunksize=PARQUET_BATCH_ROWS), self._label)
+        return self._records()
 
 
-def _items(data: Any, label: str) -> Iterator[_Record]:
+def _items(data: Any, label: str, chosen: Selection | None) -> Iterator[_Record]:
     for position, item in enumerate(data):
+        if chosen is not None and position not in chosen:
+            continue
         where = f"{label} {position}"
         if type(item) is dict:
-            yield where, item, None
+            yield position, where, item, None
         elif isinstance(item, Mapping):
-            yield where, dict(item), None
+            yield position, where, dict(item), None
         else:
-            kind = type(item).__name__
-            yield where, None, f"{where}: is a {kind}, not a mapping of column names to values"
+            problem = f"is a {type(item).__name__}, not a mapping of column names to values"
+            yield position, where, None, f"{where}: {problem}"
+
+
+def _batch_records(
+    batches: Iterable[pa.RecordBatch], label: str, chosen: Selection | None = None
+) -> Iterator[_Record]:
+    """The rows of Arrow record batches; with ``chosen``, only its rows are turned into
+    Python objects."""
+    start = 0
+    for batch in batches:
+        size = batch.num_rows
+        positions: Iterable[int] = range(start, start + size)
+        if chosen is not None:
+            offsets = chosen.offsets(start, start + size)
+            batch = batch.take(pa.array(offsets))
+            positions = (offsets + start).tolist()
+        for position, values in zip(positions, batch.to_pylist(), strict=True):
+            yield position, f"{label} {position}", values, None
+        start += size

@@ -28,7 +28,7 @@ from llm_annotator.errors import JobError
 from llm_annotator.jobs.consolidate import PARQUET_FILE, Consolidated, _consolidate
 from llm_annotator.jobs.report import REPORT_NAME, result_summary, write_json
 from llm_annotator.jobs.shard import Shard, read_sharding
-from llm_annotator.jobs.status import run_status
+from llm_annotator.jobs.status import run_state, run_status
 from llm_annotator.jobs.store import JOB_FILE, DirectoryLock, shard_paths
 
 log = structlog.get_logger(__name__)
@@ -71,8 +71,12 @@ class ShardState:
         return f"{name}: {self.state} with {rows} (run it again with --shard {self.index}/{count})"
 
 
-def shard_states(run_dir: str | os.PathLike[str]) -> tuple[int, list[ShardState]]:
-    """The shard count and each shard's state.
+def shard_states(
+    run_dir: str | os.PathLike[str], *, rows: bool = True
+) -> tuple[int, list[ShardState]]:
+    """The shard count and each shard's state; with ``rows=False`` only what each
+    shard's lock and ``status.json`` say, without counting the rows its files hold
+    (``done`` and ``total`` are None).
 
     Raises:
         JobError: The directory is not a sharded run directory.
@@ -85,21 +89,26 @@ def shard_states(run_dir: str | os.PathLike[str]) -> tuple[int, list[ShardState]
             "without --shard consolidates its own output"
         )
     count = int(sharding["count"])
-    states = [_state(i, Shard(i, count).directory(directory)) for i in range(count)]
+    states = [_state(i, Shard(i, count).directory(directory), rows) for i in range(count)]
     return count, states
 
 
-def _state(index: int, folder: Path) -> ShardState:
+def _state(index: int, folder: Path, rows: bool) -> ShardState:
     """The shard's state as ``llm-annotator status`` sees it (a lock held on this host,
     or a fresh ``status.json`` from another), with the rows its files hold."""
     if not folder.is_dir() or not (folder / JOB_FILE).is_file():
         return ShardState(index, folder, "missing", None, None)
+    if not rows:
+        return ShardState(index, folder, _shard_state(run_state(folder)), None, None)
     try:
         status = run_status(folder)
     except JobError:
         return ShardState(index, folder, "missing", None, None)
-    state = "running" if status.state in ("running", "consolidating") else status.state
-    return ShardState(index, folder, state, status.done, status.total)
+    return ShardState(index, folder, _shard_state(status.state), status.done, status.total)
+
+
+def _shard_state(run_state: str) -> str:
+    return "running" if run_state in ("running", "consolidating") else run_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,17 +170,24 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
 
 
 def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
-    """Merge if every shard is complete and no other process merges now; None
-    otherwise (logged: which shards it waits for)."""
+    """Merge if every shard is complete, no other process merges now and none has
+    since the shards wrote their outputs (two shards that finish at the same moment
+    merge once); None otherwise (logged: which shards it waits for)."""
     try:
-        count, states = shard_states(run_dir)
+        # What the shards' status files say: a shard that finishes while others run
+        # need not count the rows of those that finished before it (the merge counts
+        # them all, and names any shard whose rows are not all there).
+        count, states = shard_states(run_dir, rows=False)
     except JobError:
         return None
-    waiting = [s.index for s in states if not s.complete]
+    waiting = [s.index for s in states if s.state != "finished"]
     if waiting:
         log.info("merge_waits", output_dir=str(run_dir), shards=count, waiting_for=waiting)
         return None
     for attempt in range(_ATTEMPTS):
+        if _merged_since(run_dir, states):  # by a shard that finished at the same moment
+            log.info("merged_by_another", output_dir=str(run_dir), shards=count)
+            return None
         try:
             return merge(run_dir, jsonl=jsonl)
         except JobError as error:  # another shard merges it right now, or one restarted
@@ -189,6 +205,23 @@ def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
             return None
         time.sleep(0.2 * (attempt + 1))
     return None
+
+
+def _merged_since(run_dir: Path, states: list[ShardState]) -> bool:
+    """Whether the merged output was written after every shard's own output."""
+    merged = _written(run_dir / PARQUET_FILE)
+    if merged is None:
+        return False
+    shards = [_written(state.directory / PARQUET_FILE) for state in states]
+    return all(shard is not None and shard < merged for shard in shards)
+
+
+def _written(path: Path) -> int | None:
+    """When ``path`` was last written (ns), or None if it is not there."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager

@@ -4,11 +4,14 @@ them.
 Every shard reads the same input and takes the rows whose id hashes to it (a stable
 64-bit hash of the id, :func:`~llm_annotator.jobs.ids.hash_id`, not the row's
 position), so the shards of a job split its rows into disjoint parts that do not
-depend on the order of the input or on how many rows each shard has done. Shard ``i``
-of ``n`` keeps its own store, lock, status and timeline in ``RUN_DIR/shard-000i-of-000n``
-(a run directory of its own); ``RUN_DIR/sharding.json`` records the shard count and the
-job's fingerprint, so a shard started with another count or other settings is refused
-(another count would hand rows to other shards than before).
+depend on the order of the input or on how many rows each shard has done. The input's
+first pass (:meth:`Shard.select`) hashes each id once and marks the shard's rows; the
+stream then decodes only those (other shards' JSONL lines are not parsed, their Parquet
+rows not turned into Python objects). Shard ``i`` of ``n`` keeps its own store, lock,
+status and timeline in ``RUN_DIR/shard-000i-of-000n`` (a run directory of its own);
+``RUN_DIR/sharding.json`` records the shard count and the job's fingerprint, so a shard
+started with another count or other settings is refused (another count would hand rows
+to other shards than before).
 
 A scheduler's array sets which shard a process is: ``--shard auto`` reads SLURM's
 ``SLURM_ARRAY_TASK_ID`` (the index: submit ``--array=0-(N-1)``) and
@@ -20,7 +23,7 @@ fixes the count of a SLURM task re-run alone (``sbatch --array=3``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ import orjson
 
 from llm_annotator.errors import ConfigurationError, FingerprintMismatchError
 from llm_annotator.jobs.ids import RowId, hash_id
-from llm_annotator.jobs.inputs import Row, RowSource
+from llm_annotator.jobs.inputs import RowSource, Selection
 
 SHARDING_FILE = "sharding.json"
 """In a sharded run directory: the shard count and the job's fingerprint."""
@@ -152,19 +155,22 @@ class Shard:
         """Whether the row with this id is this shard's."""
         return hash_id(row_id) % self.count == self.index
 
-    def rows(self, rows: Iterator[Row]) -> Iterator[Row]:
-        """This shard's rows of ``rows``."""
-        count, index = self.count, self.index
-        for row in rows:
-            if hash_id(row.id) % count == index:
-                yield row
+    def select(self, source: RowSource) -> Selection:
+        """The input's one pass before any row is used (:meth:`RowSource.scan`), which
+        also finds this shard's rows and counts them; stream them with
+        ``source.rows(selection)``, which skips the others before decoding them.
 
-    def size(self, source: RowSource, input_rows: int) -> int:
-        """How many of the input's rows are this shard's (one more pass over the ids)."""
-        count, index = self.count, self.index
-        if source.id_column is None:
-            return sum(1 for p in range(input_rows) if hash_id(p) % count == index)
-        return sum(1 for row_id in source.ids() if hash_id(row_id) % count == index)
+        Examples:
+            >>> from llm_annotator.jobs.inputs import open_input
+            >>> rows = [{"id": f"row-{i}"} for i in range(6)]
+            >>> selection = Shard(1, 3).select(open_input(rows, id_column="id"))
+            >>> ids = [row.id for row in open_input(rows, id_column="id").rows(selection)]
+            >>> ids == [r["id"] for r in rows if Shard(1, 3).owns(r["id"])]
+            True
+            >>> selection.taken == len(ids)
+            True
+        """
+        return source.select(self.index, self.count)
 
 
 def _integer(text: str, what: str) -> int:

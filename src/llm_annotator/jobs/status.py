@@ -218,6 +218,12 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
     )
 
 
+def run_state(output_dir: str | os.PathLike[str]) -> str:
+    """What :func:`run_status` says of a run's state, without counting its rows."""
+    directory = Path(output_dir)
+    return _state(directory, _read_status(directory))[0]
+
+
 def _servers_now(directory: Path) -> dict[str, dict[str, Any]]:
     """The servers of the timeline's last snapshot, with the pool's evictions of each."""
     last = last_servers(directory)
