@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 from llm_annotator._constants import HEALTH_TIMEOUT
 from llm_annotator._sync import run_sync
-from llm_annotator.errors import ConfigurationError
-from llm_annotator.response import Response
+from llm_annotator.errors import ConfigurationError, ProviderError
+from llm_annotator.response import OnError, Response
 
 Messages = list[dict[str, str]]
 """One conversation: a list of ``{"role": ..., "content": ...}`` dicts."""
@@ -74,6 +75,61 @@ def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 OptionsT = TypeVar("OptionsT", bound=ProviderRuntimeOptions)
+
+
+def settle_failures(
+    results: list[Response | ProviderError],
+    *,
+    on_error: OnError,
+    logger: Any,
+    server: str | None,
+    model: str | None,
+    provider: str,
+) -> list[Response]:
+    """Apply ``on_error`` to the failures among one call's results.
+
+    ``"raise"`` raises the first failure; ``"warn"`` logs one ``requests_failed`` line
+    for the call (how many, of which kinds, the first message) on ``logger``; both
+    ``"warn"`` and ``"ignore"`` return every result in place, each failure as an error
+    :class:`Response`.
+
+    Raises:
+        ProviderError: The first failure, with ``on_error="raise"``.
+
+    Examples:
+        >>> from llm_annotator.errors import ErrorKind
+        >>> failed = ProviderError("boom", kind=ErrorKind.SERVER_ERROR, server="s")
+        >>> [r.error_type for r in settle_failures(
+        ...     [Response(text="ok"), failed], on_error="ignore", logger=None,
+        ...     server="s", model="m", provider="p")]
+        [None, 'server_error']
+    """
+    errors = [r for r in results if isinstance(r, ProviderError)]
+    if not errors:
+        return results  # type: ignore[return-value]  # no ProviderError left
+    if on_error == "raise":
+        raise errors[0]
+    if on_error == "warn":
+        logger.warning(
+            "requests_failed",
+            server=server,
+            failed=len(errors),
+            total=len(results),
+            kinds=dict(Counter(e.kind.value for e in errors)),
+            first_error=str(errors[0]),
+        )
+    return [
+        Response(
+            error=str(r),
+            error_type=r.kind.value,
+            server=server,
+            model=model,
+            provider=provider,
+        )
+        if isinstance(r, ProviderError)
+        else r
+        for r in results
+    ]
 
 
 class Client(ABC, Generic[OptionsT]):

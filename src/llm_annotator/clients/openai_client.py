@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Generic
 
@@ -24,7 +23,7 @@ from llm_annotator._gc import fewer_full_collections
 from llm_annotator._validate import non_negative_int, one_of, positive_int, positive_seconds
 from llm_annotator.clients._protocol import parse_completion, parse_model_list, status_error
 from llm_annotator.clients._transport import HttpTransport, Verify, check_key_text
-from llm_annotator.clients.base import Client, Messages, OptionsT
+from llm_annotator.clients.base import Client, Messages, OptionsT, settle_failures
 from llm_annotator.clients.retry import retry_delay, should_retry
 from llm_annotator.errors import (
     ConfigurationError,
@@ -315,15 +314,6 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
             await self._sleep(retry_delay(attempt))
             attempt += 1
 
-    def _error_response(self, error: ProviderError) -> Response:
-        return Response(
-            error=str(error),
-            error_type=error.kind.value,
-            server=self.base_url,
-            model=self.model,
-            provider=self.provider,
-        )
-
     async def agenerate(
         self,
         *,
@@ -335,7 +325,7 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         params = self.encode_params(options, gen_kwargs)
         result = await self.asend(messages, params)
         if isinstance(result, ProviderError):
-            return self._handle_errors([result], total=1)[0]
+            return self._finish([result])[0]
         return result
 
     async def asend(self, messages: Messages, params: bytes) -> Response | ProviderError:
@@ -399,27 +389,15 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
         return self._finish(results)
 
     def _finish(self, results: list[Response | ProviderError]) -> list[Response]:
-        errors = [r for r in results if isinstance(r, ProviderError)]
-        if not errors:
-            return results  # type: ignore[return-value]  # no ProviderError left
-        converted = iter(self._handle_errors(errors, total=len(results)))
-        return [next(converted) if isinstance(r, ProviderError) else r for r in results]
-
-    def _handle_errors(self, errors: list[ProviderError], *, total: int) -> list[Response]:
         """Apply ``on_error`` to the failures of one call."""
-        if self.on_error == "raise":
-            raise errors[0]
-        if self.on_error == "warn":
-            kinds = Counter(e.kind.value for e in errors)
-            log.warning(
-                "requests_failed",
-                server=self.base_url,
-                failed=len(errors),
-                total=total,
-                kinds=dict(kinds),
-                first_error=str(errors[0]),
-            )
-        return [self._error_response(e) for e in errors]
+        return settle_failures(
+            results,
+            on_error=self.on_error,
+            logger=log,
+            server=self.base_url,
+            model=self.model,
+            provider=self.provider,
+        )
 
     async def ais_healthy(self, timeout: float = HEALTH_TIMEOUT) -> bool:
         """Whether the server answers ``GET /health`` with 200 within ``timeout`` seconds."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ from llm_annotator._validate import one_of, positive_int
 from llm_annotator.clients._engine import EngineDriver, EngineStoppedError, Job
 from llm_annotator.clients._reaper import descendants, start_reaper
 from llm_annotator.clients._sampling import chat_kwargs, sampling_kwargs
-from llm_annotator.clients.base import Client, Messages
+from llm_annotator.clients.base import Client, Messages, settle_failures
 from llm_annotator.clients.openai_client import check_single_choice
 from llm_annotator.clients.vllm_online_client import VLLMBaseRuntimeOptions, _check_dict
 from llm_annotator.errors import ConfigurationError, ErrorKind, ProviderError
@@ -428,32 +427,15 @@ class VLLMOfflineClient(Client[VLLMOfflineRuntimeOptions]):
         return ProviderError(f"{name}: {exc}", kind=kind, server=self.server)
 
     def _finish(self, results: list[Response | ProviderError]) -> list[Response]:
-        errors = [r for r in results if isinstance(r, ProviderError)]
-        if not errors:
-            return results  # type: ignore[return-value]  # no ProviderError left
-        if self.on_error == "raise":
-            raise errors[0]
-        if self.on_error == "warn":
-            log.warning(
-                "requests_failed",
-                server=self.server,
-                failed=len(errors),
-                total=len(results),
-                kinds=dict(Counter(e.kind.value for e in errors)),
-                first_error=str(errors[0]),
-            )
-        return [
-            Response(
-                model=self.model,
-                provider=self.provider,
-                server=self.server,
-                error=str(r),
-                error_type=r.kind.value,
-            )
-            if isinstance(r, ProviderError)
-            else r
-            for r in results
-        ]
+        """Apply ``on_error`` to the failures of one call."""
+        return settle_failures(
+            results,
+            on_error=self.on_error,
+            logger=log,
+            server=self.server,
+            model=self.model,
+            provider=self.provider,
+        )
 
 
 def build_sampling_params(
