@@ -511,6 +511,7 @@ def _run_args(tmp_path: Path, *extra: str) -> list[str]:
             "drop --servers, or drop --offline-model",
         ),
         (["--servers", "http://127.0.0.1:9/v1", "--dtype", "float32"], "give --offline-model"),
+        (["--offline-model", "/m", "--timeout", "30", "--no-hedge-tail"], "drop --timeout"),
         ([], "or --offline-model DIR"),
     ],
 )
@@ -521,6 +522,16 @@ def test_the_command_refuses_offline_settings_that_do_not_go_together(
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+def test_a_wrong_input_is_refused_before_the_engine_loads(
+    fake_vllm: type[FakeLLM], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _run_args(tmp_path, "--offline-model", "/models/m")
+    args[args.index("--input") + 1] = str(tmp_path / "missing.jsonl")
+    assert main(args) == 1
+    assert "cannot read the input file" in capsys.readouterr().err
+    assert not fake_vllm.instances
 
 
 def test_the_command_without_vllm_says_what_to_install(

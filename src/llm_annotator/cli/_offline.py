@@ -10,6 +10,18 @@ from llm_annotator.errors import ConfigurationError
 SERVER_SETTINGS = ("servers", "servers_file", "servers_dir", "servers_dns")
 """The settings that name servers; --offline-model takes their place."""
 _FOR_SERVERS = (*SERVER_SETTINGS, "api_key_file", "api_key_env", "ca_bundle")
+_POOL_SETTINGS = (
+    "timeout",
+    "hedge_tail",
+    "adaptive",
+    "verify_tls",
+    "max_response_bytes",
+    "max_server_faults",
+    "stall_window",
+    "all_down_timeout",
+)
+"""Settings of the pool of servers, with defaults: set otherwise, they would do nothing
+in process."""
 _ENGINE_SETTINGS = (
     "tensor_parallel_size",
     "max_model_len",
@@ -24,8 +36,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_offline_settings(settings: dict[str, Any]) -> None:
+def check_offline_settings(
+    settings: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> None:
     """Refuse servers beside ``--offline-model``, and engine settings without it.
+
+    Settings of the pool that differ from ``defaults`` (set on the command line or in
+    the job file) are refused beside ``--offline-model`` too: they would do nothing.
 
     Raises:
         ConfigurationError: Naming the flags that do not go together.
@@ -38,6 +55,11 @@ def check_offline_settings(settings: dict[str, Any]) -> None:
     """
     if settings.get("offline_model"):
         clash = [_flag(name) for name in _FOR_SERVERS if settings.get(name)]
+        clash += [
+            _flag(name)
+            for name in _POOL_SETTINGS
+            if defaults is not None and name in settings and settings[name] != defaults.get(name)
+        ]
         if clash:
             raise ConfigurationError(
                 f"--offline-model runs the model in this process, without servers: drop "

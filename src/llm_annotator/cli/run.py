@@ -33,6 +33,7 @@ from llm_annotator.errors import (
     RunInterruptedError,
     ServersUnusableError,
 )
+from llm_annotator.jobs.inputs import open_input
 from llm_annotator.jobs.schema import OutputSchema
 from llm_annotator.jobs.shard import Shard
 from llm_annotator.pool.discovery import (
@@ -368,7 +369,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
         raise ConfigurationError(f"missing {flags} (give the flags or set them in --config)")
-    check_offline_settings(merged)
+    check_offline_settings(merged, {s.flag: s.default for s in _SETTINGS})
     if not merged["offline_model"] and not any(merged.get(k) for k in SERVER_SETTINGS):
         raise ConfigurationError(
             "give the servers: --servers URL [URL ...], --servers-file FILE, "
@@ -456,6 +457,8 @@ def run_command(args: argparse.Namespace) -> int:
         output_schema=schema,
     )
     if settings["offline_model"]:
+        # The input's path and format first: loading a model takes minutes on GPUs.
+        open_input(settings["input"], id_column=settings["id_column"])
         client: Client[Any] = offline_client(settings)
         batch_size = settings["batch_size"]
         batches = settings["max_concurrent_batches_per_client"]
