@@ -111,7 +111,7 @@ def test_sigstop_is_detected_and_sigcont_readmits(
 ) -> None:
     """SIGSTOP one server mid-run (hung: TCP still accepts). With the default health
     settings it is evicted within 30 s and its samples answered elsewhere; after SIGCONT
-    the next call re-admits it and gives it work."""
+    it is re-admitted and given work again (within three calls)."""
     victim = start_vllm(1)
     url = victim.base_urls[0]
     urls = [*vllm_servers.base_urls, url]
@@ -127,12 +127,19 @@ def test_sigstop_is_detected_and_sigcont_readmits(
         detected = watch.seconds_to_eviction
         assert detected < 30
         victim[0].resume()
-        again, _ = timed_run(pool)
+        # Re-admission waits out a probation and a test completion; on a loaded machine
+        # a whole call may end before it, so a few calls (bounded) are given.
+        served_after = 0
+        for _ in range(3):
+            again, _ = timed_run(pool)
+            assert_exactly_one_success_each(again)
+            served_after = Counter(r.server for r in again)[url]
+            if served_after:
+                break
         stats = pool.statistics().member(url)
-    assert_exactly_one_success_each(again)
     assert stats.evictions == 1
     assert stats.readmissions == 1
-    assert Counter(r.server for r in again)[url] > 0
+    assert served_after > 0
     print(
         f"\nSIGSTOP: evicted {detected:.2f} s after the stop; "
         f"run {seconds:.1f} s, {without_fault:.1f} s without the fault"

@@ -116,8 +116,10 @@ def test_a_killed_server_shows_in_the_live_metrics_the_timeline_and_the_report(
                 continue
             scrapes.append((time.time(), samples))
             if killed_at is None and answered(samples) >= N // 3:
-                victim[0].kill()
+                # Taken before the kill: kill() returns only once the process is reaped,
+                # which on a loaded machine can be after the pool has already evicted it.
                 killed_at = time.time()
+                victim[0].kill()
             time.sleep(0.25)
     finally:
         if job.poll() is None:
