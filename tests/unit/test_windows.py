@@ -16,7 +16,7 @@ import pytest
 
 from llm_annotator import Response, VLLMQueueAnnotator
 from llm_annotator.clients.metrics import EngineLoad, engine_load
-from llm_annotator.pool import window
+from llm_annotator.pool import dispatch, window
 from llm_annotator.pool.window import next_window, waiting_target
 from tests.unit.fake_clock import ClockedClient, FakeClock
 from tests.unit.test_pool import assert_all_answered_in_order, conversations
@@ -151,11 +151,68 @@ def test_a_server_that_keeps_up_grows_its_window_up_to_the_ceiling() -> None:
     assert client.most_held(2.5) == 64 * 4
 
 
-def test_adaptive_false_gives_the_whole_window_at_once() -> None:
+def test_adaptive_false_starts_small_and_grows_with_each_answer_to_the_whole_window() -> None:
+    """Without ``adaptive`` a member starts at the start window and gains one place per
+    answer (a round of answers doubles it) up to ``batch_size x batches``, whatever its
+    ``/metrics`` say."""
     clock = FakeClock()
     client = LoadedClient("http://fixed:1/v1", clock, load(running=2, waiting=500))
-    run_on(client, clock, 600, batch_size=64, max_concurrent_batches_per_client=4, adaptive=False)
-    assert client.most_held(0.0, 1.0) == 64 * 4
+    run_on(client, clock, 1200, batch_size=64, max_concurrent_batches_per_client=4, adaptive=False)
+    assert client.most_held(0.0, 0.5) == window.START_WINDOW
+    assert client.most_held(0.5, 1.0) == 2 * window.START_WINDOW
+    assert client.most_held(1.0) == 64 * 4
+
+
+class LineClient(LoadedClient):
+    """A clocked client (no /metrics) whose server serves ``capacity`` requests at once,
+    each for ``service`` fake seconds, the rest waiting in line in order, as a
+    continuous-batching server does; it answers ``capacity / service`` a second at most.
+    """
+
+    def __init__(self, url: str, clock: FakeClock, capacity: int, service: float) -> None:
+        super().__init__(url, clock, None)
+        self.service = service
+        self.line = asyncio.Semaphore(capacity)
+        self.answers = 0
+
+    async def asend(self, messages: Any, params: bytes) -> Response | Any:
+        self.holding += 1
+        self.held.append((self.clock.now(), self.holding))
+        try:
+            async with self.line:
+                await self.clock.sleep(self.service)
+        finally:
+            self.holding -= 1
+        self.answers += 1
+        return Response(text=messages[-1]["content"], finish_reason="stop", server=self.base_url)
+
+
+def test_a_slow_server_holds_only_its_share_of_the_end_of_a_call() -> None:
+    """A server eight times slower than the other, both offered a window of 256: once the
+    source is done each holds its part of what is left by its pace, so both finish
+    together and the call ends within a few percent of the work-conserving bound, with
+    no hedge to rescue it. With an even share of the queue per slot (the rule before)
+    the slow server ended the call alone on its line (1.41 x the bound)."""
+    clock = FakeClock()
+    fast = LineClient("http://fast:1/v1", clock, capacity=32, service=0.1)
+    slow = LineClient("http://slow:1/v1", clock, capacity=4, service=0.1)
+    samples = 3600
+    bound = samples / (320 + 40)
+
+    async def scenario() -> list[Response]:
+        async with VLLMQueueAnnotator(
+            clients=[fast, slow],
+            clock=clock,
+            batch_size=64,
+            max_concurrent_batches_per_client=4,
+            hedge_tail=False,
+        ) as pool:
+            return await pool.abatch_generate(messages=conversations(samples))
+
+    responses = asyncio.run(scenario())
+    assert_all_answered_in_order(responses, samples)
+    assert clock.now() <= 1.05 * bound, (clock.now(), bound, fast.answers, slow.answers)
+    assert slow.answers < samples * 40 / 360 * 1.05
 
 
 class SlowSampleClient(LoadedClient):
@@ -249,3 +306,26 @@ def test_the_first_answer_of_a_hedged_sample_cancels_its_other_copy(
     assert clock.now() >= 20.0  # the call outlived the hedges
     for prompt, answered_at in rescued.items():
         assert 0 <= slow.cancelled[prompt] - answered_at < 1.0, prompt
+
+
+def test_a_slot_that_still_holds_a_request_hedges_when_its_share_has_room() -> None:
+    """One slot a member, so no slot is ever idle: the fast member's slot holds sample
+    399 for 20 s while the slow member holds samples 0 to 11 for 600 s. Once the queue
+    is empty the fast member's share (by pace) has room for them, and its slot sends
+    them again from the refill, long before sample 399 is answered."""
+    clock = FakeClock()
+    stuck = {f"sample {i}" for i in range(12)}
+    slow = SlowSampleClient("http://slow:1/v1", clock, stuck, 600.0, 0.1)
+    fast = SlowSampleClient("http://fast:1/v1", clock, {"sample 399"}, 20.0, 0.1)
+
+    async def scenario() -> list[Response]:
+        async with VLLMQueueAnnotator(
+            clients=[slow, fast], clock=clock, batch_size=16, max_concurrent_batches_per_client=1
+        ) as pool:
+            return await pool.abatch_generate(messages=conversations(400))
+
+    responses = asyncio.run(scenario())
+    assert_all_answered_in_order(responses, 400)
+    rescued = {p: t for p, t in fast.answered.items() if p in stuck}
+    assert len(rescued) >= dispatch.HEDGE_ROOM, rescued
+    assert max(sorted(rescued.values())[: dispatch.HEDGE_ROOM]) < 10.0

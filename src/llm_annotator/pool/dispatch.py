@@ -13,6 +13,7 @@ from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.pace import tail_share
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.scheduler import Effect, Failure, Holder, Limits
 from llm_annotator.pool.stall import StallWatch
@@ -34,6 +35,9 @@ HEDGE_ROOM = 8
 """Room a slot needs before it hedges while it still holds requests (each hedge scans
 what the other members hold)."""
 
+PACE_EVERY = 0.05
+"""Seconds between two reads of the members' paces for the end-of-call shares."""
+
 BURST = 32
 """Requests a slot sends at a time before it lets the event loop run: at the start
 every member gets work at once instead of one member's whole batches first."""
@@ -50,6 +54,8 @@ class Dispatcher:
         self._health = health
         self._stall = stall
         self._windows = WindowTuner(state)
+        self._paces_at = float("-inf")
+        self._paces_now: dict[Member, float] = {}
         config = state.config
         self._limits = Limits(
             max_sample_retries=config.max_sample_retries,
@@ -89,11 +95,12 @@ class Dispatcher:
                 wait = member.backoff_until - now if backing_off else 1.0
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
-            limit = min(BURST, member.window - len(member.in_flight)) if REFILL else None
+            limit = self._room(run, member, 0) if REFILL else None
             if limit is not None and limit <= 0:
-                await run.wait_for_change(1.0)  # its window is full
+                await run.wait_for_change(1.0)  # its window or its share is full
                 continue
-            batch = run.take(self._working_slots(), self._shunned_by(member), limit=limit)
+            slots = 1 if REFILL else self._working_slots()
+            batch = run.take(slots, self._shunned_by(member), limit=limit)
             if batch is None and self._hedges_now(run):
                 batch = self._hedge(run, member, limit or self._state.config.batch_size)
             if batch is None:
@@ -197,29 +204,67 @@ class Dispatcher:
                 self._requeue(run, member, cut)
 
     def _refill(self, run: Run, member: Member, holding: int) -> list[int] | None:
-        """More samples for a slot that holds ``holding`` requests: up to ``batch_size``
-        in flight and within the member's window, :data:`BURST` at a time. Once the
-        source is done a slot holds no more than an even share of what is left over the
-        working slots, so the last samples spread over every member; once the queue is
-        empty for good it hedges, :data:`HEDGE_ROOM` or more at a time. None if it may
-        not take any now."""
-        room = min(
-            self._state.config.batch_size - holding, BURST, member.window - len(member.in_flight)
-        )
-        if room <= 0 or run.finished:
+        """More samples for a slot that holds ``holding`` requests (see :meth:`_room`);
+        once the queue is empty for good it hedges, :data:`HEDGE_ROOM` or more at a
+        time. None if it may not take any now."""
+        if run.finished:
             return None
         if not member.takes_work(self._state.clock.now()) or not self._state.is_member(member):
             return None
+        room = self._room(run, member, holding)
+        if room <= 0:
+            return None
         if run.queue:
-            if run.source_done:
-                share = -(-(len(run.queue) + holding) // self._working_slots())
-                room = min(room, share - holding)
-                if room <= 0:
-                    return None
             return run.take(1, self._shunned_by(member), limit=room)
         if room < HEDGE_ROOM or not self._hedges_now(run):
             return None
         return self._hedge(run, member, room)
+
+    def _room(self, run: Run, member: Member, holding: int) -> int:
+        """How many more requests a slot of ``member`` that holds ``holding`` may send
+        now: up to ``batch_size`` in the slot, within the member's window,
+        :data:`BURST` at a time, and once the source is done within the member's share
+        of what is left (:meth:`_share_room`)."""
+        room = min(
+            self._state.config.batch_size - holding, BURST, member.window - len(member.in_flight)
+        )
+        if room > 0 and run.source_done:
+            room = min(room, self._share_room(run, member, holding))
+        return room
+
+    def _share_room(self, run: Run, member: Member, holding: int) -> int:
+        """Room left in ``member``'s share of the end of the call.
+
+        Once the source is done, a member holds no more than its part of what is
+        queued or in flight, in proportion to its pace (:func:`pace.tail_share`), so
+        that a slow server does not end the call alone on a long line of requests the
+        others could have answered; with the queue empty, room in its share goes to
+        hedges. While some working member's pace is not known yet, a slot holds no more
+        than an even share of the queue over the working slots, and hedges are bounded
+        by the batch and the window only.
+        """
+        paces = self._paces()
+        rate = paces.get(member)
+        if rate is not None:
+            total = sum(paces.values())
+            remaining = len(run.queue) + sum(len(m.in_flight) for m in paces)
+            return tail_share(remaining, rate, total) - len(member.in_flight)
+        if not run.queue:
+            return BURST  # hedges: within the batch and the window only
+        share = -(-(len(run.queue) + holding) // self._working_slots())
+        return share - holding
+
+    def _paces(self) -> dict[Member, float]:
+        """The working members' paces, if every one is known (else empty); read at most
+        every :data:`PACE_EVERY` seconds."""
+        now = self._state.clock.now()
+        if now - self._paces_at >= PACE_EVERY:
+            self._paces_at = now
+            working = [m for m in self._state.members.values() if m.state is MemberState.HEALTHY]
+            rates = {m: m.pace.rate(now) for m in working}
+            known = {m: r for m, r in rates.items() if r is not None and r > 0}
+            self._paces_now = known if len(known) == len(rates) else {}
+        return self._paces_now
 
     def _hedges_now(self, run: Run) -> bool:
         """Whether idle room goes to hedges: the queue is empty for good."""
@@ -244,6 +289,8 @@ class Dispatcher:
         outcome = self._outcome(task, member)
         if not _timed_out(outcome):  # an answer: the member is not hung
             member.note_arrival(self._state.clock.now())
+            if self._windows.answered(member):
+                run.notify()  # its idle slots may take work now
         self._settle(run, member, index, outcome, sent_at)
 
     @staticmethod

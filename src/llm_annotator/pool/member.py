@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Any
 
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
+from llm_annotator.pool.pace import Pace
 
 SERVED_WELL = 20
 """Good answers after an admission that clear a member's record of evictions in a row."""
@@ -99,6 +100,8 @@ class Member:
         self.in_flight: dict[asyncio.Task[Any], int] = {}
         self.window = 0
         """The most requests it may hold now (set for each call; see ``pool.window``)."""
+        self.pace = Pace()
+        """Its answers a second this call (see ``pool.pace``)."""
         self.suspects: set[int] = set()
         """Samples whose request failed here and that wait for a health check."""
         self.failed_probes = 0
@@ -173,6 +176,7 @@ class Member:
         self.was_down = False
         if rejoined:
             self.readmissions += 1
+            self.pace.reset()  # a restarted server may be another GPU
         self._move(MemberState.HEALTHY)
         return rejoined
 
@@ -250,6 +254,7 @@ class Member:
         if not self.in_flight:
             self.busy_since = now
             self.progress_read = False
+        self.pace.start(now)
 
     def note_arrival(self, now: float) -> None:
         """An answer of any kind arrived at ``now``: the member is not hung."""
@@ -258,6 +263,7 @@ class Member:
             self.longest_gap = gap
         self.last_answer_at = now
         self.progress_read = False
+        self.pace.note(now)
 
     def quiet_for(self, now: float) -> float:
         """Seconds it has held requests without answering any (0 when it holds none)."""
@@ -270,6 +276,7 @@ class Member:
         self.longest_gap = None
         self.busy_since = self.last_answer_at = self.watch_from = 0.0
         self.progress_read = False
+        self.pace.reset()
 
     def back_off(self, now: float, delay_for: Callable[[int], float]) -> float:
         """An overloaded answer: pause the member; the moment it may take work again."""

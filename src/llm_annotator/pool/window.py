@@ -27,7 +27,9 @@ log = structlog.get_logger(__name__)
 INTERVAL = 1.0
 """Seconds between two reads of a member's ``/metrics`` (never on the request path)."""
 START_WINDOW = 64
-"""A member's window when a call starts (then doubled while its server queues none)."""
+"""A member's window when a call starts (then grown; see :meth:`WindowTuner.start`)."""
+WAKE_STEP = 32
+"""A growing window wakes the member's idle slots each time it grows by this much."""
 MIN_WINDOW = 4
 """The least window: a server shared with other clients still gets some of ours."""
 MIN_WAITING = 2
@@ -105,6 +107,7 @@ class WindowTuner:
 
     def __init__(self, state: PoolState) -> None:
         self._state = state
+        self._grow_to = 0
 
     @property
     def ceiling(self) -> int:
@@ -112,9 +115,22 @@ class WindowTuner:
         return config.batch_size * config.max_concurrent_batches_per_client
 
     def start(self, member: Member) -> None:
-        """Set the member's window for a new call (or after it rejoined)."""
-        ceiling = self.ceiling
-        member.window = min(START_WINDOW, ceiling) if self._state.config.adaptive else ceiling
+        """Set the member's window for a new call (or after it rejoined): with
+        ``adaptive=True`` :data:`START_WINDOW`, then what its ``/metrics`` say; else
+        :data:`START_WINDOW` growing by one with each answer (:meth:`answered`) up to
+        the whole window, so that at the start of a call every server gets its first
+        requests at once instead of behind thousands of others."""
+        member.window = min(START_WINDOW, self.ceiling)
+        self._grow_to = 0 if self._state.config.adaptive else self.ceiling
+
+    def answered(self, member: Member) -> bool:
+        """An answer arrived from ``member``: without ``adaptive``, its window grows by
+        one up to the whole window (doubling with each round of answers). True when
+        it grew to a multiple of ``step``, for the caller to wake idle slots."""
+        if member.window >= self._grow_to:
+            return False
+        member.window += 1
+        return member.window % WAKE_STEP == 0
 
     async def watch(self, run: Run, member: Member) -> None:
         """Tune the member's window until the call ends or the member leaves."""

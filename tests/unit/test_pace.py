@@ -1,0 +1,91 @@
+"""A member's pace (answers a second, decayed) and the end-of-call share it sets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llm_annotator.pool import pace
+from llm_annotator.pool.pace import Pace, tail_share
+
+
+def steady(rate: float, seconds: float, start: float = 0.0, meter: Pace | None = None) -> Pace:
+    """A pace fed ``rate`` answers a second for ``seconds`` from ``start``."""
+    meter = meter or Pace()
+    meter.start(start)
+    count = round(rate * seconds)
+    for i in range(1, count + 1):
+        meter.note(start + i / rate)
+    return meter
+
+
+@pytest.mark.parametrize("rate", [2.0, 40.0, 1000.0, 5000.0])
+@pytest.mark.parametrize("seconds", [2.5, 6.0, 30.0])
+def test_a_steady_pace_reads_as_its_rate_however_long_it_was_measured(
+    rate: float, seconds: float
+) -> None:
+    """Read just after an answer: the answer counts whole, so a slow pace reads high by
+    up to about one answer over TAU."""
+    measured = steady(rate, seconds).rate(seconds)
+    assert measured is not None
+    assert measured == pytest.approx(rate, rel=0.05 + 1 / (rate * pace.TAU))
+
+
+def test_a_pace_is_unknown_until_measured_long_enough_and_often_enough() -> None:
+    meter = Pace()
+    assert meter.rate(10.0) is None  # never started
+    meter.start(0.0)
+    assert meter.rate(5.0) is None  # started, nothing answered
+    for i in range(pace.MIN_ANSWERS):
+        meter.note(0.1 * (i + 1))
+    assert meter.rate(pace.MIN_SPAN / 2) is None  # too short a span
+    assert meter.rate(pace.MIN_SPAN) is not None
+
+
+def test_a_pace_follows_a_server_that_slows_down() -> None:
+    """100/s for 10 s then 10/s: within a few TAU the pace reads close to 10."""
+    meter = steady(100.0, 10.0)
+    steady(10.0, 5 * pace.TAU, start=10.0, meter=meter)
+    measured = meter.rate(10.0 + 5 * pace.TAU)
+    assert measured is not None
+    assert 9.0 < measured < 12.0
+
+
+def test_a_server_that_stopped_answering_fades_to_nothing() -> None:
+    meter = steady(100.0, 10.0)
+    measured = meter.rate(10.0 + 10 * pace.TAU)
+    assert measured is not None
+    assert measured < 100.0 * math.exp(-9)
+
+
+def test_reset_forgets_the_pace() -> None:
+    meter = steady(100.0, 10.0)
+    meter.reset()
+    assert meter.rate(10.0) is None
+
+
+@pytest.mark.parametrize(
+    ("remaining", "rate", "total", "share"),
+    [
+        (1000, 100.0, 1000.0, 100),  # its part by pace
+        (1000, 800.0, 1000.0, 800),
+        (999, 500.0, 1000.0, 500),  # rounded up ...
+        (3, 1.0, 1000.0, 1),  # ... and never 0, so the last sample always goes somewhere
+        (0, 1.0, 1.0, 1),
+        (50, 0.0, 0.0, 50),  # no pace at all: no limit beyond what is left
+    ],
+)
+def test_the_end_of_a_call_is_shared_by_pace(
+    remaining: int, rate: float, total: float, share: int
+) -> None:
+    assert tail_share(remaining, rate, total) == share
+
+
+def test_the_shares_cover_what_is_left_so_some_member_can_always_take_the_next() -> None:
+    """However the paces fall, the shares add up to at least what is left: a member
+    holding less than its share exists while anything is queued."""
+    for rates in ([1.0, 1.0, 1.0, 1.0], [1066.0, 533.0, 266.0, 133.0], [1e-3, 5.0, 7.0]):
+        for remaining in range(200):
+            shares = [tail_share(remaining, r, sum(rates)) for r in rates]
+            assert sum(shares) >= remaining
