@@ -155,6 +155,26 @@ def group_cpu_seconds(groups: Iterable[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def pin_group(group: int, cpus: set[int]) -> int:
+    """Pin every thread of the running processes in process group ``group`` to
+    ``cpus``; the number of threads pinned (processes it starts later inherit it)."""
+    pinned = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != group:
+                continue
+            for thread in os.listdir(f"/proc/{entry}/task"):
+                os.sched_setaffinity(int(thread), cpus)
+                pinned += 1
+        except (OSError, IndexError):
+            continue  # it ended meanwhile
+    return pinned
+
+
 def find_nginx(*, install: bool = True) -> str:
     """The path of the nginx binary, installing Debian's ``nginx-light`` if allowed.
 

@@ -11,13 +11,16 @@ summed throughput at full load, taken from the simulation's parameters; the tail
 50 ms); and what each server did (answers, busy and saturated seconds, idle time at the
 end).
 
-Each run is made with three dispatches, side by side: ``window`` (this version's
-default: a batch slot keeps its batch full as answers arrive, every server may hold
-``batch_size x batches`` at once; the tail hedges the last sent first and the first
-answer cancels the other copy), ``adaptive`` (the same with ``adaptive=True``: each
-server's window follows its ``/metrics`` so that it queues little) and ``batch`` (the
-dispatch before both: a slot sends a whole batch and waits for its last answer).
-``--dispatch`` picks some.
+Each run is made with four dispatches, side by side: ``window`` (this version's
+default: a batch slot keeps its batch full as answers arrive; a server's window, what
+it may hold, starts at 64 and grows by one with each answer up to ``batch_size x
+batches``; once the input is read each server holds its part of what is left by its
+pace; the tail hedges the last sent first and the first answer cancels the other
+copy), ``adaptive`` (the same with ``adaptive=True``: each server's window follows its
+``/metrics`` so that it queues little), ``refill`` (the refill dispatch before windows
+started small and the end was shared by pace) and ``batch`` (the dispatch before
+refilling: a slot sends a whole batch and waits for its last answer). ``--dispatch``
+picks some.
 
 Fault cost: the same run again, with one server SIGKILLed once 30% of the samples are
 done; the extra wall time over the run without the fault, against the extra that the
@@ -56,15 +59,17 @@ import _harness as harness
 from _nginx import MODEL, raise_nofile_limit
 from _sim_server import ServerModel, ServerStats, SimServer
 from llm_annotator import VLLMQueueAnnotator
-from llm_annotator.pool import dispatch
+from llm_annotator.pool import dispatch, pace
 
 POLL = 0.05
 """Seconds between two reads of the pool's completed count."""
 TARGET_RATIO = 1.02
 TARGET_FAULT_SLACK = 0.5
-DISPATCHES = ("adaptive", "window", "batch")
+DISPATCHES = ("adaptive", "window", "refill", "batch")
 """This version's dispatch with ``adaptive=True``, the same with its default
-``adaptive=False``, and the one before both (``dispatch.REFILL`` off)."""
+``adaptive=False``, the refill dispatch before windows started small and the end was
+shared by pace (``pace.PACED`` off), and the one before refilling (``dispatch.REFILL``
+off)."""
 DEFAULT_SERVERS = "A:20:32,B:40:32,C:60:24,D:80:16"
 """name:base latency ms:capacity of each simulated server."""
 
@@ -167,6 +172,7 @@ def run_once(
     for server in servers:
         server.reset()
     dispatch.REFILL = mode != "batch"
+    pace.PACED = mode not in ("batch", "refill")
     names = {server.base_url: server.model.name for server in servers}
     result = RunResult(batch_size=batch_size, samples=samples, dispatch=mode)
     pool = VLLMQueueAnnotator(
@@ -460,7 +466,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dispatch",
         default=",".join(DISPATCHES),
         help="dispatches to compare: adaptive (adaptive=True), window (the default), "
-        "batch (the one before) "
+        "refill (before pace shares), batch (before refilling) "
         f"({','.join(DISPATCHES)})",
     )
     harness.add_number(

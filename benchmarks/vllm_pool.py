@@ -12,6 +12,9 @@ the same N conversations:
   answers arrive, ``adaptive=False``);
 * pool-adaptive: the same with ``adaptive=True`` (each server's window sized from its
   ``/metrics``);
+* pool-refill: the refill dispatch before windows started small and the end of a call
+  was shared by pace (every server given its whole window at once; an even share of
+  the queue per slot at the end);
 * pool-batch: the dispatch before both (a slot waits for the last answer of its batch
   before it takes the next);
 * vllm-bench: vLLM's own benchmark client (``vllm bench serve``, from the vLLM
@@ -29,9 +32,12 @@ Every way runs once per round, in an order that rotates from round to round; the
 summary takes each way's median, and the preemptions the servers counted during it
 (``vllm:num_preemptions_total``). Requests ask for ``max_completion_tokens`` 8 at
 temperature 1.0 with no seed (vLLM 0.32's CPU build kills its engine on seeded requests
-under load). The servers take both cores, so nothing is pinned; each run shows the CPU
-the benchmark process and the servers used, and the share of the machine other
-processes took (a high figure means a noisy run).
+under load). Each server's processes are pinned to a CPU of their own (``--no-pin``
+leaves them free), as servers on separate GPUs would be: unpinned on a small machine
+they compete for every core, and a server that burns CPU on small batches slows the
+other, so the rows per second then follow which server the OS favours more than the
+pool's scheduling. Each run shows the CPU the benchmark process and the servers used,
+and the share of the machine other processes took (a high figure means a noisy run).
 
 Run it as::
 
@@ -39,7 +45,8 @@ Run it as::
     python benchmarks/vllm_pool.py --quick    # N=1,000, 2 rounds: about two minutes
 
 Targets: the pool (and the annotation job) at least 95% of plain's rows per second;
-the pool at least as fast as pool-batch and as vllm-bench, with no more preemptions.
+the pool at least as fast as pool-refill, pool-batch and vllm-bench, with no more
+preemptions.
 The exit code is 0 whether or not it is met, and non-zero only when the harness fails.
 """
 
@@ -66,14 +73,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as harness
-from _nginx import group_cpu_seconds
+from _nginx import group_cpu_seconds, pin_group
 
 TARGET_SHARE = 0.95
 MAX_TOKENS = 8
 TEMPERATURE = 1.0
 BATCHES_PER_MEMBER = 4
 TEMPLATE = "Is this review positive or negative? Answer in one word.\n\nReview: {text}"
-WAYS = ("pool", "pool-adaptive", "pool-batch", "vllm-bench", "plain", "annotate")
+WAYS = ("pool", "pool-adaptive", "pool-refill", "pool-batch", "vllm-bench", "plain", "annotate")
 ANSWER = {"from": "gpt", "value": "positive"}
 """The second turn vLLM's ShareGPT reader wants (unused: the output length is fixed)."""
 BENCH_SCRIPT = (
@@ -188,6 +195,13 @@ class Bench:
         ]
         self.prompts.write_text(json.dumps(turns))
 
+    def warm_pools(self) -> None:
+        """One small call on each pool, so that no way's first round also pays for its
+        pool's first call (its connections and probes)."""
+        part = self.conversations[: min(200, len(self.conversations))]
+        for pool in (self.pool, self.old_pool, self.adaptive_pool):
+            pool.batch_generate(messages=part, options=self.options)
+
     def close(self) -> None:
         """Close the pools' connections."""
         self.pool.close()
@@ -200,6 +214,7 @@ class Bench:
         methods: dict[str, Callable[[RunResult], None]] = {
             "pool": self._pool,
             "pool-batch": self._old_pool,
+            "pool-refill": self._refill_pool,
             "pool-adaptive": self._adaptive_pool,
             "vllm-bench": self._vllm_bench,
             "annotate": self._annotate,
@@ -261,6 +276,18 @@ class Bench:
             )
         finally:
             dispatch.REFILL = True
+        _tally(result, responses)
+
+    def _refill_pool(self, result: RunResult) -> None:
+        from llm_annotator.pool import pace
+
+        pace.PACED = False
+        try:
+            responses = self.old_pool.batch_generate(
+                messages=self.conversations, options=self.options
+            )
+        finally:
+            pace.PACED = True
         _tally(result, responses)
 
     def _vllm_bench(self, result: RunResult) -> None:
@@ -494,6 +521,7 @@ def print_summary(runs: Sequence[RunResult]) -> None:
     comparisons = (
         ("pool", "plain", TARGET_SHARE),
         ("annotate", "plain", TARGET_SHARE),
+        ("pool", "pool-refill", 1.0),
         ("pool", "pool-batch", 1.0),
         ("pool-adaptive", "pool-batch", 1.0),
         ("pool", "vllm-bench", 1.0),
@@ -526,6 +554,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ways", default=",".join(WAYS), help=f"ways to run (default {','.join(WAYS)})"
     )
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave the servers unpinned (they then compete for every CPU)",
+    )
     args = parser.parse_args(argv)
     try:
         args.max_num_seqs = [int(n) for n in args.max_num_seqs.split(",")]
@@ -541,6 +575,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if min(args.samples, args.rounds, args.in_flight) < 1:
         parser.error("--samples, --rounds and --in-flight must be positive")
     return args
+
+
+def pin_servers(servers: Fleet) -> str:
+    """Pin each server's processes to a CPU of its own (in turn, if there are more
+    servers than CPUs); what was done, for the log."""
+    cpus = sorted(os.sched_getaffinity(0))
+    done = []
+    for k, server in enumerate(servers):
+        cpu = cpus[k % len(cpus)]
+        threads = pin_group(server.pid, {cpu})
+        done.append(f"{server.base_url} on CPU {cpu} ({threads} threads)")
+    return "pinned: " + "; ".join(done)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -580,9 +626,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"temperature {TEMPERATURE}, no seed, {args.rounds} rounds",
             flush=True,
         )
+        if args.pin:
+            print(pin_servers(servers), flush=True)
         bench = Bench(servers, args, folder)
         warm = bench.run("plain", 0)  # the servers' first requests are slow
-        print(f"warm-up (plain, not counted): {warm.rps:,.0f} rows/s\n", flush=True)
+        print(f"warm-up (plain, not counted): {warm.rps:,.0f} rows/s", flush=True)
+        bench.warm_pools()
+        print("each pool's first call made (not counted)\n", flush=True)
         runs = []
         ways = args.ways
         for number in range(1, args.rounds + 1):

@@ -11,11 +11,11 @@ from llm_annotator.pool.pace import Pace, tail_share
 
 
 def steady(rate: float, seconds: float, start: float = 0.0, meter: Pace | None = None) -> Pace:
-    """A pace fed ``rate`` answers a second for ``seconds`` from ``start``."""
+    """A pace fed ``rate`` answers a second for ``seconds`` after an answer at
+    ``start``."""
     meter = meter or Pace()
-    meter.start(start)
     count = round(rate * seconds)
-    for i in range(1, count + 1):
+    for i in range(count + 1):
         meter.note(start + i / rate)
     return meter
 
@@ -34,13 +34,23 @@ def test_a_steady_pace_reads_as_its_rate_however_long_it_was_measured(
 
 def test_a_pace_is_unknown_until_measured_long_enough_and_often_enough() -> None:
     meter = Pace()
-    assert meter.rate(10.0) is None  # never started
-    meter.start(0.0)
-    assert meter.rate(5.0) is None  # started, nothing answered
+    assert meter.rate(10.0) is None  # nothing answered
+    meter.note(5.0)
+    assert meter.rate(10.0) is None  # one answer only starts the measure
     for i in range(pace.MIN_ANSWERS):
-        meter.note(0.1 * (i + 1))
-    assert meter.rate(pace.MIN_SPAN / 2) is None  # too short a span
-    assert meter.rate(pace.MIN_SPAN) is not None
+        meter.note(5.0 + 0.1 * (i + 1))
+    assert meter.rate(5.0 + pace.MIN_SPAN / 2) is None  # too short a span
+    assert meter.rate(5.0 + pace.MIN_SPAN) is not None
+
+
+def test_the_wait_for_a_servers_first_answers_does_not_count_against_its_pace() -> None:
+    """A server whose answers take 5 s each, 20 a second once they flow: its pace reads
+    20 two seconds after the first answer, not a third of it."""
+    meter = Pace()
+    steady(20.0, 2.0, start=5.0, meter=meter)
+    measured = meter.rate(7.0)
+    assert measured is not None
+    assert measured == pytest.approx(20.0, rel=0.1)
 
 
 def test_a_pace_follows_a_server_that_slows_down() -> None:
@@ -82,9 +92,10 @@ def test_the_end_of_a_call_is_shared_by_pace(
     assert tail_share(remaining, rate, total) == share
 
 
-def test_the_shares_cover_what_is_left_so_some_member_can_always_take_the_next() -> None:
-    """However the paces fall, the shares add up to at least what is left: a member
-    holding less than its share exists while anything is queued."""
+def test_the_shares_add_up_to_at_least_what_is_left() -> None:
+    """However the paces fall, the shares cover what is left (shares rounded to the
+    nearest would not): among the members that take work, one holds less than its
+    share while anything is queued."""
     for rates in ([1.0, 1.0, 1.0, 1.0], [1066.0, 533.0, 266.0, 133.0], [1e-3, 5.0, 7.0]):
         for remaining in range(200):
             shares = [tail_share(remaining, r, sum(rates)) for r in rates]

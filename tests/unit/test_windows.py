@@ -308,11 +308,11 @@ def test_the_first_answer_of_a_hedged_sample_cancels_its_other_copy(
         assert 0 <= slow.cancelled[prompt] - answered_at < 1.0, prompt
 
 
-def test_a_slot_that_still_holds_a_request_hedges_when_its_share_has_room() -> None:
+def test_a_slot_that_still_holds_a_request_hedges_from_its_refill() -> None:
     """One slot a member, so no slot is ever idle: the fast member's slot holds sample
     399 for 20 s while the slow member holds samples 0 to 11 for 600 s. Once the queue
-    is empty the fast member's share (by pace) has room for them, and its slot sends
-    them again from the refill, long before sample 399 is answered."""
+    is empty the fast slot has room, and sends them again from its refill, long before
+    sample 399 is answered (no idle slot could have)."""
     clock = FakeClock()
     stuck = {f"sample {i}" for i in range(12)}
     slow = SlowSampleClient("http://slow:1/v1", clock, stuck, 600.0, 0.1)

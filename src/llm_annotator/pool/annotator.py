@@ -70,7 +70,11 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             holds. A slot keeps its batch full, taking a sample whenever one of its
             answers arrives, so a member never waits for its slowest request.
         max_concurrent_batches_per_client: Batch slots per member. A member holds at
-            most ``batch_size`` times this many requests.
+            most ``batch_size`` times this many requests: its window, which starts at
+            64 at each call and grows by one with each answer (a round of answers
+            doubles it), so that every server gets its first requests at once. Once
+            the input is read, a member holds no more than its part of what is left,
+            in proportion to how fast it answers, so that all finish together.
         timeout: Read timeout of one request, for clients built here.
         connect_timeout: Connect timeout, for clients built here.
         health_check_interval: Seconds between the starts of two probes of a member.
@@ -118,10 +122,10 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
             runs plus a few waiting when it queues more, and after preemptions. So no
             server holds a queue of work another could start sooner, and the end of a
             call does not wait for one. A server whose ``/metrics`` cannot be read gets
-            the whole window. False (the default): every member gets the whole
-            window at once. Measured: on simulated servers of unequal speed it brings
-            the makespan from 1.16 to 1.05 of the bound at batch 128; on real CPU vLLM
-            servers it costs about 15% of the rows per second (their gauges read few
+            the whole window. False (the default): the window grows with each answer
+            up to the whole bound. Measured: on simulated servers of unequal speed
+            both come within 1% of the work-conserving bound; on real CPU vLLM
+            servers ``adaptive=True`` costs rows per second (their gauges read few
             requests running, and a smaller window leaves their API server short of
             work), so it is off until it is proven on GPU servers.
         clock: Where the pool reads the time and sleeps: the system's by default; a

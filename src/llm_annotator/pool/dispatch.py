@@ -9,7 +9,7 @@ import structlog
 
 from llm_annotator.clients.retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
-from llm_annotator.pool import scheduler
+from llm_annotator.pool import pace, scheduler
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
@@ -23,20 +23,20 @@ from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
 
-Arrivals = asyncio.Queue["asyncio.Task[Response | ProviderError]"]
-"""A slot's finished requests, in the order they finished."""
-
 REFILL = True
 """Slots refill their window as answers arrive. False gives the dispatch before it (a
 slot sends a whole batch and waits for its last answer; the tail hedges oldest first),
 kept so that benchmarks can show both side by side."""
 
 HEDGE_ROOM = 8
-"""Room a slot needs before it hedges while it still holds requests (each hedge scans
-what the other members hold)."""
+"""Room a slot needs before it hedges while it still holds requests (a hedge walks
+what the other members hold, so it is worth doing for several samples at once)."""
 
 PACE_EVERY = 0.05
 """Seconds between two reads of the members' paces for the end-of-call shares."""
+SHARE_WAIT = 0.1
+"""Seconds an idle slot whose member's share of the end of a call is full waits
+before it looks again."""
 
 BURST = 32
 """Requests a slot sends at a time before it lets the event loop run: at the start
@@ -56,6 +56,7 @@ class Dispatcher:
         self._windows = WindowTuner(state)
         self._paces_at = float("-inf")
         self._paces_now: dict[Member, float] = {}
+        self._total_pace = 0.0
         config = state.config
         self._limits = Limits(
             max_sample_retries=config.max_sample_retries,
@@ -69,6 +70,7 @@ class Dispatcher:
         self._state.spawn(self._health.probe_loop(run, member))
         self._state.spawn(self._stall.watch(run, member))
         self._windows.start(member)
+        self._paces_at = float("-inf")  # a new call: read its paces afresh
         self._state.spawn(self._windows.watch(run, member))
         for _ in range(self._state.config.max_concurrent_batches_per_client):
             self._state.spawn(self._slot(run, member))
@@ -95,9 +97,13 @@ class Dispatcher:
                 wait = member.backoff_until - now if backing_off else 1.0
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
+            self._windows.restart_if_back(member)
             limit = self._room(run, member, 0) if REFILL else None
             if limit is not None and limit <= 0:
-                await run.wait_for_change(1.0)  # its window or its share is full
+                # Its window is full (a change wakes it), or its share of the end is
+                # (that moves with the others' answers: look again soon).
+                share_full = member.window > len(member.in_flight)
+                await run.wait_for_change(SHARE_WAIT if share_full else 1.0)
                 continue
             slots = 1 if REFILL else self._working_slots()
             batch = run.take(slots, self._shunned_by(member), limit=limit)
@@ -157,7 +163,8 @@ class Dispatcher:
         client = member.client
         clock = self._state.clock
         copies = run.copies
-        arrived: Arrivals = asyncio.Queue()
+        arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
+        """The slot's finished requests, in the order they finished."""
         waiting: dict[asyncio.Task[Response | ProviderError], tuple[int, float]] = {}
         """The slot's requests not settled yet: sample and when it was sent."""
         cut: list[int] = []
@@ -238,32 +245,34 @@ class Dispatcher:
         Once the source is done, a member holds no more than its part of what is
         queued or in flight, in proportion to its pace (:func:`pace.tail_share`), so
         that a slow server does not end the call alone on a long line of requests the
-        others could have answered; with the queue empty, room in its share goes to
-        hedges. While some working member's pace is not known yet, a slot holds no more
-        than an even share of the queue over the working slots, and hedges are bounded
-        by the batch and the window only.
+        others could have answered. While some member that takes work has no known
+        pace yet, a slot holds no more than an even share of the queue over the
+        working slots instead. With the queue empty, hedges are bounded by the batch
+        and the window only.
         """
+        if not run.queue:
+            return BURST  # hedges: within the batch and the window only
         paces = self._paces()
         rate = paces.get(member)
         if rate is not None:
-            total = sum(paces.values())
             remaining = len(run.queue) + sum(len(m.in_flight) for m in paces)
-            return tail_share(remaining, rate, total) - len(member.in_flight)
-        if not run.queue:
-            return BURST  # hedges: within the batch and the window only
+            return tail_share(remaining, rate, self._total_pace) - len(member.in_flight)
         share = -(-(len(run.queue) + holding) // self._working_slots())
         return share - holding
 
     def _paces(self) -> dict[Member, float]:
-        """The working members' paces, if every one is known (else empty); read at most
-        every :data:`PACE_EVERY` seconds."""
+        """The working members' paces, if every one is known (else empty), and their sum
+        in ``_total_pace``; read at most every :data:`PACE_EVERY` seconds."""
         now = self._state.clock.now()
+        if not pace.PACED:
+            return {}
         if now - self._paces_at >= PACE_EVERY:
             self._paces_at = now
-            working = [m for m in self._state.members.values() if m.state is MemberState.HEALTHY]
+            working = [m for m in self._state.members.values() if m.takes_work(now)]
             rates = {m: m.pace.rate(now) for m in working}
             known = {m: r for m, r in rates.items() if r is not None and r > 0}
             self._paces_now = known if len(known) == len(rates) else {}
+            self._total_pace = sum(self._paces_now.values())
         return self._paces_now
 
     def _hedges_now(self, run: Run) -> bool:
@@ -288,9 +297,12 @@ class Dispatcher:
             return
         outcome = self._outcome(task, member)
         if not _timed_out(outcome):  # an answer: the member is not hung
-            member.note_arrival(self._state.clock.now())
-            if self._windows.answered(member):
-                run.notify()  # its idle slots may take work now
+            now = self._state.clock.now()
+            member.note_arrival(now)
+            if isinstance(outcome, Response):  # errors say nothing of its pace
+                member.pace.note(now)
+                if self._windows.answered(member):
+                    run.notify()  # its idle slots may take work now
         self._settle(run, member, index, outcome, sent_at)
 
     @staticmethod

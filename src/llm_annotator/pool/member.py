@@ -101,7 +101,9 @@ class Member:
         self.window = 0
         """The most requests it may hold now (set for each call; see ``pool.window``)."""
         self.pace = Pace()
-        """Its answers a second this call (see ``pool.pace``)."""
+        """Its good answers a second this call (see ``pool.pace``)."""
+        self.window_evictions = 0
+        """Its evictions when its window was last started (a rejoin starts it again)."""
         self.suspects: set[int] = set()
         """Samples whose request failed here and that wait for a health check."""
         self.failed_probes = 0
@@ -254,7 +256,6 @@ class Member:
         if not self.in_flight:
             self.busy_since = now
             self.progress_read = False
-        self.pace.start(now)
 
     def note_arrival(self, now: float) -> None:
         """An answer of any kind arrived at ``now``: the member is not hung."""
@@ -263,7 +264,6 @@ class Member:
             self.longest_gap = gap
         self.last_answer_at = now
         self.progress_read = False
-        self.pace.note(now)
 
     def quiet_for(self, now: float) -> float:
         """Seconds it has held requests without answering any (0 when it holds none)."""

@@ -16,19 +16,24 @@ MIN_SPAN = 1.0
 """Seconds a pace must have been measured for before it is believed ..."""
 MIN_ANSWERS = 4
 """... and answers it must have counted."""
+PACED = True
+"""Windows start small and the end of a call is shared by pace. False gives the refill
+dispatch before both (the whole window at once, an even share of the queue per slot
+at the end), kept so that benchmarks can show both side by side."""
 
 
 class Pace:
-    """Answers per second, decayed over :data:`TAU` seconds.
+    """Answers per second, decayed over :data:`TAU` seconds, measured from the first
+    answer (a server's first answers come one latency after its first requests, which
+    says nothing of its pace).
 
     Examples:
         >>> pace = Pace()
-        >>> pace.start(0.0)
-        >>> for i in range(1, 301):
+        >>> for i in range(301):
         ...     pace.note(i / 100)  # 100 answers a second for 3 s
         >>> round(pace.rate(3.0))
         100
-        >>> Pace().rate(3.0) is None  # never started
+        >>> Pace().rate(3.0) is None  # nothing answered yet
         True
     """
 
@@ -44,15 +49,11 @@ class Pace:
         """Forget everything (a new call, or the server came back)."""
         self._count, self._last, self._since, self._answers = 0.0, 0.0, None, 0
 
-    def start(self, now: float) -> None:
-        """Measure from ``now`` (the member got work), unless already measuring."""
-        if self._since is None:
-            self._since = self._last = now
-
     def note(self, now: float) -> None:
-        """An answer arrived at ``now``."""
+        """An answer arrived at ``now`` (the first only starts the measure)."""
         if self._since is None:
             self._since = self._last = now
+            return
         elapsed = now - self._last
         if elapsed > 0:
             self._count *= math.exp(-elapsed / TAU)

@@ -1,8 +1,10 @@
 """Each member's window: how many requests it may hold, sized from its engine's load.
 
 ``batch_size x max_concurrent_batches_per_client`` is the most a member ever holds.
-With ``adaptive=True`` (off by default) a member starts at :data:`START_WINDOW` and its
-window follows what its server can start soon: every :data:`INTERVAL` seconds the
+A member starts each call at :data:`START_WINDOW`, so that every server gets its first
+requests at once rather than behind thousands sent to the others. By default its window
+then grows by one with each answer up to that bound. With ``adaptive=True`` its window
+instead follows what its server can start soon: every :data:`INTERVAL` seconds the
 :class:`WindowTuner` reads the server's ``/metrics`` (vLLM's running and waiting gauges
 and its preemption counter) and :func:`next_window` decides the new size. A server
 whose queue is longer than it needs to stay busy holds work another server could start
@@ -18,6 +20,7 @@ import math
 import structlog
 
 from llm_annotator.clients.metrics import EngineLoad
+from llm_annotator.pool import pace
 from llm_annotator.pool.member import Member, MemberState
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.state import PoolState
@@ -120,13 +123,22 @@ class WindowTuner:
         :data:`START_WINDOW` growing by one with each answer (:meth:`answered`) up to
         the whole window, so that at the start of a call every server gets its first
         requests at once instead of behind thousands of others."""
-        member.window = min(START_WINDOW, self.ceiling)
-        self._grow_to = 0 if self._state.config.adaptive else self.ceiling
+        adaptive = self._state.config.adaptive
+        member.window = min(START_WINDOW, self.ceiling) if adaptive or pace.PACED else self.ceiling
+        member.window_evictions = member.evictions
+        self._grow_to = 0 if adaptive else self.ceiling
+
+    def restart_if_back(self, member: Member) -> None:
+        """Start the member's window again if it was evicted since it was last started:
+        the server that rejoined may be a restarted one, or another GPU."""
+        if member.window_evictions != member.evictions:
+            self.start(member)
+            log.debug("window_changed", server=member.url, window=member.window)
 
     def answered(self, member: Member) -> bool:
-        """An answer arrived from ``member``: without ``adaptive``, its window grows by
-        one up to the whole window (doubling with each round of answers). True when
-        it grew to a multiple of ``step``, for the caller to wake idle slots."""
+        """A good answer arrived from ``member``: without ``adaptive``, its window grows
+        by one up to the whole window (doubling with each round of answers). True when
+        it grew to a multiple of :data:`WAKE_STEP`, for the caller to wake idle slots."""
         if member.window >= self._grow_to:
             return False
         member.window += 1
@@ -153,8 +165,7 @@ class WindowTuner:
                 # Evicted and back: what it showed before says nothing of the restarted
                 # server (it may be another GPU); start afresh.
                 evictions, preemptions = member.evictions, None
-                self.start(member)
-                log.debug("window_changed", server=member.url, window=member.window)
+                self.restart_if_back(member)
                 continue
             load = await member.client.aengine_load(self._state.config.health_check_timeout)
             preempted = False
