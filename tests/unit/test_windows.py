@@ -10,11 +10,12 @@ measures what it is worth.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from llm_annotator import Response, VLLMQueueAnnotator
+from llm_annotator import ErrorKind, ProviderError, Response, VLLMQueueAnnotator
 from llm_annotator.clients.metrics import EngineLoad, engine_load
 from llm_annotator.pool import dispatch, window
 from llm_annotator.pool.window import next_window, waiting_target
@@ -329,3 +330,83 @@ def test_a_slot_that_still_holds_a_request_hedges_from_its_refill() -> None:
     rescued = {p: t for p, t in fast.answered.items() if p in stuck}
     assert len(rescued) >= dispatch.HEDGE_ROOM, rescued
     assert max(sorted(rescued.values())[: dispatch.HEDGE_ROOM]) < 10.0
+
+
+class ErringClient(LoadedClient):
+    """A clocked client (no /metrics) whose every answer is the sample's fault."""
+
+    async def asend(self, messages: Any, params: bytes) -> Response | Any:
+        self.holding += 1
+        self.held.append((self.clock.now(), self.holding))
+        try:
+            await self.clock.sleep(0.5)
+        finally:
+            self.holding -= 1
+        return ProviderError("HTTP 400: bad", kind=ErrorKind.BAD_REQUEST, server=self.base_url)
+
+
+def test_error_answers_do_not_grow_a_window() -> None:
+    """A server that answers every sample with an error (the samples' fault, so it is
+    never evicted) keeps its start window: only good answers show it can hold more."""
+    clock = FakeClock()
+    client = ErringClient("http://erring:1/v1", clock, None)
+
+    async def scenario() -> list[Response]:
+        async with VLLMQueueAnnotator(
+            clients=[client], clock=clock, batch_size=64, max_concurrent_batches_per_client=4
+        ) as pool:
+            return await pool.abatch_generate(messages=conversations(600))
+
+    responses = asyncio.run(scenario())
+    assert [r.error_type for r in responses] == ["bad_request"] * 600
+    assert client.most_held(0.0) == window.START_WINDOW
+
+
+class FlakyClient(LoadedClient):
+    """A recording clocked client (no /metrics) with ``ClockedClient``'s ``latency``,
+    ``healthy`` and ``answer``."""
+
+    def __init__(
+        self,
+        url: str,
+        clock: FakeClock,
+        latency: float,
+        healthy: Callable[[float], bool] = lambda now: True,
+        answer: Callable[[str, float], Response | None] | None = None,
+    ) -> None:
+        super().__init__(url, clock, None)
+        self.latency, self.healthy = latency, healthy
+        if answer is not None:
+            self.answer = answer
+
+
+def test_a_member_that_rejoins_starts_its_window_again() -> None:
+    """A member that grew its window to the whole 256, then hung (its /health and its
+    requests) from 2 s to 25 s and was evicted, gets the start window again when it
+    rejoins: the server that came back may be a restarted one, or another GPU."""
+    clock = FakeClock()
+    down = (2.0, 25.0)
+
+    def healthy(now: float) -> bool:
+        return not down[0] <= now < down[1]
+
+    def answer(prompt: str, now: float) -> Response | None:
+        return None if down[0] <= now < down[1] else Response(text=prompt, finish_reason="stop")
+
+    steady = FlakyClient("http://steady:1/v1", clock, latency=5.0)
+    flaky = FlakyClient("http://flaky:1/v1", clock, latency=0.5, healthy=healthy, answer=answer)
+
+    async def scenario() -> tuple[list[Response], int]:
+        async with VLLMQueueAnnotator(
+            clients=[steady, flaky], clock=clock, batch_size=64, max_concurrent_batches_per_client=4
+        ) as pool:
+            responses = await pool.abatch_generate(messages=conversations(4000))
+            return responses, pool.statistics().member("http://flaky:1/v1").readmissions
+
+    responses, readmissions = asyncio.run(scenario())
+    assert_all_answered_in_order(responses, 4000)
+    assert readmissions == 1
+    assert max(n for t, n in flaky.held if t < down[0]) == 64 * 4
+    test_completion, *sent = (t for t, _ in flaky.held if t >= down[1])
+    back = min(t for t in sent if t > test_completion)
+    assert flaky.most_held(back, back + 0.4) == window.START_WINDOW

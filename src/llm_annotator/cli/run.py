@@ -222,7 +222,8 @@ _SETTINGS: tuple[_Setting, ...] = (
         "adaptive",
         _bool,
         "size what each server holds from its /metrics, so none queues work another could "
-        "start sooner; default off: each server may hold batch_size x batches at once",
+        "start sooner; default off: what each server holds grows with its answers up to "
+        "batch_size x batches",
         False,
     ),
     _Setting(
