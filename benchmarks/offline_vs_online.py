@@ -46,7 +46,7 @@ from llm_annotator.local import (
     find_vllm_python,
     start_local_servers,
 )
-from llm_annotator.local.inprocess import annotator_environment
+from llm_annotator.local.inprocess import CPU_ENGINE_ENV, annotator_environment
 
 REVIEWS = [
     "The food was awful and cold.",
@@ -56,15 +56,6 @@ REVIEWS = [
     "It stopped working after two days.",
 ]
 OPTIONS: dict[str, Any] = {"temperature": 0.0, "max_completion_tokens": 16}
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 # The engine's batch limits, set on both sides (the server's and the in-process
 # engine's defaults differ on CPUs: 128 / 2048 and 256 / 4096).
@@ -174,7 +165,7 @@ def main() -> None:
         args.samples, args.rounds = 100, 1
     python = find_vllm_python()
     model = ensure_small_model(python=python)
-    env = {**os.environ, **annotator_environment(python), **ENGINE_ENV}
+    env = {**os.environ, **annotator_environment(python), **CPU_ENGINE_ENV}
     convs = conversations(args.samples)
     print(f"{args.samples} conversations, {OPTIONS}, small model, float32, context 512")
     print(

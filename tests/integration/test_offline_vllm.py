@@ -27,7 +27,7 @@ import pytest
 
 from llm_annotator import VLLMOnlineClient, VLLMOnlineRuntimeOptions
 from llm_annotator.local import LocalServers
-from llm_annotator.local.inprocess import annotator_environment
+from llm_annotator.local.inprocess import CPU_ENGINE_ENV, annotator_environment
 
 pytestmark = pytest.mark.integration
 
@@ -82,17 +82,7 @@ def in_vllm(vllm_python: str) -> dict[str, str]:
     settings a CPU engine needs (as for the local servers)."""
     env = dict(os.environ)
     env.update(annotator_environment(vllm_python))
-    env.update(
-        {
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-    )
+    env.update(CPU_ENGINE_ENV)
     return env
 
 

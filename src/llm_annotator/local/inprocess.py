@@ -16,7 +16,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import llm_annotator
 from llm_annotator.errors import ConfigurationError
@@ -29,6 +31,21 @@ from llm_annotator.local.servers import (
     cache_dir,
     find_vllm_python,
 )
+
+CPU_ENGINE_ENV: Mapping[str, str] = MappingProxyType(
+    {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+)
+"""The environment of a small in-process engine on a CPU, as the local servers get
+theirs: 1 GiB of KV cache, one unpinned compute thread (vLLM's default pins every
+engine's threads to the first core), nothing fetched from a hub, no usage report."""
 
 _MISSING_SCRIPT = """
 import sys
