@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -134,13 +134,9 @@ def raise_nofile_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def group_cpu_seconds(groups: Iterable[int]) -> float:
-    """CPU seconds (user + system) of the running processes in the given process groups.
-
-    Read from ``/proc``: a process that has ended no longer counts.
-    """
-    wanted = set(groups)
-    ticks = 0
+def _group_stats(groups: set[int]) -> Iterator[tuple[int, list[str]]]:
+    """(pid, the ``/proc/PID/stat`` fields after the command name) of each running
+    process in ``groups``; a process that ends meanwhile is skipped."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -150,8 +146,16 @@ def group_cpu_seconds(groups: Iterable[int]) -> float:
         except (OSError, IndexError):
             continue
         # After the command name: state, ppid, pgrp, ..., utime (12th), stime (13th).
-        if int(fields[2]) in wanted:
-            ticks += int(fields[11]) + int(fields[12])
+        if int(fields[2]) in groups:
+            yield int(entry), fields
+
+
+def group_cpu_seconds(groups: Iterable[int]) -> float:
+    """CPU seconds (user + system) of the running processes in the given process groups.
+
+    Read from ``/proc``: a process that has ended no longer counts.
+    """
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in _group_stats(set(groups)))
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -159,19 +163,11 @@ def pin_group(group: int, cpus: set[int]) -> int:
     """Pin every thread of the running processes in process group ``group`` to
     ``cpus``; the number of threads pinned (processes it starts later inherit it)."""
     pinned = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != group:
-                continue
-            for thread in os.listdir(f"/proc/{entry}/task"):
+    for pid, _ in _group_stats({group}):
+        with contextlib.suppress(OSError):  # it ended meanwhile
+            for thread in os.listdir(f"/proc/{pid}/task"):
                 os.sched_setaffinity(int(thread), cpus)
                 pinned += 1
-        except (OSError, IndexError):
-            continue  # it ended meanwhile
     return pinned
 
 

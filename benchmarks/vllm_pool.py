@@ -269,25 +269,22 @@ class Bench:
     def _old_pool(self, result: RunResult) -> None:
         from llm_annotator.pool import dispatch
 
-        dispatch.REFILL = False
-        try:
-            responses = self.old_pool.batch_generate(
-                messages=self.conversations, options=self.options
-            )
-        finally:
-            dispatch.REFILL = True
-        _tally(result, responses)
+        self._old_dispatch(result, dispatch, "REFILL")
 
     def _refill_pool(self, result: RunResult) -> None:
         from llm_annotator.pool import pace
 
-        pace.PACED = False
+        self._old_dispatch(result, pace, "PACED")
+
+    def _old_dispatch(self, result: RunResult, module: Any, flag: str) -> None:
+        """A run of ``old_pool`` with ``module.flag`` off: a dispatch before this one."""
+        setattr(module, flag, False)
         try:
             responses = self.old_pool.batch_generate(
                 messages=self.conversations, options=self.options
             )
         finally:
-            pace.PACED = True
+            setattr(module, flag, True)
         _tally(result, responses)
 
     def _vllm_bench(self, result: RunResult) -> None:
