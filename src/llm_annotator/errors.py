@@ -23,6 +23,8 @@ them::
         ├── PromptError             a template that cannot be rendered safely
         ├── FingerprintMismatchError  resuming a directory made with other settings
         ├── OutputWriteError        the run directory cannot be written (disk full, ...)
+        ├── RunDirectoryError       a run-directory file is a link, not a regular file,
+        │                           or not what the job wrote there
         └── RunInterruptedError     stopped by a signal; everything done is written
 
 ``InputError``, ``PromptError``, ``FingerprintMismatchError`` and
@@ -299,6 +301,20 @@ class OutputWriteError(JobError):
 
     Attributes:
         path: The file or directory that could not be written.
+    """
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class RunDirectoryError(JobError):
+    """A file of the run directory is not the job's own (a symbolic link, a FIFO, a
+    folder where a file belongs), or holds something the job never wrote (a
+    ``job.json`` or ``status.json`` of the wrong shape). Nothing was written through it.
+
+    Attributes:
+        path: The file.
     """
 
     def __init__(self, message: str, *, path: str = "") -> None:

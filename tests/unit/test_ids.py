@@ -27,10 +27,12 @@ def test_hash_id_refuses_what_is_not_an_id(bad: object) -> None:
 @pytest.mark.parametrize(
     ("value", "valid"),
     [(0, True), (-5, True), (2**63 - 1, True), (2**63, False), (-(2**63) - 1, False),
-     ("", True), ("row-1", True), (True, False), (1.0, False), (None, False)],
+     ("", False), ("row-1", True), (True, False), (1.0, False), (None, False),
+     ("a\udcff", False), ("\ud800", False), ("é", True)],
 )  # fmt: skip
 def test_valid_ids_are_64_bit_ints_and_strs(value: object, valid: bool) -> None:
-    """Stored ids are strs, or ints that fit a signed 64-bit column."""
+    """Stored ids are non-empty valid Unicode strs, or ints that fit a signed 64-bit
+    column."""
     assert is_valid_id(value) is valid
 
 

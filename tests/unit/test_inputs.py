@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import gzip
+import os
 import re
+import threading
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,10 +192,21 @@ def test_duplicate_ids_are_reported_with_both_locations(tmp_path: Path) -> None:
     assert f"{path} line 11" in message
 
 
-def test_an_int_id_and_its_string_are_different_ids() -> None:
-    """7 and "7" do not count as a duplicate."""
-    source = open_input([{"id": 7}, {"id": "7"}], id_column="id")
-    assert source.scan() == 2
+def test_an_int_id_and_its_string_are_refused_as_one_output_id() -> None:
+    """7 and "7" are one id in the output (its id column holds text when ints and strings
+    mix): refused naming both rows; ints and strings that differ as text pass."""
+    source = open_input([{"id": 7}, {"id": 1}, {"id": "7"}], id_column="id")
+    with pytest.raises(InputError, match=r"ids 7 \(at list item 0\) and '7' \(at list item 2\)"):
+        source.scan()
+    assert open_input([{"id": 7}, {"id": "8"}, {"id": "07"}], id_column="id").scan() == 3
+
+
+def test_a_jsonl_file_mixing_an_int_id_and_its_string_is_refused(tmp_path: Path) -> None:
+    """The same rule on the JSONL reader's fast path, naming both lines."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": 1}\n{"id": 2}\n{"id": "1"}\n')
+    with pytest.raises(InputError, match=r"ids 1 \(at .*line 1\) and '1' \(at .*line 3\)"):
+        open_input(path, id_column="id").scan()
 
 
 def test_a_hash_collision_is_not_reported_as_a_duplicate(
@@ -464,16 +477,16 @@ def test_directory_is_refused(tmp_path: Path) -> None:
 
 def test_unreadable_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file the process may not read is refused with its path (the permission error
-    is raised at the open() boundary: as root, chmod 0 would not stop the read)."""
+    is raised at the os.open() boundary: as root, chmod 0 would not stop the read)."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"t": 1}])
-    real_open = open
+    real_open = os.open
 
     def refusing_open(file: Any, *args: Any, **kwargs: Any) -> Any:
         if str(file) == str(path):
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr("builtins.open", refusing_open)
+    monkeypatch.setattr("os.open", refusing_open)
     with pytest.raises(InputError, match=re.escape(f"cannot read the input file {path}")):
         open_input(path)
 
@@ -523,3 +536,62 @@ def test_iterating_again_reads_the_input_again(tmp_path: Path) -> None:
     source = open_input(path)
     assert list(source) == list(source)
     assert len(list(source)) == 2
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".csv", ".parquet"])
+@pytest.mark.parametrize("kind", ["fifo", "link to a fifo", "directory", "device"])
+def test_an_input_that_is_not_a_regular_file_is_refused_without_blocking(
+    tmp_path: Path, suffix: str, kind: str
+) -> None:
+    """A FIFO (directly or through a link), a directory or a device under an input's
+    name is refused at once, naming it: a plain open() of a FIFO waits for a writer
+    forever, on the thread that would have to run the signal handlers. The test runs in a
+    thread it can abandon, so a regression fails instead of hanging the suite."""
+    path = tmp_path / f"in{suffix}"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to a fifo":
+        os.mkfifo(tmp_path / "pipe")
+        path.symlink_to(tmp_path / "pipe")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    outcome: list[BaseException | int] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(open_input(path).scan())
+        except BaseException as error:
+            outcome.append(error)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert outcome, f"open_input blocked on {kind}"
+    assert isinstance(outcome[0], InputError), outcome
+    assert "not a regular file" in str(outcome[0]) and str(path) in str(outcome[0])
+
+
+def test_the_identity_follows_the_ids_or_the_content(tmp_path: Path) -> None:
+    """With an id column the identity is the set of ids (order and other fields free);
+    without one it is the content, for every reader."""
+    first = write_jsonl(tmp_path / "a.jsonl", [{"id": 1, "t": "x"}, {"id": 2, "t": "y"}])
+    again = write_jsonl(tmp_path / "b.jsonl", [{"id": 2, "t": "z"}, {"id": 1, "t": "x"}])
+    other = write_jsonl(tmp_path / "c.jsonl", [{"id": 1, "t": "x"}, {"id": 3, "t": "y"}])
+
+    def identity(path: Path, id_column: str | None) -> str:
+        source = open_input(path, id_column=id_column)
+        source.scan()
+        return source.identity.digest
+
+    assert identity(first, "id") == identity(again, "id") != identity(other, "id")
+    assert identity(first, None) != identity(again, None)
+    assert identity(first, None) == identity(first, None)
+    table = pa.table({"id": [1, 2], "t": ["x", "y"]})
+    pq.write_table(table, tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": [1, 2], "t": ["x", "w"]}), tmp_path / "b.parquet")
+    assert identity(tmp_path / "a.parquet", "id") == identity(tmp_path / "b.parquet", "id")
+    assert identity(tmp_path / "a.parquet", None) != identity(tmp_path / "b.parquet", None)
+    with pytest.raises(InputError, match="scan"):
+        _ = open_input(first).identity

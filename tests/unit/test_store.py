@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -12,7 +14,12 @@ import orjson
 import pytest
 import structlog
 
-from llm_annotator.errors import FingerprintMismatchError, JobError, OutputWriteError
+from llm_annotator.errors import (
+    FingerprintMismatchError,
+    JobError,
+    OutputWriteError,
+    RunDirectoryError,
+)
 from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.store import ResultStore, shard_paths
 
@@ -197,18 +204,39 @@ def test_a_json_line_without_a_valid_id_is_skipped(tmp_path: Path, bad: Any) -> 
 
 
 def test_files_in_shards_that_are_not_shards_are_left_alone(tmp_path: Path) -> None:
-    """Other files and folders under shards/ (an editor's backup, a copied folder with a
-    shard's name) are neither read nor touched."""
+    """Other files and folders under shards/ (an editor's backup, a folder) are neither
+    read nor touched."""
     write_shard(tmp_path, 1, [line({"id": 0})])
     shards = tmp_path / "shards"
     (shards / "notes.txt").write_bytes(line({"id": 5}))
     (shards / "part-20240101T000000000000Z-1-000002.jsonl.bak").write_bytes(line({"id": 6}))
-    (shards / "part-20240101T000000000000Z-1-000003.jsonl").mkdir()
+    (shards / "old").mkdir()
     with ResultStore.open(tmp_path, SETTINGS) as store:
         assert store.num_done == 1
         assert not store.is_done(5) and not store.is_done(6)
     assert (shards / "notes.txt").read_bytes() == line({"id": 5})
     assert consolidate(tmp_path).num_rows == 1
+
+
+@pytest.mark.parametrize("kind", ["directory", "link", "fifo"])
+def test_an_entry_with_a_shard_name_that_is_not_a_file_is_refused(
+    tmp_path: Path, kind: str
+) -> None:
+    """A folder, a link or a FIFO under a shard's name is refused by name: never read
+    through, never "repaired" (a link's target would be cut), never waited on."""
+    write_shard(tmp_path, 1, [line({"id": 0})])
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes(line({"id": 9}) + b'{"id": 1')  # a torn last line
+    planted = tmp_path / "shards" / "part-20240101T000000000000Z-1-000003.jsonl"
+    if kind == "directory":
+        planted.mkdir()
+    elif kind == "link":
+        planted.symlink_to(outside)
+    else:
+        os.mkfifo(planted)
+    with pytest.raises(RunDirectoryError, match=re.escape(str(planted))):
+        ResultStore.open(tmp_path, SETTINGS)
+    assert outside.read_bytes() == line({"id": 9}) + b'{"id": 1'
 
 
 def test_a_directory_that_cannot_be_made_is_a_clear_error(tmp_path: Path) -> None:

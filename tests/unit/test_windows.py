@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import structlog
 
 from llm_annotator import ErrorKind, ProviderError, Response, VLLMQueueAnnotator
 from llm_annotator.clients.metrics import EngineLoad, engine_load
@@ -330,6 +331,37 @@ def test_a_slot_that_still_holds_a_request_hedges_from_its_refill() -> None:
     rescued = {p: t for p, t in fast.answered.items() if p in stuck}
     assert len(rescued) >= dispatch.HEDGE_ROOM, rescued
     assert max(sorted(rescued.values())[: dispatch.HEDGE_ROOM]) < 10.0
+
+
+def test_a_hedge_cancelled_before_it_is_sent_is_not_counted_as_hedged() -> None:
+    """Two members answer every request in 1 s; at 2 s each has one sample left (6 and
+    7), answered at the same moment. The member whose answer is settled first has room
+    and hedges the other's sample, whose answer, settled right after, cancels that copy
+    before it was sent. No duplicate reached a server, so ``hedged`` counts none: it
+    counts the hedge requests sent, not the ones picked."""
+    clock = FakeClock()
+    first = ClockedClient("http://first:1/v1", clock, latency=1.0)
+    second = ClockedClient("http://second:1/v1", clock, latency=1.0)
+
+    async def scenario() -> tuple[list[Response], int]:
+        async with VLLMQueueAnnotator(
+            clients=[first, second],
+            clock=clock,
+            batch_size=8,
+            max_concurrent_batches_per_client=1,
+            adaptive=False,
+        ) as pool:
+            responses = await pool.abatch_generate(messages=conversations(8))
+            return responses, pool.statistics().hedged
+
+    with structlog.testing.capture_logs() as logs:
+        responses, hedged = asyncio.run(scenario())
+    assert_all_answered_in_order(responses, 8)
+    picked = sum(e["samples"] for e in logs if e["event"] == "samples_hedged")
+    assert picked == 1, "no hedge was picked: the scenario did not happen"
+    sent = len(first.sent) + len(second.sent)
+    assert sent == 8  # the copy was cancelled before it was sent
+    assert hedged == 0
 
 
 class ErringClient(LoadedClient):

@@ -218,11 +218,68 @@ def _merge_sorted(
     return np.insert(array, np.searchsorted(array, new), new)
 
 
+INT64_BOUND = 1 << 63
+"""Ids that are ints lie in ``[-INT64_BOUND, INT64_BOUND)``: a signed 64-bit column."""
+
+
+def id_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a row id, or None if it can: the one rule for ids, which
+    the input's scan and the result store both apply, so every id a job sends is one
+    it can store.
+
+    An id is an int that fits a signed 64-bit column, or a non-empty str that is valid
+    Unicode (no lone surrogates, which cannot be written as UTF-8).
+
+    Examples:
+        >>> id_problem(7), id_problem("row-7")
+        (None, None)
+        >>> id_problem(2**63)
+        'is an int beyond 64 bits (ids must be from -2**63 to 2**63-1)'
+        >>> id_problem("a\\udcff")
+        'is a string with a lone surrogate (not valid Unicode): not storable as UTF-8'
+        >>> id_problem(True)
+        'is True, a bool; ids must be ints or strings'
+        >>> id_problem(1.0)
+        'is 1.0, a float; ids must be ints or strings'
+    """
+    kind = type(value)
+    if kind is int:
+        if -INT64_BOUND <= value < INT64_BOUND:  # type: ignore[operator]
+            return None
+        return "is an int beyond 64 bits (ids must be from -2**63 to 2**63-1)"
+    if isinstance(value, str):
+        text = str(value)
+        if not text:
+            return "is empty"
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "is a string with a lone surrogate (not valid Unicode): not storable as UTF-8"
+        return None
+    if value is None:
+        return "is null"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return id_problem(int(value))
+    return f"is {value!r:.80}, a {kind.__name__}; ids must be ints or strings"
+
+
 def is_valid_id(value: object) -> TypeGuard[RowId]:
-    """Whether ``value`` can be a stored row id: an int that fits 64 bits, or a str.
+    """Whether ``value`` can be a row id (:func:`id_problem` finds nothing wrong).
 
     Examples:
         >>> is_valid_id(3), is_valid_id("a"), is_valid_id(True), is_valid_id(2**63)
         (True, True, False, False)
     """
-    return (type(value) is int and -(1 << 63) <= value < 1 << 63) or isinstance(value, str)
+    return id_problem(value) is None
+
+
+def output_form(row_id: RowId) -> str:
+    """An id as an output column of mixed int and str ids holds it: its text.
+
+    Two ids with one output form (``1`` and ``"1"``) would be two rows with one id.
+
+    Examples:
+        >>> output_form(1) == output_form("1")
+        True
+    """
+    return row_id if isinstance(row_id, str) else str(int(row_id))

@@ -15,8 +15,11 @@ into Python objects for the selected rows only.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
+import hashlib
+import io
 import os
 from abc import ABC, abstractmethod
 from array import array
@@ -31,7 +34,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from llm_annotator.errors import InputError
-from llm_annotator.jobs.ids import RowId, hash_id
+from llm_annotator.jobs.files import check_input_file, open_input_file, shown_path
+from llm_annotator.jobs.ids import INT64_BOUND, RowId, hash_id, id_problem, output_form
 
 PARQUET_BATCH_ROWS = 1024
 """Rows decoded at a time from a Parquet file."""
@@ -180,39 +184,74 @@ class RowSource(ABC):
             InputError: As :meth:`scan`.
             ValueError: There is no part ``index`` of ``count``.
         """
-        if self.id_column is None:
-            rows = self._count()
-            hashes = np.fromiter(map(hash_id, range(rows)), dtype=np.uint64, count=rows)
-        else:
-            hashes = self._id_hashes()
-        return Selection.of(hashes, index, count)
+        return Selection.of(self._survey(), index, count)
 
     def scan(self) -> int:
         """One pass over the input: count the rows and, with an id column, check the ids.
+
+        It also takes the input's :attr:`identity`.
 
         Returns:
             The number of rows (unreadable rows included; blank lines are not rows).
 
         Raises:
             InputError: The input cannot be read, or with an id column: a row cannot be
-                read, its id is missing, null, not an int or a str, or not unique. The
+                read, its id is missing, null, not an int or a str, beyond 64 bits, not
+                unique, or the same in the output as another's (``1`` and ``"1"``). The
                 message names the input, the line or row, the id and the field.
         """
+        return len(self._survey())
+
+    @property
+    def identity(self) -> InputIdentity:
+        """What identifies the input, from its :meth:`scan` (or :meth:`select`).
+
+        Raises:
+            InputError: Neither has run yet.
+        """
+        identity: InputIdentity | None = getattr(self, "_identity", None)
+        if identity is None:
+            raise InputError(f"{self.description}: scan() the input before asking its identity")
+        return identity
+
+    def _survey(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        """Each row's id hashed, in order (ids checked, unique), and the identity kept."""
         if self.id_column is None:
-            return self._count()
-        return len(self._id_hashes())
+            rows, content = self._count_and_digest()
+            hashes = np.fromiter(map(hash_id, range(rows)), dtype=np.uint64, count=rows)
+            self._identity = InputIdentity.of(self.description, hashes, content)
+            return hashes
+        hashes = self._id_hashes()
+        self._identity = InputIdentity.of(self.description, hashes, None)
+        return hashes
+
+    def _count_and_digest(self) -> tuple[int, str]:
+        """The number of rows and a digest of the input's content (rows numbered by
+        position are identified by what they hold). Readers override this where the
+        content can be hashed cheaper than row by row."""
+        digest, rows = hashlib.blake2b(digest_size=16), 0
+        for _, _, values, error in self._records():
+            digest.update(_row_bytes(values, error))
+            rows += 1
+        return rows, digest.hexdigest()
 
     def _id_hashes(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
         """Each row's id hashed, in order, once every id is checked and found unique."""
+        self._kinds: set[type] = set()
         hashes = self._hashes()
         self._check_unique(hashes)
+        if len(self._kinds) > 1:  # ints and strs: the output holds both as text
+            self._check_unique_in_output()
         return np.frombuffer(hashes, dtype=np.uint64)
 
     def _hashes(self) -> array[int]:
-        """Each row's id, checked and hashed; readers that can do it faster override this."""
-        hashes = array("Q")
+        """Each row's id, checked and hashed; readers that can do it faster override this
+        (noting each kind of id they see in ``_kinds``)."""
+        hashes, kinds = array("Q"), self._kinds
         for _, where, values, error in self._id_records():
-            hashes.append(hash_id(self._checked_id(where, values, error)))
+            row_id = self._checked_id(where, values, error)
+            kinds.add(str if isinstance(row_id, str) else int)
+            hashes.append(hash_id(row_id))
         return hashes
 
     def _checked_id(self, where: str, values: dict[str, Any] | None, error: str | None) -> RowId:
@@ -228,25 +267,16 @@ class RowSource(ABC):
                 f"every row needs one, or {_NO_ID}"
             )
         value = values[column]
-        if value is None or value == "":
-            problem = "is null" if value is None else "is empty"
-        elif isinstance(value, bool) or not isinstance(value, int | str):
-            problem = f"is {value!r}, a {type(value).__name__}; ids must be ints or strings"
-        else:
+        problem = id_problem(value)
+        if problem is None:
             return cast(RowId, value)
         raise InputError(f"{where}: the id in field {column!r} {problem}; fix it, or {_NO_ID}")
 
-    def _check_unique(self, hashes: array[int]) -> None:
+    def _check_unique(self, hashes: array[int] | np.ndarray[Any, np.dtype[np.uint64]]) -> None:
         """Find repeated ids: sort the 64-bit hashes, then re-check equal hashes exactly."""
-        if len(hashes) < 2:
+        candidates = _repeated(hashes)
+        if not candidates:
             return
-        ordered = np.frombuffer(hashes, dtype=np.uint64).copy()
-        ordered.sort()
-        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-        if repeated.size == 0:
-            return
-        candidates = set(np.unique(repeated).tolist())
-        del ordered, repeated
         first_seen: dict[RowId, str] = {}  # only ids whose hash is repeated
         for _, where, values, error in self._id_records():
             row_id = self._checked_id(where, values, error)
@@ -259,6 +289,99 @@ class RowSource(ABC):
                     f"unique: fix the input, or {_NO_ID}"
                 )
             first_seen[row_id] = where
+
+    def _check_unique_in_output(self) -> None:
+        """With int and str ids both, find two that the output's id column (text, then)
+        would hold as one: ``1`` and ``"1"``. One more pass, for such inputs only."""
+        forms = array("Q")
+        for _, where, values, error in self._id_records():
+            forms.append(hash_id(output_form(self._checked_id(where, values, error))))
+        candidates = _repeated(forms)
+        if not candidates:
+            return
+        first_seen: dict[str, tuple[RowId, str]] = {}
+        for _, where, values, error in self._id_records():
+            row_id = self._checked_id(where, values, error)
+            form = output_form(row_id)
+            if hash_id(form) not in candidates:
+                continue
+            if form in first_seen:
+                other, at = first_seen[form]
+                raise InputError(
+                    f"{self.description}: the ids {other!r} (at {at}) and {row_id!r} (at "
+                    f"{where}) in field {self.id_column!r} are one id in the output, whose id "
+                    "column holds ints and strings alike as text: make the ids all ints or "
+                    f"all strings, and unique as text, or {_NO_ID}"
+                )
+            first_seen[form] = (row_id, where)
+
+
+@dataclass(frozen=True, slots=True)
+class InputIdentity:
+    """What identifies an input, so that a run directory made over one input is not
+    resumed over another (their results would mix).
+
+    Attributes:
+        where: The input, for messages (a path, or ``"a list of 3 rows"``).
+        rows: Its number of rows.
+        digest: With an id column, a digest of its set of ids (independent of their
+            order); without one, of the rows' content (rows are numbered by position,
+            so what they hold identifies them).
+
+    Examples:
+        >>> a = open_input([{"id": 1}, {"id": 2}], id_column="id")
+        >>> b = open_input([{"id": 2}, {"id": 1}], id_column="id")
+        >>> a.scan(), b.scan(), a.identity.digest == b.identity.digest
+        (2, 2, True)
+        >>> c = open_input([{"text": "x"}]); d = open_input([{"text": "y"}])
+        >>> c.scan(), d.scan(), c.identity.digest == d.identity.digest
+        (1, 1, False)
+    """
+
+    where: str
+    rows: int
+    digest: str
+
+    @classmethod
+    def of(
+        cls, where: str, hashes: np.ndarray[Any, np.dtype[np.uint64]], content: str | None
+    ) -> InputIdentity:
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(b"rows:%d;" % len(hashes))
+        if content is None:  # the ids: their sum and xor (mod 2**64), in any order
+            total = int(np.add.reduce(hashes, dtype=np.uint64)) if len(hashes) else 0
+            xor = int(np.bitwise_xor.reduce(hashes)) if len(hashes) else 0
+            digest.update(b"ids:%d:%d" % (total, xor))
+        else:
+            digest.update(b"content:" + content.encode())
+        return cls(where, len(hashes), digest.hexdigest())
+
+    def to_json(self) -> dict[str, Any]:
+        """The identity as ``job.json`` records it."""
+        return {"where": self.where, "rows": self.rows, "digest": self.digest}
+
+
+def _repeated(hashes: array[int] | np.ndarray[Any, np.dtype[np.uint64]]) -> set[int]:
+    """The hashes that occur more than once."""
+    if len(hashes) < 2:
+        return set()
+    ordered = np.array(hashes, dtype=np.uint64)
+    ordered.sort()
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    return set(np.unique(repeated).tolist()) if repeated.size else set()
+
+
+def _row_bytes(values: dict[str, Any] | None, error: str | None) -> bytes:
+    """A row's content as bytes, for a digest (values of any type)."""
+    if values is None:
+        return b"\x00" + (error or "").encode("utf-8", "backslashreplace")
+    try:
+        return b"\x01" + orjson.dumps(
+            values,
+            option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY,
+        )
+    except TypeError:
+        return b"\x02" + repr(values).encode("utf-8", "backslashreplace")
 
 
 def open_input(
@@ -328,18 +451,10 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
             base.endswith(".json")
         )
         raise InputError(
-            f"{path}: unknown input format{hint}; use .jsonl/.ndjson (one JSON object per "
-            "line), .parquet or .csv; JSONL and CSV may be gzipped (.jsonl.gz, .csv.gz)"
+            f"{shown_path(path)}: unknown input format{hint}; use .jsonl/.ndjson (one JSON "
+            "object per line), .parquet or .csv; JSONL and CSV may be gzipped (.jsonl.gz, .csv.gz)"
         )
-    if os.path.isdir(path):
-        raise InputError(f"{path} is a directory; pass the path of one input file")
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as exc:
-        raise InputError(
-            f"cannot read the input file {path}: {exc.strerror or exc}; check the path"
-        ) from exc
+    open_input_file(path).close()  # a regular file, readable: refused now otherwise
     if kind == "jsonl":
         return _JsonlSource(path, id_column, compressed)
     if kind == "csv":
@@ -347,20 +462,32 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
     return _ParquetSource(path, id_column)
 
 
+@contextlib.contextmanager
+def _binary(path: str, compressed: bool) -> Iterator[IO[bytes]]:
+    """An input file's bytes, gunzipped if ``compressed`` (see :func:`open_input_file`)."""
+    with open_input_file(path) as raw:
+        if not compressed:
+            yield raw
+            return
+        with gzip.GzipFile(fileobj=raw, mode="rb") as file:
+            yield cast(IO[bytes], file)
+
+
 class _JsonlSource(RowSource):
     def __init__(self, path: str, id_column: str | None, compressed: bool) -> None:
-        self.description = path
+        self._path = path
+        self.description = shown_path(path)
         self.id_column = id_column
         self._compressed = compressed
         with closing(self._records()) as records:
             first = next(records, None)
         self.columns = tuple(first[2]) if first is not None and first[2] is not None else None
 
-    def _open(self) -> IO[bytes]:
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[IO[bytes]]:
         try:
-            if self._compressed:
-                return cast(IO[bytes], gzip.open(self.description, "rb"))
-            return open(self.description, "rb")
+            with _binary(self._path, self._compressed) as file:
+                yield file
         except OSError as exc:
             raise InputError(f"cannot read {self.description}: {exc}") from exc
 
@@ -398,6 +525,13 @@ class _JsonlSource(RowSource):
     def _count(self) -> int:
         return sum(sum(map(bool, map(bytes.strip, block))) for _, block in self._blocks())
 
+    def _count_and_digest(self) -> tuple[int, str]:
+        digest, rows = hashlib.blake2b(digest_size=16), 0
+        for _, block in self._blocks():
+            rows += sum(map(bool, map(bytes.strip, block)))
+            digest.update(b"".join(block))
+        return rows, digest.hexdigest()
+
     def _records(self, chosen: Selection | None = None) -> Generator[_Record, None, None]:
         path, loads = self.description, orjson.loads
         for position, number, line in self._lines(chosen):
@@ -415,19 +549,33 @@ class _JsonlSource(RowSource):
         """A block at a time while each of its lines is an object with a valid id (the
         common case); a block with anything else goes line by line, as in the records."""
         hashes, column, loads, path = array("Q"), self.id_column, orjson.loads, self.description
+        kinds = self._kinds
         for first, block in self._blocks():
             try:
                 ids = [loads(line)[column] for line in block]
-                if "" not in ids:
-                    hashes.extend(list(map(hash_id, ids)))  # TypeError: an id of another type
+                if _all_valid(ids):
+                    hashes.extend(list(map(hash_id, ids)))
+                    kinds.add(type(ids[0]))
                     continue
             except (orjson.JSONDecodeError, TypeError, KeyError):
                 pass  # a blank or malformed line, not an object, no id, ...
             for number, line in enumerate(block, first):
                 if line.strip():
                     where = f"{path} line {number}"
-                    hashes.append(hash_id(self._checked_id(where, *_decoded(line, where))))
+                    row_id = self._checked_id(where, *_decoded(line, where))
+                    kinds.add(str if isinstance(row_id, str) else int)
+                    hashes.append(hash_id(row_id))
         return hashes
+
+
+def _all_valid(ids: list[Any]) -> bool:
+    """Whether a block's ids are all valid and of one kind (the fast path's test, in
+    bulk; anything else is checked id by id): all ints within 64 bits, or all non-empty
+    strings (JSON text decodes to valid Unicode only)."""
+    kinds = set(map(type, ids))
+    if kinds == {int}:
+        return bool(min(ids) >= -INT64_BOUND and max(ids) < INT64_BOUND)
+    return kinds == {str} and "" not in ids
 
 
 def _decoded(line: bytes, where: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -452,7 +600,8 @@ def _json_problem(line: bytes, exc: orjson.JSONDecodeError) -> str:
 
 class _CsvSource(RowSource):
     def __init__(self, path: str, id_column: str | None, compressed: bool) -> None:
-        self.description = path
+        self._path = path
+        self.description = shown_path(path)
         self.id_column = id_column
         self._compressed = compressed
         with self._open() as file:
@@ -468,19 +617,16 @@ class _CsvSource(RowSource):
             )
         self.columns = tuple(names)
 
-    def _open(self) -> IO[str]:
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[IO[str]]:
         try:
-            if self._compressed:
-                return gzip.open(
-                    self.description,
-                    "rt",
-                    encoding="utf-8-sig",
-                    errors="surrogateescape",
-                    newline="",
-                )
-            return open(
-                self.description, encoding="utf-8-sig", errors="surrogateescape", newline=""
-            )
+            with (
+                _binary(self._path, self._compressed) as binary,
+                io.TextIOWrapper(
+                    binary, encoding="utf-8-sig", errors="surrogateescape", newline=""
+                ) as file,
+            ):
+                yield file
         except OSError as exc:
             raise InputError(f"cannot read {self.description}: {exc}") from exc
 
@@ -532,17 +678,38 @@ class _CsvSource(RowSource):
 
 class _ParquetSource(RowSource):
     def __init__(self, path: str, id_column: str | None) -> None:
-        self.description = path
+        self._path = path
+        self.description = shown_path(path)
         self.id_column = id_column
         try:
-            with pq.ParquetFile(path) as file:
+            with self._file() as file:
                 self.columns = tuple(file.schema_arrow.names)
                 self._num_rows = int(file.metadata.num_rows)
         except (OSError, ValueError, pa.ArrowException) as exc:
             raise InputError(f"cannot read {path} as Parquet: {exc}") from exc
 
+    def _file(self) -> pq.ParquetFile:
+        """The file, opened by pyarrow once it is seen to be a regular one (pyarrow's
+        own open would wait on a FIFO)."""
+        check_input_file(self._path)
+        return pq.ParquetFile(self._path)
+
     def _count(self) -> int:
         return self._num_rows
+
+    def _count_and_digest(self) -> tuple[int, str]:
+        """The rows from the metadata, and a digest of the file's footer (the schema and
+        each row group's sizes, offsets and statistics): no pass over the data."""
+        with _binary(self._path, False) as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - 8))
+            tail = file.read(8)
+            length = int.from_bytes(tail[:4], "little") if len(tail) == 8 else 0
+            file.seek(max(0, size - 8 - length))
+            footer = file.read(length + 8)
+        digest = hashlib.blake2b(b"size:%d;" % size, digest_size=16)
+        digest.update(footer)
+        return self._num_rows, digest.hexdigest()
 
     def _records(self, chosen: Selection | None = None) -> Iterator[_Record]:
         return self._read(None, chosen)
@@ -553,7 +720,7 @@ class _ParquetSource(RowSource):
 
     def _read(self, columns: list[str] | None, chosen: Selection | None) -> Iterator[_Record]:
         try:
-            with pq.ParquetFile(self.description) as file:
+            with self._file() as file:
                 batches = file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
                 yield from _batch_records(batches, f"{self.description} row", chosen)
         except (OSError, ValueError, pa.ArrowException) as exc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import os
 import re
 import threading
@@ -33,10 +34,31 @@ import orjson
 import structlog
 
 from llm_annotator.errors import JobError, OutputWriteError
+from llm_annotator.jobs.files import (
+    atomic_write,
+    check_entry,
+    fsync_directory,
+    make_directory,
+    open_binary,
+    open_file,
+)
 from llm_annotator.jobs.fingerprint import job_record, read_job_record
-from llm_annotator.jobs.ids import IdSet, RowId, is_valid_id
+from llm_annotator.jobs.ids import IdSet, RowId, id_problem, is_valid_id
 
 log = structlog.get_logger(__name__)
+
+__all__ = [
+    "JOB_FILE",
+    "LOCK_FILE",
+    "SHARDS_DIR",
+    "DirectoryLock",
+    "ResultStore",
+    "atomic_write",
+    "is_error_record",
+    "output_write_error",
+    "read_shard",
+    "shard_paths",
+]
 
 JOB_FILE = "job.json"
 SHARDS_DIR = "shards"
@@ -78,15 +100,26 @@ def output_write_error(
 
 
 def shard_paths(output_dir: str | os.PathLike[str]) -> list[Path]:
-    """The shard files of a run directory, oldest first (by their sequence number)."""
+    """The shard files of a run directory, oldest first (by their sequence number).
+
+    Raises:
+        RunDirectoryError: ``shards`` or an entry in it named like a shard is a link or
+            not a regular file (other names there are ignored).
+    """
     folder = Path(output_dir) / SHARDS_DIR
-    if not folder.is_dir():
+    if not check_entry(folder, directory=True):
         return []
     numbered = []
-    for path in folder.iterdir():
-        match = _SHARD_NAME.match(path.name)
-        if match and path.is_file():
-            numbered.append((int(match.group(1)), path.name, path))
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            match = _SHARD_NAME.match(entry.name)
+            if match is None:
+                continue
+            path = folder / entry.name
+            if not entry.is_file(follow_symlinks=False):
+                check_entry(path)  # raises: a link, a FIFO, a folder named like a shard
+                continue  # removed meanwhile
+            numbered.append((int(match.group(1)), entry.name, path))
     return [path for _, _, path in sorted(numbered)]
 
 
@@ -104,7 +137,8 @@ def read_shard(path: Path, *, repair: bool = False) -> Iterator[tuple[int, int, 
     """
     bad: tuple[int, int] | None = None  # (line number, offset) of the latest bad line
     offset = 0
-    with path.open("rb") as file:
+    flags = os.O_RDWR if repair else os.O_RDONLY
+    with open_binary(path, flags, single=repair) as raw, io.BufferedReader(raw) as file:
         for number, line in enumerate(file, 1):
             if bad is not None:
                 log.warning("shard_line_skipped", shard=str(path), line=bad[0])
@@ -115,10 +149,10 @@ def read_shard(path: Path, *, repair: bool = False) -> Iterator[tuple[int, int, 
             else:
                 yield offset, len(line), record
             offset += len(line)
+        if bad is not None and repair:  # the file opened, not whatever the name is now
+            os.ftruncate(raw.fileno(), bad[1])
+            os.fsync(raw.fileno())
     if bad is not None:
-        if repair:
-            os.truncate(path, bad[1])
-            _fsync(path)
         log.warning(
             "truncated_line_repaired" if repair else "truncated_line_ignored",
             shard=str(path),
@@ -132,7 +166,7 @@ def _parse(line: bytes) -> dict[str, Any] | None:
         record = orjson.loads(line)
     except orjson.JSONDecodeError:
         return None
-    if isinstance(record, dict) and is_valid_id(record.get("id")):
+    if isinstance(record, dict) and id_problem(record.get("id")) is None:
         return record
     return None
 
@@ -154,7 +188,7 @@ class DirectoryLock:
         """
         path = directory / LOCK_FILE
         try:
-            file = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b", buffering=0)
+            file = os.fdopen(open_file(path, os.O_RDWR | os.O_CREAT, single=True), "r+b", 0)
         except OSError as error:
             raise output_write_error(error, path, directory) from None
         try:
@@ -258,7 +292,8 @@ class ResultStore:
         """
         directory = Path(output_dir)
         try:
-            (directory / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+            directory.mkdir(parents=True, exist_ok=True)  # the user's path: links followed
+            make_directory(directory / SHARDS_DIR)  # the job's own: never a link
         except OSError as error:
             raise output_write_error(error, directory / SHARDS_DIR, directory) from None
         lock = DirectoryLock.acquire(directory, "open")
@@ -374,7 +409,7 @@ class ResultStore:
             raise JobError(f"the result store of {self._directory} is closed")
         row_id = record.get("id")
         if not is_valid_id(row_id):
-            raise JobError(f"a result record needs an int (64-bit) or str 'id', not {row_id!r}")
+            raise JobError(f"a result record needs a valid 'id': {row_id!r} {id_problem(row_id)}")
         if self.is_done(row_id):
             raise JobError(
                 f"row id {row_id!r} already has a result in {self._directory}; "
@@ -494,36 +529,6 @@ class ResultStore:
         self._shard_path = (
             self._directory / SHARDS_DIR / f"part-{stamp}-{os.getpid()}-{number:06d}.jsonl"
         )
-        self._file = self._shard_path.open("xb", buffering=0)
-        _fsync(self._shard_path.parent)
-
-
-@contextlib.contextmanager
-def atomic_write(path: Path) -> Iterator[IO[bytes]]:
-    """A file that replaces ``path`` only once written whole and fsynced.
-
-    The bytes go to a temporary name in the same directory, renamed over ``path`` at
-    the end; if the block raises, the temporary file is removed and ``path`` is
-    untouched. Only one writer at a time (the directory lock's holder).
-    """
-    temp = path.with_name(f".{path.name}.tmp")
-    try:
-        with temp.open("wb") as file:
-            yield file
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            temp.unlink()
-        raise
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    """fsync a file or a directory (so a new or renamed entry survives a crash)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self._file = os.fdopen(open_file(self._shard_path, flags), "wb", buffering=0)
+        fsync_directory(self._shard_path.parent)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import structlog
 
+from llm_annotator.clients.base import Messages
 from llm_annotator.clients.retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
 from llm_annotator.pool import pace, scheduler
@@ -107,12 +108,14 @@ class Dispatcher:
                 continue
             slots = 1 if REFILL else self._working_slots()
             batch = run.take(slots, self._shunned_by(member), limit=limit)
+            hedges = False
             if batch is None and self._hedges_now(run):
                 batch = self._hedge(run, member, limit or self._state.config.batch_size)
+                hedges = True
             if batch is None:
                 await run.wait_for_change(1.0)
                 continue
-            await self._run_batch(run, member, batch)
+            await self._run_batch(run, member, batch, hedges=hedges)
 
     def _shunned_by(self, member: Member) -> str | None:
         """``member``'s URL if samples that failed there should wait for another member
@@ -151,14 +154,16 @@ class Dispatcher:
                 for task, index in other.in_flight.items():
                     if index in picked:
                         run.copies.setdefault(index, []).append(task)
-        member.hedged += len(batch)
         log.debug("samples_hedged", server=member.url, samples=len(batch))
         return batch
 
-    async def _run_batch(self, run: Run, member: Member, batch: list[int]) -> None:
-        """Send ``batch`` and settle each answer as it arrives; with :data:`REFILL`, keep
-        up to ``batch_size`` requests in flight by taking more work as answers arrive
-        (in bursts of :data:`BURST`), until there is none; requeue what is left."""
+    async def _run_batch(
+        self, run: Run, member: Member, batch: list[int], *, hedges: bool = False
+    ) -> None:
+        """Send ``batch`` (hedges, if ``hedges``) and settle each answer as it arrives;
+        with :data:`REFILL`, keep up to ``batch_size`` requests in flight by taking more
+        work as answers arrive (in bursts of :data:`BURST`), until there is none;
+        requeue what is left."""
         params = self._state.params_for(member)
         client = member.client
         clock = self._state.clock
@@ -170,11 +175,17 @@ class Dispatcher:
         cut: list[int] = []
         """Samples whose request was cancelled (an eviction, a hedged copy answered)."""
 
-        def send(indices: list[int]) -> None:
+        def send(indices: list[int], hedges: bool) -> None:
             sent_at = clock.now()
             member.note_sent(sent_at)
             for index in indices:
-                task = asyncio.ensure_future(client.asend(run.open[index], params))
+                messages = run.open[index]
+                request = (
+                    _hedge_copy(member, messages, params)
+                    if hedges
+                    else client.asend(messages, params)
+                )
+                task = asyncio.ensure_future(request)
                 task.add_done_callback(arrived.put_nowait)  # one callback a task
                 waiting[task] = (index, sent_at)
                 member.in_flight[task] = index
@@ -189,12 +200,12 @@ class Dispatcher:
                 cut.clear()
 
         try:
-            send(batch)
+            send(batch, hedges)
             while True:
                 settle_arrived()
-                more = self._refill(run, member, len(waiting)) if REFILL else None
+                more, hedges = self._refill(run, member, len(waiting)) if REFILL else _NONE
                 if more:
-                    send(more)
+                    send(more, hedges)
                     if len(more) == BURST:
                         await asyncio.sleep(0)  # let other slots send, answers arrive
                     continue
@@ -210,22 +221,22 @@ class Dispatcher:
             if cut and not run.finished:
                 self._requeue(run, member, cut)
 
-    def _refill(self, run: Run, member: Member, holding: int) -> list[int] | None:
-        """More samples for a slot that holds ``holding`` requests (see :meth:`_room`);
-        once the queue is empty for good it hedges, :data:`HEDGE_ROOM` or more at a
-        time. None if it may not take any now."""
+    def _refill(self, run: Run, member: Member, holding: int) -> tuple[list[int] | None, bool]:
+        """More samples for a slot that holds ``holding`` requests (see :meth:`_room`),
+        and whether they are hedges: once the queue is empty for good it hedges,
+        :data:`HEDGE_ROOM` or more at a time. None if it may not take any now."""
         if run.finished:
-            return None
+            return _NONE
         if not member.takes_work(self._state.clock.now()) or not self._state.is_member(member):
-            return None
+            return _NONE
         room = self._room(run, member, holding)
         if room <= 0:
-            return None
+            return _NONE
         if run.queue:
-            return run.take(1, self._shunned_by(member), limit=room)
+            return run.take(1, self._shunned_by(member), limit=room), False
         if room < HEDGE_ROOM or not self._hedges_now(run):
-            return None
-        return self._hedge(run, member, room)
+            return _NONE
+        return self._hedge(run, member, room), True
 
     def _room(self, run: Run, member: Member, holding: int) -> int:
         """How many more requests a slot of ``member`` that holds ``holding`` may send
@@ -503,6 +514,20 @@ class _Held(NamedTuple):
     error: ProviderError
     sent_at: float
     evictions: int
+
+
+_NONE: tuple[None, bool] = (None, False)
+"""No more work for a slot."""
+
+
+async def _hedge_copy(
+    member: Member, messages: Messages, params: bytes
+) -> Response | ProviderError:
+    """A hedge request: counted in ``member.hedged`` once it starts, that is when it is
+    handed to the client (a copy cancelled before, because the first answer came in
+    meanwhile, never reached a server and is no duplicate)."""
+    member.hedged += 1
+    return await member.client.asend(messages, params)
 
 
 def _timed_out(outcome: Response | ProviderError) -> bool:

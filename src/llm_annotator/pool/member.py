@@ -42,8 +42,10 @@ class MemberStatistics:
         evictions: Times it was evicted.
         readmissions: Times it rejoined after an eviction or a start while down.
         requeued: Samples taken from it and put back on the queue.
-        hedged: Samples it was sent near the end of a call while they were still in
-            flight on a slower member (the first answer wins).
+        hedged: Hedge requests it sent: samples it was sent near the end of a call
+            while they were still in flight on a slower member (the first answer
+            wins). A copy cancelled before it was sent (the other answer came first)
+            is not counted: these are the duplicates its server got.
         in_flight: Requests it held when the snapshot was taken.
         last_error: The last failure it caused, or None.
     """
