@@ -140,3 +140,31 @@ def test_record_from_a_newer_version_is_refused() -> None:
     first = job_record(None, {"model": "a"}, where="out", now="t0")
     with pytest.raises(JobError, match="newer"):
         job_record({**first, "format_version": 99}, {"model": "a"}, where="out", now="t1")
+
+
+def test_the_input_is_part_of_the_record_and_another_is_refused() -> None:
+    """A new record keeps the input; the same input (same digest) resumes; another is
+    refused naming both, or with force kept in input_history with mixed_inputs set for
+    good; a record without an input (an older directory) takes the input, mixed."""
+    a = {"where": "a.jsonl", "rows": 3, "digest": "d1"}
+    b = {"where": "b.jsonl", "rows": 4, "digest": "d2"}
+    first = job_record(None, {"model": "m"}, where="out", now="t0", identity=a)
+    assert first["input"] == a and first["mixed_inputs"] is False
+    same = job_record(first, {"model": "m"}, where="out", now="t1", identity={**a, "where": "c"})
+    assert same["mixed_inputs"] is False
+    with pytest.raises(FingerprintMismatchError) as refused:
+        job_record(first, {"model": "m"}, where="out", now="t1", identity=b)
+    assert refused.value.changes == [
+        "input: a.jsonl (3 rows, digest d1) -> b.jsonl (4 rows, digest d2)"
+    ]
+    assert "other input" in str(refused.value)
+    forced = job_record(first, {"model": "m"}, where="out", now="t1", identity=b, force=True)
+    assert forced["input"] == b and forced["mixed_inputs"] is True
+    assert forced["input_history"] == [{**a, "replaced": "t1"}] and forced["history"] == []
+    back = job_record(forced, {"model": "m"}, where="out", now="t2", identity=b)
+    assert back["mixed_inputs"] is True
+    older = {k: v for k, v in first.items() if k not in ("input", "input_history", "mixed_inputs")}
+    taken = job_record(older, {"model": "m"}, where="out", now="t1", identity=b)
+    assert taken["input"] == b and taken["mixed_inputs"] is True
+    untouched = job_record(first, {"model": "m"}, where="out", now="t1")
+    assert untouched["input"] == a

@@ -524,6 +524,11 @@ def run_command(args: argparse.Namespace) -> int:
         f"failed); this run sent {result.num_sent}, resumed {result.num_resumed}, "
         f"in {result.seconds:.1f} s"
     )
+    if result.num_left_out:
+        print(
+            f"left out: {result.num_left_out} results of rows that are not in this input "
+            "(from a run over another input; they stay in the run directory's shards)"
+        )
     return 0
 
 

@@ -7,11 +7,13 @@ import contextlib
 import dataclasses
 import os
 import time
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Unpack
 
+import numpy as np
 import structlog
 
 from llm_annotator._constants import (
@@ -32,6 +34,7 @@ from llm_annotator.errors import (
 )
 from llm_annotator.jobs.consolidate import consolidate
 from llm_annotator.jobs.fingerprint import make_fingerprint
+from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.inputs import RowSource, open_input
 from llm_annotator.jobs.interrupt import Interrupt, handling_signals
 from llm_annotator.jobs.live_metrics import LiveMetrics
@@ -79,6 +82,9 @@ class AnnotationResult:
         merged_path: For a shard (``shard=``): the whole job's ``annotations.parquet``
             in the run directory if this shard was the last to finish and merged them
             all, else None.
+        num_left_out: Results in the run directory of rows that are not in this
+            input (kept from a run over another input, resumed with ``force``), left
+            out of the output.
     """
 
     output_dir: Path
@@ -92,6 +98,7 @@ class AnnotationResult:
     num_sent: int
     seconds: float
     merged_path: Path | None = None
+    num_left_out: int = 0
 
 
 class Annotator:
@@ -263,12 +270,22 @@ class Annotator:
             async with _serving(metrics, self.metrics_port, self.metrics_host):
                 return await self._annotate_bound(spec, interrupt, metrics)
         except asyncio.CancelledError:
-            if not interrupt.hard or interrupt.sending:
+            if not interrupt.hard:
                 raise
-            interrupt.uncancel()
+            interrupt.uncancel()  # a signal's stop, at any phase: one line, 128 + signal
+            if interrupt.sending:
+                message = (
+                    f"stopped by {interrupt.reason}: every row written so far is kept in "
+                    f"{spec.output_dir}. Run the same job again to resume; rows already "
+                    "written are not sent again."
+                )
+            else:
+                message = (
+                    f"stopped by {interrupt.reason} before any row was sent. Run the same "
+                    f"job again to start it in {spec.output_dir}."
+                )
             raise RunInterruptedError(
-                f"stopped by {interrupt.reason} before any row was sent. Run the same "
-                f"job again to start it in {spec.output_dir}.",
+                message,
                 output_dir=str(spec.output_dir),
                 signum=interrupt.signals[0] if interrupt.signals else None,
             ) from None
@@ -290,7 +307,7 @@ class Annotator:
         retry = retry_choice(spec.retry_errors)
         if spec.validate is not None and not callable(spec.validate):
             raise ConfigurationError(f"validate must be a callable, got {spec.validate!r}")
-        source = open_input(spec.data, id_column=spec.id_column)
+        source = await asyncio.to_thread(open_input, spec.data, id_column=spec.id_column)
         if shard is None:
             selection = None
             total = sample.size(input_rows := await asyncio.to_thread(source.scan))
@@ -321,8 +338,10 @@ class Annotator:
             await asyncio.to_thread(claim, run_dir, shard, fingerprint, force=spec.force)
             fingerprint = {**fingerprint, "shard": {"index": shard.index, "count": shard.count}}
             spec = dataclasses.replace(spec, output_dir=shard.directory(run_dir))
-        store = await _open_store(spec, fingerprint, retry)
-        resumed = store.num_done
+        store = await _open_store(spec, fingerprint, retry, source.identity.to_json())
+        resumed, keep = store.num_done, None
+        if store.mixed_inputs or resumed > total:  # results of rows not in this input
+            keep, resumed = await asyncio.to_thread(_input_ids, source, store)
         status = StatusFile(spec.output_dir, total)
         log.info(
             "job_started",
@@ -359,7 +378,7 @@ class Annotator:
             publish=metrics.publish if metrics is not None else None,
         )
         async with status.kept(job.progress), watch.kept():
-            result = await self._run(spec, job, interrupt, status, resumed, started)
+            result = await self._run(spec, job, interrupt, status, resumed, started, keep)
         if shard is not None:  # the last shard to finish merges them all
             merged = await asyncio.to_thread(merge_if_complete, run_dir, jsonl=spec.write_jsonl)
             if merged is not None:
@@ -374,8 +393,10 @@ class Annotator:
         status: StatusFile,
         resumed: int,
         started: float,
+        keep: np.ndarray[Any, np.dtype[np.uint64]] | None,
     ) -> AnnotationResult:
-        """Run the job, consolidate its results and write its report."""
+        """Run the job, consolidate its results (only the ids to ``keep``, if given)
+        and write its report."""
         store, total = job.store, status.total
         hedged_before = hedged_requests(self.client)
         interrupt.sending = True
@@ -411,6 +432,7 @@ class Annotator:
                 spec.output_dir,
                 jsonl=spec.write_jsonl,
                 column_order=job.builder.output_columns(),
+                keep=keep,
             )
         except OSError as error:
             raise output_write_error(
@@ -419,6 +441,7 @@ class Annotator:
         seconds = time.monotonic() - started
         report = job_report(job, result, total, resumed, seconds, self.client)
         report["this_run"]["hedged_requests"] = hedged_requests(self.client) - hedged_before
+        report["left_out_rows"] = result.left_out
         report_path = spec.output_dir / REPORT_NAME
         try:
             await asyncio.to_thread(write_json, report_path, report)
@@ -455,6 +478,7 @@ class Annotator:
             num_resumed=resumed,
             num_sent=job.sent,
             seconds=seconds,
+            num_left_out=result.left_out,
         )
 
 
@@ -521,8 +545,25 @@ def _extras(sample: Sample, spec: JobSpec, input_rows: int) -> dict[str, Any]:
     return extras
 
 
+def _input_ids(
+    source: RowSource, store: ResultStore
+) -> tuple[np.ndarray[Any, np.dtype[np.uint64]], int]:
+    """The input's ids, hashed and sorted (what consolidation keeps of a directory that
+    also holds another input's results), and how many of them are done already."""
+    hashes, done = array("Q"), 0
+    for row_id in source.ids():
+        hashes.append(hash_id(row_id))
+        done += store.is_done(row_id)
+    keep = np.frombuffer(hashes, dtype=np.uint64).copy()
+    keep.sort()
+    return keep, done
+
+
 async def _open_store(
-    spec: JobSpec, fingerprint: dict[str, Any], retry: bool | frozenset[str]
+    spec: JobSpec,
+    fingerprint: dict[str, Any],
+    retry: bool | frozenset[str],
+    identity: dict[str, Any],
 ) -> ResultStore:
     """Open the run's store in a thread; if the job is cancelled meanwhile (a signal),
     the store is still closed, so that its lock and empty shard do not linger."""
@@ -533,6 +574,7 @@ async def _open_store(
             fingerprint,
             force=spec.force,
             retry_errors=retry,
+            input_identity=identity,
         )
     )
     try:

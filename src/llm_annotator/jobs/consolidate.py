@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import structlog
 
 from llm_annotator.errors import JobError
+from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.store import (
     DirectoryLock,
     atomic_write,
@@ -66,6 +67,8 @@ class Consolidated:
         by_error_type: Failed rows per ``error_type`` (``"unknown"`` when missing).
         prompt_tokens: The sum of ``num_prompt_tokens`` over the rows.
         output_tokens: The sum of ``num_output_tokens`` over the rows.
+        left_out: Ids with a result in the shards that were not written, because they
+            are not among the ids to ``keep`` (rows of another input).
     """
 
     parquet_path: Path
@@ -77,6 +80,7 @@ class Consolidated:
     by_error_type: dict[str, int]
     prompt_tokens: int
     output_tokens: int
+    left_out: int = 0
 
 
 def consolidate(
@@ -84,6 +88,7 @@ def consolidate(
     *,
     jsonl: bool = False,
     column_order: Sequence[str] | None = None,
+    keep: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
 ) -> Consolidated:
     """Merge a run directory's shards into ``annotations.parquet``, one row per id.
 
@@ -104,6 +109,9 @@ def consolidate(
             as the record held it (no type conversions).
         column_order: Columns to put first, in this order; the others follow in the
             order they were first seen. Names no record has are left out.
+        keep: Write only the ids whose :func:`~llm_annotator.jobs.ids.hash_id` is in
+            this sorted array (the current input's ids, when the directory may hold
+            results of another input); the others are counted in ``left_out``.
 
     Returns:
         Where the files are, and counts over the rows.
@@ -116,7 +124,7 @@ def consolidate(
         raise JobError(f"cannot consolidate {directory}: no such run directory")
     lock = DirectoryLock.acquire(directory, "consolidate")
     try:
-        return _consolidate(directory, jsonl=jsonl, column_order=column_order or ())
+        return _consolidate(directory, jsonl=jsonl, column_order=column_order or (), keep=keep)
     finally:
         lock.release()
 
@@ -127,6 +135,7 @@ def _consolidate(
     jsonl: bool,
     column_order: Sequence[str],
     shards: list[Path] | None = None,
+    keep: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
 ) -> Consolidated:
     """Consolidate ``shards`` (the directory's own by default) into ``directory``."""
     if shards is None:
@@ -142,6 +151,11 @@ def _consolidate(
 
     winners = _winners(keys)
     keys = keys.take(winners)
+    left_out = 0
+    if keep is not None:
+        keys, left_out = _kept(keys, keep)
+        if left_out:
+            log.warning("results_left_out", output_dir=str(directory), rows=left_out)
     ids = _id_column(keys)
     fields = loaded.fields()
     fields["id"] = pa.field("id", ids.type)
@@ -153,8 +167,8 @@ def _consolidate(
         pq.ParquetWriter(file, schema) as writer,
         _Reader(shards) as reader,
     ):
-        for start in range(0, len(winners), _ROW_GROUP):  # one row group at a time
-            end = min(start + _ROW_GROUP, len(winners))
+        for start in range(0, keys.num_rows, _ROW_GROUP):  # one row group at a time
+            end = min(start + _ROW_GROUP, keys.num_rows)
             chunks = []
             for at in range(start, end, _CHUNK):
                 size = min(_CHUNK, end - at)  # a chunk never runs into the next group
@@ -174,7 +188,7 @@ def _consolidate(
         jsonl_path = directory / JSONL_FILE
         with atomic_write(jsonl_path) as file:
             _write_jsonl(file, shards, keys, names)
-    result = summary.result(parquet_path, jsonl_path)
+    result = summary.result(parquet_path, jsonl_path, left_out)
     log.info(
         "results_consolidated",
         output_dir=str(directory),
@@ -184,6 +198,27 @@ def _consolidate(
         shards=len(shards),
     )
     return result
+
+
+def _kept(keys: pa.Table, keep: np.ndarray[Any, np.dtype[np.uint64]]) -> tuple[pa.Table, int]:
+    """The winners' rows whose id hashes into ``keep``, and how many were not."""
+    if not keys.num_rows:
+        return keys, 0
+    kinds = keys["kind"].to_numpy()
+    int_ids = keys["int_id"].to_pylist()
+    str_ids = keys["str_id"].to_pylist()
+    hashes = np.fromiter(
+        (
+            hash_id(text if kind else number)
+            for kind, number, text in zip(kinds.tolist(), int_ids, str_ids, strict=True)
+        ),
+        dtype=np.uint64,
+        count=keys.num_rows,
+    )
+    at = np.minimum(np.searchsorted(keep, hashes), max(len(keep) - 1, 0))
+    mask = keep[at] == hashes if len(keep) else np.zeros(len(hashes), dtype=bool)
+    kept = int(np.count_nonzero(mask))
+    return keys.filter(pa.array(mask)), keys.num_rows - kept
 
 
 def _column(
@@ -249,7 +284,7 @@ class _Summary:
         self.prompt_tokens += _total(part, "num_prompt_tokens")
         self.output_tokens += _total(part, "num_output_tokens")
 
-    def result(self, parquet_path: Path, jsonl_path: Path | None) -> Consolidated:
+    def result(self, parquet_path: Path, jsonl_path: Path | None, left_out: int) -> Consolidated:
         return Consolidated(
             parquet_path=parquet_path,
             jsonl_path=jsonl_path,
@@ -260,6 +295,7 @@ class _Summary:
             by_error_type=_most_first(self.error_types),
             prompt_tokens=self.prompt_tokens,
             output_tokens=self.output_tokens,
+            left_out=left_out,
         )
 
 

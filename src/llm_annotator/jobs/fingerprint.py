@@ -156,6 +156,7 @@ def job_record(
     where: str,
     now: str,
     force: bool = False,
+    identity: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a run directory's ``job.json`` says once a run with ``fingerprint`` starts.
 
@@ -166,16 +167,24 @@ def job_record(
         fingerprint: The settings of the run that starts (see :func:`make_fingerprint`).
         where: The directory, for messages.
         now: The time of the start, an ISO 8601 string.
-        force: Accept a fingerprint that differs from the recorded one; the old one
-            moves to ``history``.
+        force: Accept a fingerprint or an input that differs from the recorded one;
+            the old one moves to ``history`` (``input_history``).
+        identity: What identifies the run's input
+            (:meth:`~llm_annotator.jobs.inputs.InputIdentity.to_json`: ``where``,
+            ``rows``, ``digest``), or None to leave the recorded one as it is.
 
     Returns:
         The new record: ``format_version``, ``fingerprint``, ``digest``, ``created``,
-        ``updated`` and ``history`` (earlier fingerprints, each with when it was
-        replaced).
+        ``updated``, ``history`` (earlier fingerprints, each with when it was
+        replaced), and with an input ``input``, ``input_history`` and
+        ``mixed_inputs``: true once the directory may hold results of rows that are
+        not in the current input (a forced change of input, or a directory made
+        before inputs were recorded), so that only the current input's rows are
+        consolidated.
 
     Raises:
-        FingerprintMismatchError: If the fingerprints differ and ``force`` is False.
+        FingerprintMismatchError: If the fingerprints or the inputs differ and
+            ``force`` is False.
         JobError: If the record was written by a newer version of this package.
 
     Examples:
@@ -192,7 +201,7 @@ def job_record(
     canonical = make_fingerprint(**fingerprint)
     digest = fingerprint_digest(canonical)
     if previous is None:
-        return {
+        record: dict[str, Any] = {
             "format_version": JOB_FORMAT_VERSION,
             "fingerprint": canonical,
             "digest": digest,
@@ -200,6 +209,9 @@ def job_record(
             "updated": now,
             "history": [],
         }
+        if identity is not None:
+            record.update(input=dict(identity), input_history=[], mixed_inputs=False)
+        return record
     version = previous.get("format_version", JOB_FORMAT_VERSION)
     if not isinstance(version, int) or version > JOB_FORMAT_VERSION:
         raise JobError(
@@ -210,8 +222,17 @@ def job_record(
     old = dict(previous.get("fingerprint") or {})
     history = list(previous.get("history") or [])
     old_digest = fingerprint_digest(old)
-    if old_digest != digest:
-        changes = describe_changes(old, canonical)
+    changes = describe_changes(old, canonical) if old_digest != digest else []
+    recorded = previous.get("input")
+    old_input: Mapping[str, Any] | None = recorded if isinstance(recorded, Mapping) else None
+    input_changed = (
+        identity is not None
+        and old_input is not None
+        and old_input.get("digest") != identity.get("digest")
+    )
+    if identity is not None and old_input is not None and input_changed:
+        changes.append(f"input: {_input_text(old_input)} -> {_input_text(identity)}")
+    if changes:
         if not force:
             listed = "".join(f"\n  {line}" for line in changes)
             hint = "Pass force=True (CLI --force) to resume anyway"
@@ -222,13 +243,28 @@ def job_record(
                     "). Pass force=True (CLI --force) to go on from it: the rows done are "
                     "kept and only the others are sent"
                 )
+            if input_changed:
+                hint += (
+                    " (annotations.parquet then holds only the rows of the new input; the "
+                    "other results stay in the run directory's shards)"
+                )
+            what = "settings" if old_digest != digest else "input"
+            if old_digest != digest and input_changed:
+                what = "settings and input"
             raise FingerprintMismatchError(
-                f"{where} holds results made with other settings:{listed}\n"
+                f"{where} holds results made with other {what}:{listed}\n"
                 f"{hint}, or choose a new output directory.",
                 changes=changes,
             )
         log.warning("fingerprint_changed_forced", output_dir=where, changes=changes)
-        history.append({"fingerprint": old, "digest": old_digest, "replaced": now})
+        if old_digest != digest:
+            history.append({"fingerprint": old, "digest": old_digest, "replaced": now})
+    if identity is not None:
+        inputs = list(previous.get("input_history") or [])
+        mixed = bool(previous.get("mixed_inputs")) or input_changed or old_input is None
+        if old_input is not None and input_changed:
+            inputs.append({**old_input, "replaced": now})
+        record.update(input=dict(identity), input_history=inputs, mixed_inputs=mixed)
     record.update(
         format_version=JOB_FORMAT_VERSION,
         fingerprint=canonical,
@@ -238,6 +274,15 @@ def job_record(
     )
     record.setdefault("created", now)
     return record
+
+
+def _input_text(identity: Mapping[str, Any]) -> str:
+    """An input as a change line shows it: where (whole: it names the input), its rows,
+    the start of its digest."""
+    where = identity.get("where")
+    shown = where if isinstance(where, str) else "an input"
+    digest = str(identity.get("digest"))[:12]
+    return f"{shown} ({identity.get('rows')} rows, digest {digest})"
 
 
 def read_job_record(path: Path, *, force: bool = False) -> dict[str, Any] | None:

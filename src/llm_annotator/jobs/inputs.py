@@ -176,6 +176,15 @@ class RowSource(ABC):
             row_id = self._checked_id(where, values, error)
             yield Row(row_id, values if values is not None else {}, where)
 
+    def ids(self) -> Iterator[RowId]:
+        """Every row's id, in order (positions without an id column), checked as by
+        :meth:`scan`, which must have run."""
+        if self.id_column is None:
+            return iter(range(self.identity.rows))
+        return (
+            self._checked_id(where, values, error) for _, where, values, error in self._id_records()
+        )
+
     def select(self, index: int, count: int) -> Selection:
         """:meth:`scan`, and which rows part ``index`` of ``count`` takes: those whose id
         (the position without an id column) hashes to it, each id hashed once.

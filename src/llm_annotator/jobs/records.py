@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import orjson
+
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.jobs.ids import RowId
 from llm_annotator.jobs.schema import OutputSchema, Parsed
@@ -168,6 +170,35 @@ class RecordBuilder:
     def error_record(self, row_id: RowId, values: Mapping[str, Any], error: str) -> dict[str, Any]:
         """The record of a row that could not be sent (unreadable, or no prompt)."""
         return self.build(row_id, values, Response(error=error, error_type="input_error"))
+
+    def unstorable(self, values: Mapping[str, Any]) -> dict[str, str]:
+        """The input columns of a row that its record would keep but the store cannot
+        write (a lone surrogate, which is not valid Unicode; a value that is not JSON),
+        each with why; empty for a row that can be stored (the common case costs one
+        encoding of the kept values).
+
+        Examples:
+            >>> builder = RecordBuilder(None, columns=None)
+            >>> builder.unstorable({"text": "ok", "n": 1})
+            {}
+            >>> builder.unstorable({"text": "ok", "tags": {"a", "b"}})
+            {'tags': 'Type is not JSON serializable: set'}
+        """
+        names = self.columns if self.columns is not None else tuple(values)
+        kept = {name: values.get(name) for name in names}
+        try:
+            orjson.dumps(kept, option=orjson.OPT_SERIALIZE_NUMPY)
+        except TypeError:
+            pass
+        else:
+            return {}
+        problems: dict[str, str] = {}
+        for name, value in kept.items():
+            try:
+                orjson.dumps({name: value}, option=orjson.OPT_SERIALIZE_NUMPY)
+            except TypeError as error:
+                problems[name] = str(error)
+        return problems or {"": "the row's columns cannot be written as JSON together"}
 
     def _add_input(self, record: dict[str, Any], values: Mapping[str, Any]) -> None:
         taken = self.taken

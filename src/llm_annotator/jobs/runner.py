@@ -240,6 +240,11 @@ class JobRun:
             except PromptError as exc:
                 await self._put_ready(self.builder.error_record(row.id, row.values, str(exc)))
                 continue
+            problem = self._unsendable(row, prompt)
+            if problem is not None:  # found before sending: this row's error, not the job's
+                values = {k: v for k, v in row.values.items() if k not in problem[1]}
+                await self._put_ready(self.builder.error_record(row.id, values, problem[0]))
+                continue
             messages = build_messages(prompt, self.system_message)
             self.out += 1
             self.sent += 1
@@ -252,6 +257,30 @@ class JobRun:
                 return
             self.retry_ready.clear()
             await self.retry_ready.wait()
+
+    def _unsendable(self, row: Row, prompt: str) -> tuple[str, frozenset[str]] | None:
+        """Why ``row`` cannot be sent and stored, and the columns at fault, or None: a
+        value its record keeps that cannot be written (see
+        :meth:`RecordBuilder.unstorable`), or a prompt that is not valid Unicode."""
+        bad = self.builder.unstorable(row.values)
+        if bad:
+            listed = "; ".join(
+                f"column {name!r}: {why}" if name else why for name, why in bad.items()
+            )
+            return (
+                f"{row.where}: a value cannot be stored ({listed}); fix the input (text "
+                "must be valid Unicode, values JSON: strings, numbers, lists, objects)",
+                frozenset(bad),
+            )
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            return (
+                f"{row.where}: the prompt holds text that is not valid Unicode (a lone "
+                "surrogate, as undecodable bytes become); fix the input",
+                frozenset(),
+            )
+        return None
 
     async def _put_ready(self, record: dict[str, Any]) -> None:
         """Hand a record to the consumer; wait while it has many to write."""

@@ -263,6 +263,7 @@ class ResultStore:
         self._buffer_lock = threading.Lock()  # append and flush may be on two threads
         self._file: IO[bytes] | None = None
         self._shard_path = directory / SHARDS_DIR / "unopened"
+        self._mixed_inputs = False
 
     @classmethod
     def open(
@@ -272,6 +273,7 @@ class ResultStore:
         *,
         force: bool = False,
         retry_errors: bool | frozenset[str] = False,
+        input_identity: Mapping[str, Any] | None = None,
     ) -> ResultStore:
         """Open (or create) a run directory, read what is done, and start a new shard.
 
@@ -284,10 +286,14 @@ class ResultStore:
             retry_errors: Count ids whose best record is an error as not done, so
                 the job sends them again; a set of error types: only the ids whose
                 latest error is of one of those types.
+            input_identity: What identifies the job's input
+                (:meth:`~llm_annotator.jobs.inputs.InputIdentity.to_json`), recorded in
+                ``job.json``: a directory made over another input is refused like other
+                settings. None leaves the record's input as it is.
 
         Raises:
             FingerprintMismatchError: If the directory holds results made with other
-                settings and ``force`` is False.
+                settings or another input and ``force`` is False.
             JobError: If another run is using the directory, or it cannot be written.
         """
         directory = Path(output_dir)
@@ -305,6 +311,7 @@ class ResultStore:
                 where=str(directory),
                 now=datetime.now(UTC).isoformat(timespec="seconds"),
                 force=force,
+                identity=input_identity,
             )
             try:
                 with atomic_write(job_path) as file:
@@ -312,6 +319,7 @@ class ResultStore:
             except OSError as error:
                 raise output_write_error(error, job_path, directory) from None
             store = cls(directory, lock, job["fingerprint"], retry_errors)
+            store._mixed_inputs = bool(job.get("mixed_inputs"))
             try:
                 shards = store._scan()  # repairs a cut-off last line: a write too
             except OSError as error:
@@ -363,6 +371,13 @@ class ResultStore:
     def shard_path(self) -> Path:
         """The shard this store writes to (removed on close if nothing was written)."""
         return self._shard_path
+
+    @property
+    def mixed_inputs(self) -> bool:
+        """Whether the directory may hold results of rows that are not in the current
+        input (its input was changed with ``force``, or it was made before inputs were
+        recorded): consolidate only the input's ids then."""
+        return self._mixed_inputs
 
     @property
     def fingerprint(self) -> dict[str, Any]:

@@ -1,0 +1,169 @@
+"""A run directory belongs to one input: another input is refused by name, and once
+forced, the output holds only the current input's rows.
+
+Also here: a second signal at any phase of a job (the consolidation too) is one
+:class:`RunInterruptedError` with the signal, never a ``CancelledError``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from llm_annotator import (
+    FingerprintMismatchError,
+    RunInterruptedError,
+    VLLMQueueAnnotator,
+)
+from llm_annotator.jobs.consolidate import consolidate
+from tests.unit.conftest import FakeServer
+
+FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
+TEMPLATE = "Label: {text}"
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return path
+
+
+def pool_of(server: FakeServer) -> VLLMQueueAnnotator:
+    return VLLMQueueAnnotator([server.base_url], batch_size=16, **FAST)
+
+
+def ids_of(path: Path) -> list[Any]:
+    return list(pq.read_table(path, columns=["id"]).column("id").to_pylist())
+
+
+def test_another_input_in_the_same_directory_is_refused_by_name(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """Same settings, another input of other ids: refused naming both inputs; nothing
+    is sent. With force, the output holds the 100 rows of the new input only, the 100
+    others are counted as left out, and status.json does not say 200 of 100."""
+    first = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"a{i}"} for i in range(100)])
+    second = write_jsonl(
+        tmp_path / "b.jsonl", [{"id": 1000 + i, "text": f"b{i}"} for i in range(100)]
+    )
+    out = tmp_path / "run"
+    with pool_of(fake_server) as pool:
+        pool.annotate(first, TEMPLATE, out, id_column="id", progress=False)
+        sent = len(fake_server.requests)
+        with pytest.raises(FingerprintMismatchError) as refused:
+            pool.annotate(second, TEMPLATE, out, id_column="id", progress=False)
+        assert len(fake_server.requests) == sent
+        message = str(refused.value)
+        assert "input:" in message and str(first) in message and str(second) in message
+        result = pool.annotate(second, TEMPLATE, out, id_column="id", progress=False, force=True)
+    assert ids_of(result.output_path) == [1000 + i for i in range(100)]
+    texts = pq.read_table(result.output_path, columns=["text"]).column("text").to_pylist()
+    assert all(text.startswith("b") for text in texts)
+    assert (result.num_rows, result.num_resumed, result.num_left_out) == (100, 0, 100)
+    report = orjson.loads(result.report_path.read_bytes())
+    assert report["left_out_rows"] == 100
+    status = orjson.loads((out / "status.json").read_bytes())
+    assert status["done"] == 100 and status["total"] == 100, status
+    job = orjson.loads((out / "job.json").read_bytes())
+    assert job["input"]["where"] == str(second) and job["mixed_inputs"] is True
+    assert [entry["where"] for entry in job["input_history"]] == [str(first)]
+
+
+def test_the_same_ids_in_another_order_or_with_other_text_resume(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """The identity with an id column is the set of ids: a reordered input (or one
+    whose other columns were fixed) resumes without force and sends nothing again."""
+    records = [{"id": f"r{i}", "text": f"t{i}"} for i in range(30)]
+    first = write_jsonl(tmp_path / "a.jsonl", records)
+    again = write_jsonl(tmp_path / "b.jsonl", [{**r, "text": "x"} for r in reversed(records)])
+    out = tmp_path / "run"
+    with pool_of(fake_server) as pool:
+        pool.annotate(first, TEMPLATE, out, id_column="id", progress=False)
+        sent = len(fake_server.requests)
+        result = pool.annotate(again, TEMPLATE, out, id_column="id", progress=False)
+    assert len(fake_server.requests) == sent
+    assert (result.num_rows, result.num_resumed, result.num_left_out) == (30, 30, 0)
+
+
+def test_rows_by_position_of_another_content_are_refused(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """Without an id column, rows are their positions: an input with other content at
+    the same positions is another input."""
+    first = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(10)])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(10)])
+    out = tmp_path / "run"
+    with pool_of(fake_server) as pool:
+        pool.annotate(first, TEMPLATE, out, progress=False)
+        with pytest.raises(FingerprintMismatchError, match="input:"):
+            pool.annotate(second, TEMPLATE, out, progress=False)
+        again = pool.annotate(first, TEMPLATE, out, progress=False)
+    assert again.num_resumed == 10
+
+
+def test_a_directory_made_before_inputs_were_recorded_resumes_and_keeps_its_input(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """An older job.json has no input: the job resumes (no refusal), records the
+    input, and since the directory may hold another input's rows, writes only the
+    current input's (here: 20 of the 50 ids it holds)."""
+    data = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"t{i}"} for i in range(50)])
+    out = tmp_path / "run"
+    with pool_of(fake_server) as pool:
+        pool.annotate(data, TEMPLATE, out, id_column="id", progress=False)
+        job = orjson.loads((out / "job.json").read_bytes())
+        for key in ("input", "input_history", "mixed_inputs"):
+            del job[key]
+        (out / "job.json").write_bytes(orjson.dumps(job))
+        smaller = write_jsonl(tmp_path / "b.jsonl", [{"id": i, "text": f"t{i}"} for i in range(20)])
+        sent = len(fake_server.requests)
+        result = pool.annotate(smaller, TEMPLATE, out, id_column="id", progress=False)
+    assert len(fake_server.requests) == sent
+    assert ids_of(result.output_path) == list(range(20))
+    assert (result.num_resumed, result.num_left_out) == (20, 30)
+    assert orjson.loads((out / "job.json").read_bytes())["input"]["rows"] == 20
+
+
+def test_a_second_signal_during_the_consolidation_is_one_interrupted_error(
+    fake_server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM twice while the results are consolidated: the job ends with
+    RunInterruptedError naming the signal (the CLI's exit 128 + signal), not a
+    CancelledError out of the sync facade; every row written is kept."""
+    data = write_jsonl(tmp_path / "a.jsonl", [{"text": f"t{i}"} for i in range(20)])
+    real = consolidate
+    consolidating = threading.Event()
+    release = threading.Event()
+
+    def slow_consolidate(*args: Any, **kwargs: Any) -> Any:
+        consolidating.set()
+        release.wait(20)
+        return real(*args, **kwargs)
+
+    def signal_twice() -> None:
+        if consolidating.wait(20):
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait(0.3)
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait(0.3)
+        release.set()
+
+    monkeypatch.setattr("llm_annotator.jobs.annotate.consolidate", slow_consolidate)
+    sender = threading.Thread(target=signal_twice, daemon=True)
+    sender.start()
+    with pool_of(fake_server) as pool, pytest.raises(RunInterruptedError) as stopped:
+        pool.annotate(data, TEMPLATE, tmp_path / "run", progress=False)
+    sender.join(30)
+    assert consolidating.is_set(), "the consolidation never started"
+    assert stopped.value.signum == signal.SIGTERM
+    assert "second signal" in str(stopped.value) or "SIGTERM" in str(stopped.value)
+    shards = list((tmp_path / "run" / "shards").glob("part-*.jsonl"))
+    written = sum(len(path.read_bytes().splitlines()) for path in shards)
+    assert written == 20
