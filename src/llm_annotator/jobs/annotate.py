@@ -32,7 +32,8 @@ from llm_annotator.errors import (
     JobError,
     RunInterruptedError,
 )
-from llm_annotator.jobs.consolidate import consolidate
+from llm_annotator.jobs.consolidate import JSONL_FILE, PARQUET_FILE, consolidate
+from llm_annotator.jobs.files import check_entry
 from llm_annotator.jobs.fingerprint import make_fingerprint
 from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.inputs import RowSource, open_input
@@ -52,12 +53,18 @@ from llm_annotator.jobs.report import (
 from llm_annotator.jobs.runner import JobRun, varies
 from llm_annotator.jobs.sample import Sample
 from llm_annotator.jobs.schema import OutputSchema
-from llm_annotator.jobs.shard import Shard, claim, read_sharding
+from llm_annotator.jobs.shard import SHARDING_FILE, Shard, claim, read_sharding
 from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_name
-from llm_annotator.jobs.status import StatusFile
-from llm_annotator.jobs.store import ResultStore, output_write_error
+from llm_annotator.jobs.status import STATUS_FILE, StatusFile
+from llm_annotator.jobs.store import (
+    JOB_FILE,
+    LOCK_FILE,
+    SHARDS_DIR,
+    ResultStore,
+    output_write_error,
+)
 from llm_annotator.jobs.streaming import ModelSource
-from llm_annotator.jobs.timeline import RunWatch
+from llm_annotator.jobs.timeline import TIMELINE_FILE, RunWatch
 
 log = structlog.get_logger(__name__)
 
@@ -332,12 +339,14 @@ class Annotator:
             **_extras(sample, spec, input_rows),
         )
         run_dir = spec.output_dir
+        await asyncio.to_thread(check_run_directory, run_dir)
         if shard is None:
             await asyncio.to_thread(_not_sharded, run_dir)
         else:
             await asyncio.to_thread(claim, run_dir, shard, fingerprint, force=spec.force)
             fingerprint = {**fingerprint, "shard": {"index": shard.index, "count": shard.count}}
             spec = dataclasses.replace(spec, output_dir=shard.directory(run_dir))
+            await asyncio.to_thread(check_run_directory, spec.output_dir)
         store = await _open_store(spec, fingerprint, retry, source.identity.to_json())
         resumed, keep = store.num_done, None
         if store.mixed_inputs or resumed > total:  # results of rows not in this input
@@ -543,6 +552,33 @@ def _extras(sample: Sample, spec: JobSpec, input_rows: int) -> dict[str, Any]:
     if spec.validate is not None:
         extras["validate"] = validator_name(spec.validate)
     return extras
+
+
+RUN_FILES = (
+    JOB_FILE,
+    LOCK_FILE,
+    STATUS_FILE,
+    TIMELINE_FILE,
+    REPORT_NAME,
+    PARQUET_FILE,
+    JSONL_FILE,
+    SHARDING_FILE,
+)
+"""The files a run writes at the top of its directory (``report.html`` is written by
+``llm-annotator report``, which checks it then)."""
+
+
+def check_run_directory(directory: Path) -> None:
+    """Refuse, before any request, a run directory where one of the job's own names is
+    a link, a FIFO, a folder or anything but a regular file (``shards/``: a real
+    folder), so that nothing is written through it at the end of a long run.
+
+    Raises:
+        RunDirectoryError: Naming the first such entry.
+    """
+    for name in RUN_FILES:
+        check_entry(directory / name)
+    check_entry(directory / SHARDS_DIR, directory=True)
 
 
 def _input_ids(
