@@ -1,4 +1,8 @@
-"""``llm-annotator status RUN_DIR``: how a run stands, from another terminal."""
+"""``llm-annotator status RUN_DIR``: how a run stands, from another terminal.
+
+A file of the run directory that is not the job's own (a link, a FIFO, a record of the
+wrong shape) is one line naming it, exit status 1 (``cli.main``), never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import orjson
 import structlog
 
 from llm_annotator.jobs.consolidate import PARQUET_FILE
-from llm_annotator.jobs.merge import shard_states
+from llm_annotator.jobs.merge import LISTED_SHARDS, is_merged, shard_states
 from llm_annotator.jobs.progress import duration
 from llm_annotator.jobs.shard import read_sharding
 from llm_annotator.jobs.status import RunStatus, run_status
@@ -77,9 +81,10 @@ def show_status(status: RunStatus, out: TextIO) -> None:
 
 
 def _sharded_status(run_dir: Path, as_json: bool) -> None:
-    """Each shard's status, and whether the shards were merged."""
+    """Each shard's status, and whether the shards were merged (for people, the first
+    :data:`LISTED_SHARDS` shards not started, and how many more)."""
     count, states = shard_states(run_dir)
-    merged = (run_dir / PARQUET_FILE).is_file()
+    merged = is_merged(run_dir)
     shards = [run_status(s.directory) if s.state != "missing" else None for s in states]
     if as_json:
         body = {
@@ -98,11 +103,16 @@ def _sharded_status(run_dir: Path, as_json: bool) -> None:
         f"{run_dir}: a job in {count} shards, {done} complete; "
         + ("merged into " + str(run_dir / PARQUET_FILE) if merged else "not merged yet"),
     )
+    missing = 0
     for state, status in zip(states, shards, strict=True):
-        if status is None:
-            print(f"shard {state.index}: not started (--shard {state.index}/{count})")
-        else:
+        if status is not None:
             show_status(status, sys.stdout)
+            continue
+        missing += 1
+        if missing <= LISTED_SHARDS:
+            print(f"shard {state.index}: not started (--shard {state.index}/{count})")
+    if missing > LISTED_SHARDS:
+        print(f"  and {missing - LISTED_SHARDS} more shards not started")
 
 
 def _status(args: argparse.Namespace) -> int:

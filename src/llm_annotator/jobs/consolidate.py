@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import structlog
 
 from llm_annotator.errors import JobError
+from llm_annotator.jobs.files import open_binary
 from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.store import (
     DirectoryLock,
@@ -261,7 +262,7 @@ class _Reader:
         if handle is None:
             if len(self.handles) >= 64:
                 self.__exit__()
-            handle = self.handles[shard] = self.shards[shard].open("rb")
+            handle = self.handles[shard] = open_binary(self.shards[shard])
         return int(handle.fileno())
 
 

@@ -123,6 +123,21 @@ def read_bytes(path: Path | str) -> bytes | None:
         return file.read()
 
 
+def read_run_file(path: Path) -> bytes | None:
+    """A run-directory file's bytes, or None if there is none; a file that cannot be
+    read is one line naming it.
+
+    Raises:
+        RunDirectoryError: The entry is a link, not a regular file, or cannot be read.
+    """
+    try:
+        return read_bytes(path)
+    except OSError as error:
+        raise RunDirectoryError(
+            f"cannot read {path}: {error.strerror or error}", path=str(path)
+        ) from None
+
+
 def check_entry(path: Path, *, directory: bool = False) -> bool:
     """Whether ``path`` exists, refusing it if it is not what the job would make there
     (a regular file, or with ``directory`` a real directory; never a link)."""

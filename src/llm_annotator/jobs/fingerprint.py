@@ -288,23 +288,69 @@ def _input_text(identity: Mapping[str, Any]) -> str:
 def read_job_record(path: Path, *, force: bool = False) -> dict[str, Any] | None:
     """A run directory's ``job.json``; None if it has none (or, with ``force``, a broken one).
 
+    The record is checked: a JSON object with a ``fingerprint`` object, and the other
+    fields a job writes (``format_version``, ``history``, ``input``, ...) of their types.
+
     Raises:
-        JobError: If the file is not a job record and ``force`` is False.
+        RunDirectoryError: If the file is not a job record and ``force`` is False (the
+            message names the file and what is wrong), or, even with ``force``, if it is
+            a link or not a regular file (nothing is written over it then).
     """
-    try:
-        job = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
+    from llm_annotator.errors import RunDirectoryError
+    from llm_annotator.jobs.files import read_bytes
+
+    fields: dict[str, tuple[type, str]] = {
+        "format_version": (int, "an integer from 1"),
+        "digest": (str, "a string"),
+        "created": (str, "a string"),
+        "updated": (str, "a string"),
+        "history": (list, "a list of objects"),
+        "input": (dict, "an object"),
+        "input_history": (list, "a list of objects"),
+        "mixed_inputs": (bool, "true or false"),
+    }
+
+    def problem_of(job: Any) -> str | None:
+        if not isinstance(job, dict):
+            return f"a JSON {type(job).__name__}, not an object"
+        if not isinstance(job.get("fingerprint"), dict):
+            return "no fingerprint in it"
+        for name, (kind, words) in fields.items():
+            value: Any = job.get(name)
+            if name not in job or (value is None and name != "format_version"):
+                continue
+            wrong = not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)
+            if kind is int and not wrong:
+                wrong = value < 1
+            if kind is list and not wrong:
+                wrong = not all(isinstance(entry, dict) for entry in value)
+            if wrong:
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
+                return f"its {name} is {shown}, not {words}"
         return None
-    except (OSError, orjson.JSONDecodeError) as error:
-        problem = str(error)
+
+    problem: str | None
+    try:
+        data = read_bytes(path)
+    except OSError as error:
+        problem = f"cannot read it: {error.strerror or error}"
     else:
-        if isinstance(job, dict) and isinstance(job.get("fingerprint"), dict):
-            return job
-        problem = "no fingerprint in it"
+        if data is None:
+            return None
+        try:
+            job = orjson.loads(data)
+        except orjson.JSONDecodeError as error:
+            problem = f"not JSON: {error}"
+        else:
+            problem = problem_of(job)
+            if problem is None:
+                record: dict[str, Any] = job
+                return record
     if not force:
-        raise JobError(
+        raise RunDirectoryError(
             f"{path} is not a readable job record ({problem}); restore it, or pass "
-            "force=True (CLI --force) to record the current settings"
+            "force=True (CLI --force) to record the current settings",
+            path=str(path),
         )
-    log.warning("job_record_replaced", path=str(path))
+    log.warning("job_record_replaced", path=str(path), problem=problem)
     return None

@@ -6,8 +6,13 @@ every shard of the count in ``sharding.json`` finished with all its rows, then
 consolidates all their records at once (the same rules as one run's consolidation: a
 success beats an error, the last record of a kind wins) into ``RUN_DIR/
 annotations.parquet`` and ``RUN_DIR/report.json``. It names the shards that are missing,
-still running or incomplete instead of merging silently. The last shard to finish runs
-it by itself (:func:`merge_if_complete`); it can also be a final step of its own.
+still running or incomplete instead of merging silently (the first
+:data:`LISTED_SHARDS` of them, and how many more). The last shard to finish runs it by
+itself (:func:`merge_if_complete`); it can also be a final step of its own.
+
+The shard folders are found by listing the run directory
+(:func:`~llm_annotator.jobs.shard.shard_folders`), and every file read there is checked:
+a link, a FIFO or a ``report.json`` of the wrong shape is refused naming it.
 """
 
 from __future__ import annotations
@@ -20,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pyarrow.parquet as pq
 import structlog
 
-from llm_annotator.errors import JobError
+from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.consolidate import PARQUET_FILE, Consolidated, _consolidate
-from llm_annotator.jobs.report import REPORT_NAME, result_summary, write_json
-from llm_annotator.jobs.shard import Shard, read_sharding
+from llm_annotator.jobs.files import check_entry, open_binary
+from llm_annotator.jobs.report import REPORT_NAME, read_report, result_summary, write_json
+from llm_annotator.jobs.shard import Shard, read_sharding, shard_folders
 from llm_annotator.jobs.status import run_state, run_status
 from llm_annotator.jobs.store import JOB_FILE, DirectoryLock, shard_paths
 
@@ -35,6 +40,8 @@ log = structlog.get_logger(__name__)
 
 _ATTEMPTS = 5
 """Tries of the last shard's merge while another process holds a lock it needs."""
+LISTED_SHARDS = 20
+"""Shards named one by one in a message (a count of the others follows)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +85,13 @@ def shard_states(
     shard's lock and ``status.json`` say, without counting the rows its files hold
     (``done`` and ``total`` are None).
 
+    The shard folders are listed, not looked for one index at a time: a shard with no
+    folder is ``missing`` without a look at the disk.
+
     Raises:
         JobError: The directory is not a sharded run directory.
+        RunDirectoryError: Its ``sharding.json`` or a shard's entry is not the job's
+            own (a link, a FIFO, a record of the wrong shape).
     """
     directory = Path(run_dir)
     sharding = read_sharding(directory)
@@ -88,23 +100,49 @@ def shard_states(
             f"{directory} is not a sharded run directory (no sharding.json): a job run "
             "without --shard consolidates its own output"
         )
-    count = int(sharding["count"])
-    states = [_state(i, Shard(i, count).directory(directory), rows) for i in range(count)]
+    count: int = sharding["count"]
+    folders = shard_folders(directory, count)
+    states = [
+        _state(i, folders[i], rows)
+        if i in folders
+        else ShardState(i, Shard(i, count).directory(directory), "missing", None, None)
+        for i in range(count)
+    ]
     return count, states
 
 
 def _state(index: int, folder: Path, rows: bool) -> ShardState:
     """The shard's state as ``llm-annotator status`` sees it (a lock held on this host,
     or a fresh ``status.json`` from another), with the rows its files hold."""
-    if not folder.is_dir() or not (folder / JOB_FILE).is_file():
+    if not check_entry(folder / JOB_FILE):
         return ShardState(index, folder, "missing", None, None)
     if not rows:
         return ShardState(index, folder, _shard_state(run_state(folder)), None, None)
     try:
         status = run_status(folder)
-    except JobError:
+    except RunDirectoryError:
+        raise
+    except JobError:  # removed meanwhile
         return ShardState(index, folder, "missing", None, None)
     return ShardState(index, folder, _shard_state(status.state), status.done, status.total)
+
+
+def waiting_lines(states: list[ShardState], count: int) -> str:
+    """The first :data:`LISTED_SHARDS` shards that are not complete, one indented line
+    each, and how many more."""
+    waiting = [s for s in states if not s.complete]
+    listed = "".join(f"\n  {s.describe(count)}" for s in waiting[:LISTED_SHARDS])
+    if len(waiting) > LISTED_SHARDS:
+        listed += f"\n  and {len(waiting) - LISTED_SHARDS} more"
+    return listed
+
+
+def is_merged(run_dir: Path) -> bool:
+    """Whether a sharded run directory holds a merged output (a regular file)."""
+    try:
+        return check_entry(run_dir / PARQUET_FILE)
+    except RunDirectoryError:
+        return False
 
 
 def _shard_state(run_state: str) -> str:
@@ -135,19 +173,22 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
         JobError: The directory is not sharded, a shard is missing, running or
             incomplete (the message names each, and what to run), or another process
             merges it now.
+        RunDirectoryError: A file of the run directory or of a shard is a link, not a
+            regular file, or not of the shape the job writes (the message names it).
     """
     directory = Path(run_dir)
     count, states = shard_states(directory)
     waiting = [s for s in states if not s.complete]
     if waiting:
-        listed = "".join(f"\n  {s.describe(count)}" for s in waiting)
         raise JobError(
             f"cannot merge {directory}: {len(waiting)} of its {count} shards are not "
-            f"complete:{listed}\nRun those, then llm-annotator merge {directory}."
+            f"complete:{waiting_lines(states, count)}\nRun those, then llm-annotator "
+            f"merge {directory}."
         )
     with _locked([directory, *(s.directory for s in states)]):
         files = [path for state in states for path in shard_paths(state.directory)]
         order = _column_order(states[0].directory)
+        parts = _shard_reports(states)  # checked before anything is written
         result = _consolidate(directory, jsonl=jsonl, column_order=order, shards=files)
         expected = sum(s.total or 0 for s in states)
         if result.num_rows != expected:
@@ -162,7 +203,7 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
                 f"{expected}: a shard's rows changed while merging, or the input differs "
                 "between shards. Nothing is merged; the shards' own outputs are kept."
             )
-        report = _report(result, states)
+        report = {**result_summary(result), "shards": parts}
         report_path = directory / REPORT_NAME
         write_json(report_path, report)
     log.info("shards_merged", output_dir=str(directory), shards=count, rows=result.num_rows)
@@ -209,7 +250,7 @@ def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:
 
 def _merged_since(run_dir: Path, states: list[ShardState]) -> bool:
     """Whether the merged output was written after every shard's own output."""
-    merged = _written(run_dir / PARQUET_FILE)
+    merged = _written(run_dir / PARQUET_FILE) if is_merged(run_dir) else None
     if merged is None:
         return False
     shards = [_written(state.directory / PARQUET_FILE) for state in states]
@@ -217,9 +258,10 @@ def _merged_since(run_dir: Path, states: list[ShardState]) -> bool:
 
 
 def _written(path: Path) -> int | None:
-    """When ``path`` was last written (ns), or None if it is not there."""
+    """When ``path`` was last written (ns), or None if it is not there (the entry
+    itself: a link is not followed)."""
     try:
-        return path.stat().st_mtime_ns
+        return os.lstat(path).st_mtime_ns
     except OSError:
         return None
 
@@ -237,24 +279,25 @@ def _locked(directories: list[Path]) -> Iterator[None]:
 
 
 def _column_order(directory: Path) -> list[str]:
+    """The columns of a shard's own output, in its order ([] if it has none readable)."""
     try:
-        return list(pq.read_schema(directory / PARQUET_FILE).names)
-    except OSError:
+        with open_binary(directory / PARQUET_FILE) as file:
+            return list(pq.read_schema(file).names)
+    except (OSError, ValueError):  # none, or not Parquet (pyarrow's ArrowInvalid)
         return []
 
 
-def _report(result: Consolidated, states: list[ShardState]) -> dict[str, Any]:
+def _shard_reports(states: list[ShardState]) -> list[dict[str, Any]]:
+    """What the merged report keeps of each shard's own ``report.json`` (its checked
+    ``this_run`` and ``per_server``).
+
+    Raises:
+        RunDirectoryError: A shard's report is a link, not a regular file, or not a
+            report.
+    """
     shards = []
     for state in states:
-        try:
-            own = orjson.loads((state.directory / REPORT_NAME).read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            own = {}
-        shards.append({"shard": state.index, "rows": state.total, **_parts(own)})
-    return {**result_summary(result), "shards": shards}
-
-
-def _parts(report: Any) -> dict[str, Any]:
-    if not isinstance(report, dict):
-        return {}
-    return {key: report[key] for key in ("this_run", "per_server") if key in report}
+        own = read_report(state.directory)
+        parts = {key: own[key] for key in ("this_run", "per_server") if key in own}
+        shards.append({"shard": state.index, "rows": state.total, **parts})
+    return shards

@@ -1,8 +1,13 @@
-"""``report.json``: what a run did, from the consolidated output and the run's counts."""
+"""``report.json``: what a run did, from the consolidated output and the run's counts.
+
+It is written whole under a fresh temporary name, never through a link planted in the
+run directory (:func:`write_json`); read back, only its parts of the shape written here
+are kept (:func:`read_report`).
+"""
 
 from __future__ import annotations
 
-import os
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from llm_annotator.clients.base import Client
+from llm_annotator.errors import RunDirectoryError
+from llm_annotator.jobs.files import atomic_write, read_run_file
 from llm_annotator.jobs.streaming import Streamer
 
 if TYPE_CHECKING:
@@ -74,6 +81,70 @@ def result_summary(result: Any) -> dict[str, Any]:
 
 
 def write_json(path: Path, value: Mapping[str, Any]) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_bytes(orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
-    os.replace(temporary, path)
+    """Replace ``path`` with ``value`` as indented JSON, whole (a fresh temporary file,
+    fsynced, renamed over it).
+
+    Raises:
+        RunDirectoryError: ``path`` is a link or not a regular file (left alone).
+        OSError: It cannot be written.
+    """
+    with atomic_write(path) as file:
+        file.write(orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def read_report(directory: Path) -> dict[str, Any]:
+    """A run directory's ``report.json`` ({} if it has none), with ``this_run`` kept only
+    as its numbers and ``per_server`` only as its servers' numbers and words (other
+    values dropped).
+
+    Raises:
+        RunDirectoryError: The file is a link, not a regular file, not JSON or not a
+            JSON object.
+
+    Examples:
+        >>> _checked({"this_run": {"wall_seconds": 1.5, "rows_per_second": "x"},
+        ...     "per_server": {"a": {"completed": 2, "state": "up"}, "b": 3}})
+        {'this_run': {'wall_seconds': 1.5}, 'per_server': {'a': {'completed': 2, 'state': 'up'}}}
+    """
+    path = directory / REPORT_NAME
+    data = read_run_file(path)
+    if data is None:
+        return {}
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        problem = f"not JSON ({error})"
+    else:
+        if isinstance(value, dict):
+            return _checked(value)
+        problem = f"a JSON {type(value).__name__}, not an object"
+    raise RunDirectoryError(
+        f"{path} is not a run report: {problem}; remove it (running the job again writes it anew)",
+        path=str(path),
+    )
+
+
+def _checked(report: dict[str, Any]) -> dict[str, Any]:
+    checked = {key: value for key, value in report.items() if key not in _PARTS}
+    this_run = report.get("this_run")
+    if isinstance(this_run, dict):
+        checked["this_run"] = {k: v for k, v in this_run.items() if _figure(v)}
+    per_server = report.get("per_server")
+    if isinstance(per_server, dict):
+        checked["per_server"] = {
+            str(url): {k: v for k, v in values.items() if _figure(v) or isinstance(v, str)}
+            for url, values in per_server.items()
+            if isinstance(values, dict)
+        }
+    return checked
+
+
+_PARTS = ("this_run", "per_server")
+
+
+def _figure(value: Any) -> bool:
+    """Whether a value is a count or a rate as a report holds them (a finite number, not
+    negative, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return (isinstance(value, int) or math.isfinite(value)) and value >= 0

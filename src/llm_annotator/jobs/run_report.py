@@ -13,6 +13,11 @@ time from 99% of the rows to the last); a summary table of the run and one row p
 server; every change of a server's state. For a sharded job (``--shard``), a table of
 its shards, then each shard's sections.
 
+Everything it reads is checked (:mod:`llm_annotator.jobs.files`, the readers of each
+file): a link, a FIFO or a file of the wrong shape in the run directory is one
+:class:`~llm_annotator.errors.RunDirectoryError` naming it, and ``report.html`` is
+written under a fresh temporary name, never through an entry planted there.
+
 The plots need matplotlib (``pip install 'llm-annotator[report]'``); the series are
 computed here without it (:func:`run_series`), so they are tested on their own.
 """
@@ -29,12 +34,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.jobs.consolidate import PARQUET_FILE
-from llm_annotator.jobs.merge import shard_states
-from llm_annotator.jobs.report import REPORT_NAME
+from llm_annotator.jobs.files import atomic_write, check_entry
+from llm_annotator.jobs.merge import LISTED_SHARDS, is_merged, shard_states
+from llm_annotator.jobs.report import REPORT_NAME, read_report
 from llm_annotator.jobs.shard import read_sharding
 from llm_annotator.jobs.status import RunStatus, run_status
 from llm_annotator.jobs.timeline import TIMELINE_FILE, RunRecord, read_timeline
@@ -193,29 +197,27 @@ def write_html_report(
 ) -> Path:
     """Write the run's HTML report; returns its path (``RUN_DIR/report.html`` by default).
 
+    ``output`` is the user's own path: a link there is followed (the file at its end
+    replaced whole). ``RUN_DIR/report.html`` is the run directory's: an entry planted
+    there that is not a regular file is refused.
+
     Raises:
         JobError: The directory holds no job.
+        RunDirectoryError: A file of the run directory is a link, not a regular file, or
+            not of the shape the job writes (the message names it).
         ConfigurationError: matplotlib is not installed (the ``report`` extra).
     """
     directory = Path(run_dir)
+    path = directory / HTML_REPORT_NAME if output is None else Path(output).resolve()
+    check_entry(path)  # before the work: refused now rather than after drawing it
     if read_sharding(directory) is None:
         body = _run_parts(directory, "h2")  # raises JobError for a directory without a job
     else:
         body = _sharded_parts(directory)
     page = _page(directory, body)
-    path = Path(output) if output is not None else directory / HTML_REPORT_NAME
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(page, encoding="utf-8")
-    os.replace(temporary, path)
+    with atomic_write(path, durable=False) as file:
+        file.write(page.encode("utf-8"))
     return path
-
-
-def _read_report(directory: Path) -> dict[str, Any]:
-    try:
-        value = orjson.loads((directory / REPORT_NAME).read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _plots(series: RunSeries) -> list[tuple[str, str]]:
@@ -417,7 +419,9 @@ def _page(directory: Path, body: list[str]) -> str:
 def _sharded_parts(directory: Path) -> list[str]:
     """A sharded job: a table of its shards, then each shard's own sections."""
     count, states = shard_states(directory)
-    merged = (directory / PARQUET_FILE).is_file()
+    merged = is_merged(directory)
+    missing = [state for state in states if state.state == "missing"]
+    shown = {state.index for state in missing[:LISTED_SHARDS]}
     rows = [
         (
             state.index,
@@ -427,6 +431,7 @@ def _sharded_parts(directory: Path) -> list[str]:
             state.directory.name,
         )
         for state in states
+        if state.state != "missing" or state.index in shown
     ]
     parts = [
         f'<p class="note">A job in {count} shards; '
@@ -435,6 +440,10 @@ def _sharded_parts(directory: Path) -> list[str]:
         "<h2>Shards</h2>",
         _table(["shard", "state", "rows done", "rows", "folder"], rows),
     ]
+    if len(missing) > LISTED_SHARDS:
+        parts.append(
+            f'<p class="note">and {len(missing) - LISTED_SHARDS} more shards not started.</p>'
+        )
     for state in states:
         if state.state != "missing":
             parts.append(f"<h2>Shard {state.index} of {count}</h2>")
@@ -448,7 +457,7 @@ def _run_parts(directory: Path, h: str) -> list[str]:
     status = run_status(directory)
     runs = read_timeline(directory)
     series = run_series(runs)
-    summary = _read_report(directory)
+    summary = read_report(directory)
     plots = _plots(series) if runs else []
     parts = [
         f'<p class="note">{e(_state_line(status, runs))}</p>',

@@ -11,7 +11,8 @@ rows not turned into Python objects). Shard ``i`` of ``n`` keeps its own store, 
 status and timeline in ``RUN_DIR/shard-000i-of-000n`` (a run directory of its own);
 ``RUN_DIR/sharding.json`` records the shard count and the job's fingerprint, so a shard
 started with another count or other settings is refused (another count would hand rows
-to other shards than before).
+to other shards than before). A job has at most :data:`MAX_SHARDS` shards; readers list
+the ``shard-*`` folders there are (:func:`shard_folders`) rather than try every index.
 
 A scheduler's array sets which shard a process is: ``--shard auto`` reads SLURM's
 ``SLURM_ARRAY_TASK_ID`` (the index: submit ``--array=0-(N-1)``) and
@@ -22,21 +23,32 @@ fixes the count of a SLURM task re-run alone (``sbatch --array=3``).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
 
-from llm_annotator.errors import ConfigurationError, FingerprintMismatchError
+from llm_annotator.errors import ConfigurationError, FingerprintMismatchError, RunDirectoryError
+from llm_annotator.jobs.files import check_entry, read_run_file, refused
 from llm_annotator.jobs.ids import RowId, hash_id
 from llm_annotator.jobs.inputs import RowSource, Selection
+
+log = structlog.get_logger(__name__)
 
 SHARDING_FILE = "sharding.json"
 """In a sharded run directory: the shard count and the job's fingerprint."""
 COUNT_VARIABLE = "LLM_ANNOTATOR_SHARD_COUNT"
+MAX_SHARDS = 100_000
+"""The most shards a job may be split into (far more than any cluster's array runs at
+once); a larger count, given or read from ``sharding.json``, is refused."""
+_FOLDER = re.compile(r"shard-([0-9]+)-of-([0-9]+)", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +84,10 @@ class Shard:
                 raise ConfigurationError(f"shard: the {name} must be an int, got {value!r}")
         if self.count < 1:
             raise ConfigurationError(f"shard: the count must be at least 1, got {self.count}")
+        if self.count > MAX_SHARDS:
+            raise ConfigurationError(
+                f"shard: the count must be at most {MAX_SHARDS:,}, got {self.count:,}"
+            )
         if not 0 <= self.index < self.count:
             raise ConfigurationError(
                 f"shard: the index must be from 0 to {self.count - 1} (of {self.count} "
@@ -181,16 +197,95 @@ def _integer(text: str, what: str) -> int:
 
 
 def read_sharding(run_dir: Path) -> dict[str, Any] | None:
-    """``sharding.json`` of a run directory, or None if it is not sharded."""
-    try:
-        value = orjson.loads((run_dir / SHARDING_FILE).read_bytes())
-    except FileNotFoundError:
+    """``sharding.json`` of a run directory, or None if it is not sharded.
+
+    Returns:
+        The record: ``count`` (an int from 1 to :data:`MAX_SHARDS`) and ``fingerprint``
+        (a dict).
+
+    Raises:
+        RunDirectoryError: The file is a link or not a regular file, is not JSON, or is
+            not a sharding record (the message says what is wrong).
+    """
+    path = run_dir / SHARDING_FILE
+    data = read_run_file(path)
+    if data is None:
         return None
-    except (OSError, orjson.JSONDecodeError) as error:
-        raise ConfigurationError(f"cannot read {run_dir / SHARDING_FILE}: {error}") from None
-    if not isinstance(value, dict) or not isinstance(value.get("count"), int):
-        raise ConfigurationError(f"{run_dir / SHARDING_FILE} is not a sharding record")
-    return value
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        problem: str | None = f"not JSON ({error})"
+    else:
+        problem = _sharding_problem(value)
+    if problem is not None:
+        raise RunDirectoryError(
+            f"{path} is not a sharding record: {problem}; restore it (it holds the shard "
+            "count and the job's fingerprint), or give the job another --output-dir",
+            path=str(path),
+        )
+    return dict(value)
+
+
+def _sharding_problem(value: Any) -> str | None:
+    """What is wrong with a ``sharding.json`` value, or None.
+
+    Examples:
+        >>> _sharding_problem({"count": 4, "fingerprint": {}}) is None
+        True
+        >>> _sharding_problem({"count": "4", "fingerprint": {}})
+        "its count is '4', not an integer"
+        >>> _sharding_problem({"count": 10**9, "fingerprint": {}})
+        'its count is 1000000000, not from 1 to 100,000'
+    """
+    if not isinstance(value, dict):
+        return f"a JSON {type(value).__name__}, not an object"
+    count = value.get("count")
+    if isinstance(count, bool) or not isinstance(count, int):
+        return f"its count is {_short(count)}, not an integer"
+    if not 1 <= count <= MAX_SHARDS:
+        return f"its count is {count}, not from 1 to {MAX_SHARDS:,}"
+    if not isinstance(value.get("fingerprint"), dict):
+        return f"its fingerprint is {_short(value.get('fingerprint'))}, not an object"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def shard_folders(run_dir: Path, count: int) -> dict[int, Path]:
+    """The shard folders of a run directory split into ``count`` shards, by index: the
+    ``shard-*`` entries there are, listed (never every index tried in turn).
+
+    Entries named ``shard-*`` that are not a folder of this count (another count's, or
+    another name) are skipped with a warning.
+
+    Raises:
+        RunDirectoryError: An entry under a shard's own name is a link, a file or
+            anything but a folder.
+    """
+    found: dict[int, Path] = {}
+    with os.scandir(run_dir) as entries:
+        for entry in entries:
+            if not entry.name.startswith("shard-"):
+                continue
+            match = _FOLDER.fullmatch(entry.name)
+            index = int(match.group(1)) if match is not None else -1
+            if not 0 <= index < count or Shard(index, count).name != entry.name:
+                log.warning(
+                    "shard_entry_ignored",
+                    run_dir=str(run_dir),
+                    entry=entry.name,
+                    reason=f"not the folder of a shard of {count}",
+                )
+                continue
+            path = run_dir / entry.name
+            if entry.is_file(follow_symlinks=False):
+                raise refused(path, "a file, not the shard's folder")
+            if entry.is_dir(follow_symlinks=False) or check_entry(path, directory=True):
+                found[index] = path  # (check_entry raises for a link or a FIFO)
+    return found
 
 
 def claim(run_dir: Path, shard: Shard, fingerprint: Mapping[str, Any], *, force: bool) -> None:
@@ -199,12 +294,14 @@ def claim(run_dir: Path, shard: Shard, fingerprint: Mapping[str, Any], *, force:
     Raises:
         ConfigurationError: The directory holds an unsharded job, or was split into
             another count of shards.
+        RunDirectoryError: Its ``sharding.json`` or ``job.json`` is a link, not a
+            regular file, or (``sharding.json``) not a sharding record.
         FingerprintMismatchError: Its shards were started with other settings (and
             ``force`` is False).
     """
     from llm_annotator.jobs.store import JOB_FILE, atomic_write
 
-    if (run_dir / JOB_FILE).exists():
+    if check_entry(run_dir / JOB_FILE):
         raise ConfigurationError(
             f"{run_dir} holds a job that is not sharded; run without --shard to resume "
             "it, or give the sharded job another --output-dir"
@@ -212,19 +309,23 @@ def claim(run_dir: Path, shard: Shard, fingerprint: Mapping[str, Any], *, force:
     record = {"count": shard.count, "fingerprint": dict(fingerprint)}
     said = read_sharding(run_dir)
     if said is None:
-        # Written whole under a name of its own, then linked in place: a shard that
+        # Written whole under a fresh name of its own (an exclusive create: no name to
+        # plant), then linked in place, which never replaces an entry: a shard that
         # starts at the same moment sees no file or a whole one, never half of one.
         run_dir.mkdir(parents=True, exist_ok=True)
-        temporary = run_dir / f".{SHARDING_FILE}.{os.getpid()}.{shard.index}"
-        temporary.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+        fd, temporary = tempfile.mkstemp(prefix=f".{SHARDING_FILE}.", suffix=".tmp", dir=run_dir)
         try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
             os.link(temporary, run_dir / SHARDING_FILE)
         except FileExistsError:
-            said = read_sharding(run_dir)  # another shard was first, just now
+            said = read_sharding(run_dir)  # another shard was first, just now (or a
+            # planted entry, which this refuses)
         else:
             return
         finally:
-            temporary.unlink()
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
     assert said is not None
     if said["count"] != shard.count:
         raise ConfigurationError(

@@ -5,14 +5,21 @@ The shards say what is done (each id's best record, as the consolidation picks i
 ``status.json``, which a running job rewrites every few seconds, says how many rows the
 job takes, how fast it goes and whether it ended; the directory's lock says whether a
 process holds it now.
+
+The run directory is read as untrusted: ``job.json`` must be a job record (else one
+line naming it), ``status.json`` is advisory and each of its fields is used only if it
+is of the type and range the job writes (a link or a FIFO there is not followed and
+counts as no status at all).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
+import stat
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,8 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
 
-from llm_annotator.errors import JobError, RunInterruptedError
+from llm_annotator.errors import JobError, RunDirectoryError, RunInterruptedError
+from llm_annotator.jobs.files import atomic_write, check_entry, read_bytes
+from llm_annotator.jobs.fingerprint import read_job_record
 from llm_annotator.jobs.ids import IdSet
 from llm_annotator.jobs.store import (
     JOB_FILE,
@@ -33,6 +43,8 @@ from llm_annotator.jobs.store import (
 )
 from llm_annotator.jobs.timeline import last_servers
 
+log = structlog.get_logger(__name__)
+
 STATUS_FILE = "status.json"
 """The job's own account of itself, rewritten every few seconds while it runs."""
 STATUS_INTERVAL = 5.0
@@ -40,6 +52,8 @@ STATUS_INTERVAL = 5.0
 _STALE = 3 * STATUS_INTERVAL
 """Seconds after which a ``status.json`` that says running, from another host, is not
 believed any more (its job stopped writing it: killed, or its host is gone)."""
+STATES = ("running", "consolidating", "finished", "interrupted", "failed")
+"""The states a job writes in ``status.json``."""
 
 
 class StatusFile:
@@ -61,12 +75,15 @@ class StatusFile:
         """What the periodic writes say: ``running``, then ``consolidating``."""
         self.started = _now()
         self._pid = os.getpid()
+        self._refused = False
 
     def write(
         self, figures: dict[str, Any], state: str | None = None, error: str | None = None
     ) -> None:
-        """Replace ``status.json`` whole (no fsync: it is advisory, rewritten soon). A
-        failed write is left for the next one; the job's own writes report a full disk.
+        """Replace ``status.json`` whole (no fsync: it is advisory, rewritten soon), from
+        a temporary file of a fresh name. A failed write is left for the next one; the
+        job's own writes report a full disk. An entry planted under the name (a link, a
+        FIFO) is left alone, logged once.
         """
         body = {
             "state": state or self.state,
@@ -79,18 +96,26 @@ class StatusFile:
         }
         if error is not None:
             body["error"] = error
-        temporary = self.path.with_name(f".{self.path.name}.{self._pid}.tmp")
         try:
-            temporary.write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
-            os.replace(temporary, self.path)
+            with atomic_write(self.path, durable=False) as file:
+                file.write(orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
         except OSError:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
+            pass
+        except RunDirectoryError as error:
+            if not self._refused:
+                self._refused = True
+                log.warning("status_not_written", path=str(self.path), error=str(error))
 
     @contextlib.asynccontextmanager
     async def kept(self, progress: Any) -> AsyncIterator[None]:
         """Keep ``status.json`` up to date while the block runs, then write how it ended:
-        ``finished``, ``interrupted`` (a signal) or ``failed`` (with the error)."""
+        ``finished``, ``interrupted`` (a signal) or ``failed`` (with the error).
+
+        Raises:
+            RunDirectoryError: ``status.json`` is a link or not a regular file (before
+                the block runs).
+        """
+        check_entry(self.path)
         task = asyncio.ensure_future(self._keep_writing(progress))
         state, error = "finished", None
         try:
@@ -180,19 +205,23 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
 
     Raises:
         JobError: The directory does not exist or holds no job (no ``job.json``).
+        RunDirectoryError: ``job.json`` (or a shard file) is a link, not a regular file,
+            or not a job record.
     """
     directory = Path(output_dir)
     job_path = directory / JOB_FILE
     if not directory.is_dir():
         raise JobError(f"{directory}: no such directory")
     try:
-        job = orjson.loads(job_path.read_bytes())
-    except FileNotFoundError:
-        raise JobError(f"{directory} holds no annotation job (no {JOB_FILE})") from None
-    except (OSError, orjson.JSONDecodeError) as error:
-        raise JobError(f"cannot read {job_path}: {error}") from None
-    fingerprint = job.get("fingerprint") if isinstance(job, dict) else None
-    fingerprint = fingerprint if isinstance(fingerprint, dict) else {}
+        job = read_job_record(job_path)
+    except OSError as error:
+        raise RunDirectoryError(
+            f"cannot read {job_path}: {error.strerror or error}", path=str(job_path)
+        ) from None
+    if job is None:
+        raise JobError(f"{directory} holds no annotation job (no {JOB_FILE})")
+    fingerprint: dict[str, Any] = job["fingerprint"]
+    model = fingerprint.get("model")
     tally = _Tally.of(directory)
     status = _read_status(directory)
     state, pid, host = _state(directory, status)
@@ -202,7 +231,7 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
         state=state,
         pid=pid,
         host=host,
-        total=status.get("total") if isinstance(status.get("total"), int) else None,
+        total=status.get("total"),
         done=tally.succeeded + tally.failed,
         succeeded=tally.succeeded,
         failed=tally.failed,
@@ -211,8 +240,8 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
         rows_per_second=status.get("rows_per_second") if live else None,
         eta_seconds=status.get("eta_seconds") if live else None,
         updated=status.get("updated"),
-        model=fingerprint.get("model"),
-        sample=fingerprint.get("sample"),
+        model=model if isinstance(model, str) else None,
+        sample=_sample(fingerprint.get("sample")),
         error=status.get("error"),
         servers=_servers_now(directory),
     )
@@ -222,6 +251,27 @@ def run_state(output_dir: str | os.PathLike[str]) -> str:
     """What :func:`run_status` says of a run's state, without counting its rows."""
     directory = Path(output_dir)
     return _state(directory, _read_status(directory))[0]
+
+
+def _sample(value: Any) -> dict[str, Any] | None:
+    """A fingerprint's sample (``limit``, ``shuffle_seed``), if it is of the shape a job
+    records.
+
+    Examples:
+        >>> _sample({"limit": 5, "shuffle_seed": None}), _sample({"limit": "5"})
+        ({'limit': 5, 'shuffle_seed': None}, None)
+    """
+    if not isinstance(value, dict) or not _count(value.get("limit")):
+        return None
+    seed = value.get("shuffle_seed")
+    if seed is not None and not _count(seed):
+        return None
+    return {"limit": value["limit"], "shuffle_seed": seed}
+
+
+def _count(value: Any) -> bool:
+    """Whether a value is an int of at least 0, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _servers_now(directory: Path) -> dict[str, dict[str, Any]]:
@@ -242,8 +292,8 @@ def _state(directory: Path, status: dict[str, Any]) -> tuple[str, int | None, st
     believed while it is fresh.
     """
     said = status.get("state")
-    pid = status.get("pid") if isinstance(status.get("pid"), int) else None
-    host = status.get("host") if isinstance(status.get("host"), str) else None
+    pid: int | None = status.get("pid")
+    host: str | None = status.get("host")
     holder = lock_holder(directory)
     if holder is not None:
         live = said == "consolidating" and pid == holder
@@ -258,9 +308,13 @@ def _state(directory: Path, status: dict[str, Any]) -> tuple[str, int | None, st
 
 
 def _fresh(status: dict[str, Any]) -> bool:
+    """Whether ``status.json`` was written within the last :data:`_STALE` seconds (by
+    its ``updated``, a time with its zone; any other value is not fresh)."""
     try:
         updated = datetime.fromisoformat(str(status.get("updated")))
     except ValueError:
+        return False
+    if updated.tzinfo is None:
         return False
     return (datetime.now(UTC) - updated).total_seconds() <= _STALE
 
@@ -304,11 +358,54 @@ class _Tally:
 
 
 def _read_status(directory: Path) -> dict[str, Any]:
+    """What ``status.json`` says, field by field: each field :data:`_STATUS_FIELDS`
+    checks is kept only if it is of the type and range a job writes; others are
+    dropped. {} if there is none, or it is a link, not a regular file, or not JSON.
+
+    Examples:
+        >>> sorted(_checked_status({"state": "finished", "pid": True, "total": 3,
+        ...     "rows_per_second": "fast", "eta_seconds": 1.5, "host": 5}).items())
+        [('eta_seconds', 1.5), ('state', 'finished'), ('total', 3)]
+    """
     try:
-        status = orjson.loads((directory / STATUS_FILE).read_bytes())
-    except (OSError, orjson.JSONDecodeError):
+        data = read_bytes(directory / STATUS_FILE)
+        status = orjson.loads(data) if data is not None else {}
+    except (OSError, RunDirectoryError, orjson.JSONDecodeError):
         return {}
-    return status if isinstance(status, dict) else {}
+    return _checked_status(status) if isinstance(status, dict) else {}
+
+
+def _checked_status(status: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: status[name]
+        for name, check in _STATUS_FIELDS.items()
+        if name in status and check(status[name])
+    }
+
+
+def _rate(value: Any) -> bool:
+    """Whether a value is a finite number of at least 0, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return (isinstance(value, int) or math.isfinite(value)) and value >= 0
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+_STATUS_FIELDS: dict[str, Any] = {
+    "state": lambda value: value in STATES,
+    "pid": lambda value: _count(value) and value > 0,
+    "host": _text,
+    "started": _text,
+    "updated": _text,
+    "total": _count,
+    "rows_per_second": _rate,
+    "eta_seconds": _rate,
+    "error": _text,
+}
+"""The fields of ``status.json`` that are read, and the check of each."""
 
 
 def lock_holder(directory: Path) -> int | None:
@@ -319,8 +416,10 @@ def lock_holder(directory: Path) -> int | None:
     """
     lock = directory / LOCK_FILE
     try:
-        info = lock.stat()
+        info = os.lstat(lock)  # a link is not the job's lock: not followed
     except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
         return None
     try:
         table = Path("/proc/locks").read_text()
@@ -340,8 +439,10 @@ def lock_holder(directory: Path) -> int | None:
 
 def _named_holder(lock: Path) -> int | None:
     try:
-        pid = int(lock.read_text().strip())
+        pid = int((read_bytes(lock) or b"").strip())
+        if pid <= 0:  # 0 and -1 name process groups, not a process
+            return None
         os.kill(pid, 0)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RunDirectoryError):
         return None
     return pid

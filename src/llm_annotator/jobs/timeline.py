@@ -28,6 +28,11 @@ counted beyond that, not written).
 **Appended crash-safely:** each line is written whole with one ``write`` on a file
 opened for appending, and fsynced every minute; a reader skips a torn last line (a
 crash in mid-write) and everything that is not a line of this format.
+
+**Read as untrusted:** the file is opened without following a link or blocking on a
+FIFO (:mod:`llm_annotator.jobs.files`; appended to only if no other name links to it),
+and every field a reader uses is checked for its type and range: a line that is not
+of this format is skipped (one warning per read, with the count), never a traceback.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ import orjson
 import structlog
 
 from llm_annotator.clients.base import Client
+from llm_annotator.errors import RunDirectoryError
+from llm_annotator.jobs.files import open_binary, open_file, read_run_file
 from llm_annotator.jobs.progress import Progress
 from llm_annotator.jobs.streaming import Streamer
 from llm_annotator.pool.member import MemberChange
@@ -237,9 +244,14 @@ class TimelineFile:
 
     def open(self) -> None:
         """Open for appending; a line cut by a crash is ended first, so that this run's
-        lines stay whole (the reader skips the cut one)."""
+        lines stay whole (the reader skips the cut one).
+
+        Raises:
+            RunDirectoryError: The timeline is a link, not a regular file, or has other
+                hard links (it is never appended through them).
+        """
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = open_file(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, single=True)
             size = os.fstat(self._fd).st_size
             if size and os.pread(self._fd, 1, size - 1) != b"\n":
                 self._append(b"\n")
@@ -496,69 +508,154 @@ def read_timeline(directory: Path) -> list[RunRecord]:
     """The runs in a run directory's ``timeline.jsonl``, oldest first ([] if none).
 
     Safe while a job appends to it: a torn last line and lines of another format are
-    skipped.
+    skipped (see the module's docstring).
+
+    Raises:
+        RunDirectoryError: The timeline is a link or not a regular file.
     """
-    try:
-        data = (directory / TIMELINE_FILE).read_bytes()
-    except FileNotFoundError:
+    path = directory / TIMELINE_FILE
+    data = read_run_file(path)
+    if data is None:
         return []
-    return _runs(_lines(data))
+    return _runs(_lines(data), path)
 
 
-def _runs(lines: Iterator[dict[str, Any]]) -> list[RunRecord]:
+_ENDED = ("finished", "interrupted", "failed")
+"""How a run ends, as its ``end`` line says."""
+_LONGEST = 1e11
+"""The largest time a line may hold, in seconds (wall times are Unix seconds; about the
+year 5100): larger ones are not of this format."""
+_TICK_COUNTS = ("failed", "out_tokens", "queued", "in_flight", "changes_dropped")
+"""A tick's optional counts, kept if they are counts."""
+
+
+def _runs(lines: Iterator[tuple[int, Any]], path: Path) -> list[RunRecord]:
+    """The runs of ``(line number, JSON value)`` pairs, each line checked (a bad one is
+    skipped and counted; one warning names the count and the first)."""
     runs: list[RunRecord] = []
     urls: list[str] = []
-    for line in lines:
-        kind = line.get("e")
+    skipped: list[int] = []
+    for number, line in lines:
+        kind = line.get("e") if isinstance(line, dict) else None
         if kind == "start":
-            if not _numbers(line, "wall", "total", "done_before"):
+            run = _start(line)
+            if run is not None:
+                runs.append(run)
+                urls = []
                 continue
-            runs.append(
-                RunRecord(
-                    wall=float(line["wall"]),
-                    total=int(line["total"]),
-                    done_before=int(line["done_before"]),
-                    pid=line.get("pid") if isinstance(line.get("pid"), int) else None,
-                )
-            )
-            urls = []
-            continue
-        if not runs:
-            continue
-        run = runs[-1]
-        if kind == "tick":
-            if isinstance(line.get("urls"), list):
-                urls = [str(u) for u in line["urls"]]
-            servers = _servers(line.get("servers"), urls)
-            if servers is None or not _numbers(line, "t", "wall", "done", "rows"):
+        elif kind in ("tick", "member", "end") and runs:
+            run = runs[-1]
+            if kind == "tick":
+                if "urls" in line and _urls(line["urls"]):
+                    urls = list(line["urls"])
+                tick = _tick(line, urls)
+                if tick is not None:
+                    run.ticks.append(tick)
+                    continue
+            elif kind == "member":
+                change = _change(line)
+                if change is not None:
+                    run.changes.append(change)
+                    continue
+            elif line.get("state") in _ENDED:
+                run.ended = line["state"]
                 continue
-            if not isinstance(line.get("errors", {}), dict):
-                line["errors"] = {}
-            line["servers"] = servers
-            run.ticks.append(line)
-        elif kind == "member":
-            if _numbers(line, "t", "wall") and isinstance(line.get("server"), str):
-                run.changes.append(line)
-        elif kind == "end":
-            run.ended = str(line.get("state"))
+        skipped.append(number)
+    if skipped:
+        log.warning(
+            "timeline_lines_skipped", path=str(path), lines=len(skipped), first_line=skipped[0]
+        )
     return runs
 
 
-def _numbers(line: dict[str, Any], *names: str) -> bool:
-    return all(
-        isinstance(line.get(n), int | float) and not isinstance(line.get(n), bool) for n in names
+def _start(line: dict[str, Any]) -> RunRecord | None:
+    if not (_time(line.get("wall")) and _count(line.get("total"))):
+        return None
+    if not _count(line.get("done_before")):
+        return None
+    pid: Any = line.get("pid")
+    return RunRecord(
+        wall=float(line["wall"]),
+        total=line["total"],
+        done_before=line["done_before"],
+        pid=pid if _count(pid) and pid > 0 else None,
     )
 
 
+def _tick(line: dict[str, Any], urls: list[str]) -> dict[str, Any] | None:
+    """A tick's checked fields (:class:`RunRecord`), or None if it is not a tick."""
+    if "urls" in line and not _urls(line["urls"]):
+        return None
+    if not (_time(line.get("t")) and _time(line.get("wall"))):
+        return None
+    if not (_count(line.get("done")) and _count(line.get("rows"))):
+        return None
+    servers = _servers(line.get("servers"), urls)
+    if servers is None:
+        return None
+    errors = line.get("errors")
+    tick: dict[str, Any] = {
+        "t": line["t"],
+        "wall": line["wall"],
+        "done": line["done"],
+        "rows": line["rows"],
+        "errors": {
+            kind: count
+            for kind, count in (errors.items() if isinstance(errors, dict) else ())
+            if _count(count)
+        },
+        "servers": servers,
+    }
+    tick.update((name, line[name]) for name in _TICK_COUNTS if _count(line.get(name)))
+    return tick
+
+
+def _change(line: dict[str, Any]) -> dict[str, Any] | None:
+    """A server change's checked fields, or None if it is not one."""
+    if not (_time(line.get("t")) and _time(line.get("wall"))):
+        return None
+    server, before, after = line.get("server"), line.get("from"), line.get("to")
+    if not (isinstance(server, str) and isinstance(before, str) and isinstance(after, str)):
+        return None
+    reason = line.get("reason")
+    return {
+        "t": line["t"],
+        "wall": line["wall"],
+        "server": server,
+        "from": before,
+        "to": after,
+        "reason": reason[:300] if isinstance(reason, str) else None,
+    }
+
+
+def _urls(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(url, str) for url in value)
+
+
+def _time(value: Any) -> bool:
+    """Whether a value is a time in seconds as a line holds one (a finite number from 0
+    to :data:`_LONGEST`, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return bool(0 <= value <= _LONGEST)
+
+
+def _count(value: Any) -> bool:
+    """Whether a value is a count (an int of at least 0, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _servers(values: Any, urls: list[str]) -> dict[str, dict[str, Any]] | None:
+    """A tick's servers by URL, each a dict of :data:`SERVER_FIELDS` (a state, then
+    counts), or None if they are not such lists, one per URL."""
     if not isinstance(values, list) or len(values) != len(urls):
         return None
     servers = {}
     for url, entry in zip(urls, values, strict=True):
-        if not isinstance(entry, list):
+        if not isinstance(entry, list) or not entry or not isinstance(entry[0], str):
             return None
         fields = dict(zip(SERVER_FIELDS, entry, strict=False))
-        if not all(_numbers(fields, n) for n in SERVER_FIELDS[1:] if n in fields):
+        if not all(_count(fields[n]) for n in SERVER_FIELDS[1:] if n in fields):
             return None
         servers[url] = fields
     return servers
@@ -566,33 +663,42 @@ def _servers(values: Any, urls: list[str]) -> dict[str, dict[str, Any]] | None:
 
 def last_servers(directory: Path, tail: int = 1 << 20) -> dict[str, dict[str, Any]]:
     """The servers of the timeline's last tick, read from the end of the file only
-    (a week-long run's timeline is tens of MB); {} if it has none there."""
+    (a week-long run's timeline is tens of MB); {} if it has none there, or if the
+    timeline is a link or not a regular file (it is advisory: not followed, not waited
+    on)."""
     path = directory / TIMELINE_FILE
     try:
-        with path.open("rb") as file:
-            size = file.seek(0, os.SEEK_END)
+        with open_binary(path) as file:
+            size = os.fstat(file.fileno()).st_size
             file.seek(max(0, size - tail))
-            data = file.read()
-    except OSError:
+            data = file.read(tail)
+    except (OSError, RunDirectoryError):
         return {}
-    lines = list(_lines(data))
+    lines = list(_lines(data, cut=size > tail))
     # The urls of the last tick: the last tick that names them, at or before it.
     start = {"e": "start", "wall": 0, "total": 0, "done_before": 0}
-    first_named = next((i for i, line in enumerate(lines) if "urls" in line), None)
+    first_named = next(
+        (i for i, (_, line) in enumerate(lines) if isinstance(line, dict) and "urls" in line),
+        None,
+    )
     if first_named is None:
         return {}
-    runs = _runs(iter([start, *lines[first_named:]]))
+    runs = _runs(iter([(0, start), *lines[first_named:]]), path)
     ticks = [tick for run in runs for tick in run.ticks]
-    return ticks[-1]["servers"] if ticks else {}
+    servers: dict[str, dict[str, Any]] = ticks[-1]["servers"] if ticks else {}
+    return servers
 
 
-def _lines(data: bytes) -> Iterator[dict[str, Any]]:
-    for raw in data.split(b"\n"):
-        if not raw.strip():
+def _lines(data: bytes, *, cut: bool = False) -> Iterator[tuple[int, Any]]:
+    """``(line number, JSON value or None)`` of each whole line that is not blank. The
+    bytes after the last newline (a line being written, or torn by a crash) are left
+    out, and with ``cut`` the first line too (the start of a read from mid-file)."""
+    raws = data.split(b"\n")
+    raws.pop()  # after the last newline
+    for number, raw in enumerate(raws, 1):
+        if (cut and number == 1) or not raw.strip():
             continue
         try:
-            line = orjson.loads(raw)
+            yield number, orjson.loads(raw)
         except orjson.JSONDecodeError:
-            continue  # a torn last line (a crash in mid-write)
-        if isinstance(line, dict) and isinstance(line.get("e"), str):
-            yield line
+            yield number, None
