@@ -7,6 +7,7 @@ The servers are the socket-level fakes of ``tests/misbehaving.py``, which check 
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,6 +169,29 @@ def quoting_server_answer(status: int) -> object:
     return answer
 
 
+def run_with_key_from_env(
+    server: RawServer, tmp_path: Path, rows: int, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """``llm-annotator run`` of ``rows`` rows against ``server`` into ``tmp_path/run``,
+    the key taken from ``ANNOTATOR_TEST_KEY``."""
+    data = tmp_path / "rows.jsonl"
+    data.write_bytes(b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(rows)))
+    key_from_env = ("--api-key-env", "ANNOTATOR_TEST_KEY", "--jsonl", *extra)
+    return run_job(server.base_url, data, tmp_path / "run", *key_from_env, timeout=120)
+
+
+def places_holding(
+    key: str, done: subprocess.CompletedProcess[str], run_dir: Path, shown: dict[str, str]
+) -> list[str]:
+    """Where ``key`` appears in clear: the command's stdout or stderr, any file of the
+    run directory, or one of the ``shown`` texts (logs, reprs, responses)."""
+    outputs = {"stdout": done.stdout, "stderr": done.stderr, **shown}
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            outputs[str(path)] = path.read_bytes().decode("utf-8", errors="replace")
+    return [where for where, text in outputs.items() if key in text]
+
+
 @pytest.mark.parametrize("status", [400, 500, 200], ids=["400", "500", "200-malformed"])
 def test_a_key_quoted_back_never_reaches_any_output(
     status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -180,20 +204,8 @@ def test_a_key_quoted_back_never_reaches_any_output(
     written as a final row (a resume sends the rows again)."""
     servers_fault = status != 400
     monkeypatch.setenv("ANNOTATOR_TEST_KEY", PLANTED)
-    data = tmp_path / "rows.jsonl"
-    data.write_bytes(b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(6)))
     with raw_server(quoting_server_answer(status)) as server:  # type: ignore[arg-type]
-        done = run_job(
-            server.base_url,
-            data,
-            tmp_path / "run",
-            "--api-key-env",
-            "ANNOTATOR_TEST_KEY",
-            "--jsonl",
-            "--all-down-timeout",
-            "1",
-            timeout=120,
-        )
+        done = run_with_key_from_env(server, tmp_path, 6, "--all-down-timeout", "1")
         quoted = [r for r in server.chat_requests if PLANTED in r.headers["authorization"]]
         with VLLMQueueAnnotator([server.base_url], api_key=PLANTED, all_down_timeout=1) as pool:
             with structlog.testing.capture_logs() as logs:
@@ -212,15 +224,8 @@ def test_a_key_quoted_back_never_reaches_any_output(
     assert "Traceback" not in done.stderr
     rows = tmp_path / "run" / "annotations.jsonl"
     assert "[redacted]" in done.stderr + (rows.read_text() if rows.exists() else "")
-    outputs = {"stdout": done.stdout, "stderr": done.stderr}
-    for path in (tmp_path / "run").rglob("*"):
-        if path.is_file():
-            outputs[str(path)] = path.read_bytes().decode("utf-8", errors="replace")
-    outputs["logs"] = repr(logs)
-    outputs["responses"] = repr(responses)
-    outputs["reprs"] = " ".join(shown)
-    leaked = [where for where, text in outputs.items() if PLANTED in text]
-    assert leaked == []
+    shown_outputs = {"logs": repr(logs), "responses": repr(responses), "reprs": " ".join(shown)}
+    assert places_holding(PLANTED, done, tmp_path / "run", shown_outputs) == []
     if servers_fault:
         assert responses[2] == [None, None]  # nothing final: the servers were at fault
         assert "no server of the pool could take work" in str(responses[0])
@@ -343,3 +348,59 @@ def test_the_environment_key_may_end_in_a_newline(
     with VLLMOnlineClient(model="m", base_url=servers[0].base_url) as client:
         assert client.generate(messages=MESSAGES).ok
     assert keys_seen(servers[0]) == {"Bearer from-secret"}
+
+
+def json_spellings(key: str) -> list[bytes]:
+    """The key as a server may spell it inside a JSON string: all escaped, every other
+    character escaped (upper-case hex), and only its first character escaped."""
+    every = b"".join(b"\\u%04x" % ord(c) for c in key)
+    mixed = b"".join(b"\\u%04X" % ord(c) if i % 2 else c.encode() for i, c in enumerate(key))
+    first = b"\\u%04x" % ord(key[0]) + key[1:].encode()
+    return [every, mixed, first]
+
+
+def escaping_server_answer(status: int) -> object:
+    """Answers that quote the key back JSON-escaped: in a 200's text and reasoning, or
+    in a 400's error message."""
+
+    async def answer(writer: object, request: object) -> None:
+        every, mixed, first = json_spellings(PLANTED)
+        if status == 200:
+            data = completion_body("@CONTENT@").replace(
+                b'"@CONTENT@"', b'"your key: ' + every + b'", "reasoning_content": "' + mixed + b'"'
+            )
+        else:
+            data = b'{"error": {"message": "rejected key ' + first + b'"}}'
+        writer.write(head(status, length=len(data)) + data)  # type: ignore[attr-defined]
+
+    return answer
+
+
+@pytest.mark.parametrize("status", [200, 400], ids=["200-text-and-reasoning", "400-message"])
+def test_a_key_quoted_back_json_escaped_is_redacted_from_decoded_values(
+    status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key a server quotes back in JSON escapes (``\\u0073\\u006b...``, any mix of
+    escaped and plain characters, hex in either case) is in no answer's text, reasoning
+    or error, no file of the run directory and no log line."""
+    monkeypatch.setenv("ANNOTATOR_TEST_KEY", PLANTED)
+    with raw_server(escaping_server_answer(status)) as server:  # type: ignore[arg-type]
+        done = run_with_key_from_env(server, tmp_path, 4)
+        with (
+            structlog.testing.capture_logs() as logs,
+            VLLMQueueAnnotator([server.base_url], api_key=PLANTED) as pool,
+        ):
+            responses = pool.batch_generate(messages=[MESSAGES] * 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    decoded = [(r.text, r.reasoning, r.error) for r in responses]
+    if status == 200:
+        assert all(r.ok for r in responses)
+        assert all(text == "your key: [redacted]" for text, _, _ in decoded)
+        assert all(reasoning == "[redacted]" for _, reasoning, _ in decoded)
+    else:
+        assert all("[redacted]" in str(error) for _, _, error in decoded)
+    rows = (tmp_path / "run" / "annotations.jsonl").read_text()
+    assert "[redacted]" in rows
+    shown_outputs = {"logs": repr(logs), "responses": repr(decoded)}
+    assert places_holding(PLANTED, done, tmp_path / "run", shown_outputs) == []
+    assert not any(spelling.decode() in rows for spelling in json_spellings(PLANTED))

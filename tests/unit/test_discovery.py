@@ -579,3 +579,48 @@ def test_a_pool_built_on_discovery_alone_waits_for_its_first_server(
     responses = asyncio.run(scenario())
     assert [r.text for r in responses] == [f"sample {i}" for i in range(40)]
     assert {r.server for r in responses} == {fake_server.base_url}
+
+
+SECRET = "sk-discovered-0123456789"
+
+
+def test_a_credentialed_entry_is_skipped_for_its_credentials_and_logged_masked(
+    tmp_path: Path,
+) -> None:
+    """A servers file line or a ``*.url`` file holding a URL with a user name and a
+    key is no server: skipped with the reason that it holds credentials, and no log
+    line carries the key (with or without a scheme)."""
+    path = tmp_path / "servers.txt"
+    path.write_text(
+        f"{A}\nhttp://annotator:{SECRET}@10.0.0.7:8000/v1\nannotator:{SECRET}@10.0.0.8:8000\n"
+    )
+    folder = tmp_path / "urls"
+    folder.mkdir()
+    (folder / "a.url").write_text(f"{A}\n")
+    (folder / "b.url").write_text(f"https://{SECRET}@10.0.0.9:8000/v1\n")
+    with structlog.testing.capture_logs() as logs:
+        assert FileSource(path).read_sync() == {A}
+        assert DirectorySource(folder).read_sync() == {A}
+    skipped = [e for e in logs if e["event"] == "discovery_entry_skipped"]
+    assert len(skipped) == 3
+    assert all(e["reason"].startswith("holds a user name or password") for e in skipped)
+    assert [e["entry"] for e in skipped] == [
+        "http://***@10.0.0.7:8000/v1",
+        "***@10.0.0.8:8000",
+        "https://***@10.0.0.9:8000/v1",
+    ]
+    assert SECRET not in repr(logs)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"http://annotator:{SECRET}@127.0.0.1:8000/v1",
+        f"annotator:{SECRET}@127.0.0.1:8000",
+        f"ftp://{SECRET}@127.0.0.1:8000",
+    ],
+)
+def test_a_credentialed_url_given_by_hand_is_refused_without_showing_the_key(url: str) -> None:
+    with pytest.raises(ConfigurationError, match="holds credentials") as info:
+        VLLMQueueAnnotator([url])
+    assert SECRET not in str(info.value)

@@ -12,6 +12,7 @@ exceptions, and where an API key quoted back by a server is cut out of every mes
 from __future__ import annotations
 
 import asyncio
+import re
 import weakref
 
 import aiohttp
@@ -74,6 +75,29 @@ def check_key_text(api_key: str | None) -> None:
         )
 
 
+def escaped_key_pattern(api_key: str) -> re.Pattern[bytes]:
+    r"""A pattern of every spelling of ``api_key`` inside a JSON string: each character
+    as itself or as a ``\uXXXX`` escape (hex in either case), and ``/``, ``"`` and ``\``
+    by their short escapes too. A body is searched with it before it is parsed, so that
+    no decoded value (an answer's text, its reasoning, an error message) holds the key.
+
+    Examples:
+        >>> pattern = escaped_key_pattern("sk-1/")
+        >>> pattern.sub(b"[redacted]", rb'{"text": "\u0073k\u002D1\/ and sk-1/"}')
+        b'{"text": "[redacted] and [redacted]"}'
+    """
+    short = {"/": rb"\\/", '"': rb'\\"', "\\": rb"\\\\"}
+    parts = []
+    for char in api_key:
+        code = f"{ord(char):04x}".encode()
+        hex_digits = b"".join(b"[" + bytes([d]) + bytes([d]).upper() + b"]" for d in code)
+        spellings = [re.escape(char.encode()), rb"\\u" + hex_digits]
+        if char in short:
+            spellings.append(short[char])
+        parts.append(b"(?:" + b"|".join(spellings) + b")")
+    return re.compile(b"".join(parts))
+
+
 _LIVE: weakref.WeakSet[HttpTransport] = weakref.WeakSet()
 
 
@@ -129,6 +153,7 @@ class HttpTransport:
         check_key_text(api_key)
         self._secret = api_key or None
         self._secret_bytes = api_key.encode() if api_key else b""
+        self._escaped_secret = escaped_key_pattern(api_key) if api_key else None
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
@@ -150,9 +175,14 @@ class HttpTransport:
 
     def redact_body(self, body: bytes) -> bytes:
         """``body`` with the API key replaced, before anything is parsed or quoted from it
-        (a cut-off quote must not leave half a key either)."""
-        if self._secret_bytes and self._secret_bytes in body:
-            return body.replace(self._secret_bytes, REDACTED.encode())
+        (a cut-off quote must not leave half a key either), in any JSON spelling of it
+        (:func:`escaped_key_pattern`)."""
+        if not self._secret_bytes:
+            return body
+        if self._secret_bytes in body:
+            body = body.replace(self._secret_bytes, REDACTED.encode())
+        if b"\\" in body and self._escaped_secret is not None:  # escapes: the key spelled so
+            body = self._escaped_secret.sub(REDACTED.encode(), body)
         return body
 
     def scrub(self, error: ProviderError) -> ProviderError:

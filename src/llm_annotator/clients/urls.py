@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 from llm_annotator.errors import ConfigurationError
+
+_USERINFO = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.-]*:)?//|\s*)[^/?#\s]*@")
+"""What comes before the host of a URL, up to its last ``@``: a user name and password."""
+
+
+def shown_url(text: str) -> str:
+    """A URL (or what was meant as one) as it may be logged or shown: any user name and
+    password in it replaced by ``***``.
+
+    Examples:
+        >>> shown_url("http://user:sk-1@10.0.0.1:8000/v1")
+        'http://***@10.0.0.1:8000/v1'
+        >>> shown_url("user:sk-1@10.0.0.1:8000"), shown_url("http://10.0.0.1/v1?a=b@c")
+        ('***@10.0.0.1:8000', 'http://10.0.0.1/v1?a=b@c')
+    """
+    return _USERINFO.sub(lambda match: match.group(1) + "***@", text, count=1)
+
+
+def has_credentials(text: str) -> bool:
+    """Whether a URL (or what was meant as one) holds a user name or password.
+
+    Examples:
+        >>> has_credentials("http://u:p@10.0.0.1/v1"), has_credentials("http://10.0.0.1/v1")
+        (True, False)
+    """
+    return shown_url(text) != text
 
 
 def normalize_base_url(base_url: str) -> str:
@@ -30,16 +57,15 @@ def normalize_base_url(base_url: str) -> str:
     except ValueError:
         port_ok = False
         parts = urlsplit("")
-    if "@" in parts.netloc:
+    if "@" in parts.netloc or has_credentials(url):
         # A password in the URL would show in every log line, error and result row.
-        shown = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
         raise ConfigurationError(
-            f"base_url {shown!r} holds credentials; give the URL without them and the key "
-            "as api_key (VLLM_API_KEY, or --api-key-file on the command line)"
+            f"base_url {shown_url(url)!r} holds credentials; give the URL without them and "
+            "the key as api_key (VLLM_API_KEY, or --api-key-file on the command line)"
         )
     if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
         raise ConfigurationError(
-            f"base_url {base_url!r} is not an http(s) URL with a host; "
+            f"base_url {shown_url(base_url)!r} is not an http(s) URL with a host; "
             "write it like 'http://127.0.0.1:8000/v1'"
         )
     return url

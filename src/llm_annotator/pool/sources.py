@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from llm_annotator.clients.urls import normalize_base_url
+from llm_annotator.clients.urls import has_credentials, normalize_base_url, shown_url
 from llm_annotator.errors import ConfigurationError
 
 log = structlog.get_logger(__name__)
@@ -196,8 +196,8 @@ class FileSource:
                     "discovery_entry_skipped",
                     source=self.description,
                     line=number,
-                    entry=entry[:200],
-                    reason="not an http(s) URL",
+                    entry=shown_url(entry)[:200],
+                    reason=_skip_reason(entry),
                 )
         return urls
 
@@ -279,8 +279,8 @@ class DirectorySource:
                 "discovery_entry_skipped",
                 source=self.description,
                 file=entry.name,
-                entry=text[:200],
-                reason="empty" if not text else "not an http(s) URL (yet)",
+                entry=shown_url(text)[:200],
+                reason="empty" if not text else _skip_reason(text, later=True),
             )
 
 
@@ -345,3 +345,20 @@ class DnsSource:
         if not urls:
             raise OSError(f"{self.host} resolved to no IP address")
         return urls
+
+
+def _skip_reason(entry: str, *, later: bool = False) -> str:
+    """Why a discovered entry is not a server's URL, in words for the log.
+
+    Examples:
+        >>> _skip_reason("http://u:sk-1@10.0.0.1:8000/v1")
+        'holds a user name or password (list the URL without them; give the key with --api-key-file)'
+        >>> _skip_reason("http:", later=True)
+        'not an http(s) URL (yet)'
+    """  # noqa: E501
+    if has_credentials(entry):
+        return (
+            "holds a user name or password (list the URL without them; give the key "
+            "with --api-key-file)"
+        )
+    return "not an http(s) URL (yet)" if later else "not an http(s) URL"
