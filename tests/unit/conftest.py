@@ -34,6 +34,25 @@ def completion(content: str, *, prompt_tokens: int = 5, completion_tokens: int =
     return web.Response(body=completion_body(content, usage=usage), content_type="application/json")
 
 
+def within_limit(response: web.StreamResponse, request: dict[str, Any]) -> web.StreamResponse:
+    """The answer with no more completion tokens than the request allows, as from
+    vLLM (the client refuses more as a lying server): a test completion asks for 1."""
+    limit = request.get("max_completion_tokens") or request.get("max_tokens")
+    if not isinstance(response, web.Response) or not isinstance(limit, int):
+        return response
+    if response.status != 200 or not isinstance(response.body, bytes):
+        return response
+    answer = orjson.loads(response.body)
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return response
+    tokens = usage.get("completion_tokens")
+    if not isinstance(tokens, int) or tokens <= limit:
+        return response
+    usage["completion_tokens"] = limit
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+
 def error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
     """A vLLM-style error answer."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
@@ -83,7 +102,7 @@ def running_fake_server(host: str = "127.0.0.1", port: int = 0) -> Iterator[Fake
         try:
             if server.raw_handler is not None:
                 return await server.raw_handler(body, request)
-            return await server.handler(body)
+            return within_limit(await server.handler(body), body)
         finally:
             server.in_flight -= 1
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow.parquet as pq
 import pytest
 
 from llm_annotator import (
@@ -25,6 +26,7 @@ from llm_annotator import (
     PoolExhaustedError,
     Response,
     VLLMOnlineClient,
+    VLLMOnlineRuntimeOptions,
     VLLMQueueAnnotator,
 )
 from tests.misbehaving import Request, completion_body, head, raw_server, whole
@@ -365,6 +367,95 @@ def test_a_job_over_a_server_of_wrong_answers_stops_and_writes_no_final_row(
     ):
         result = pool.annotate(rows, "Label: {text}", tmp_path / "run", progress=False)
     assert (result.num_rows, result.num_failed) == (10, 0)  # the same call, resumed
+
+
+# -- an answer longer than its request allows ---------------------------------------------
+
+
+def long_answer(text: int = 0, reasoning: int = 0, tokens: int = 2) -> bytes:
+    """A chat completion of ``text`` and ``reasoning`` characters and ``tokens``
+    completion tokens."""
+    message = {"role": "assistant", "content": "x" * text, "reasoning_content": "r" * reasoning}
+    choice = {"index": 0, "message": message, "finish_reason": "length"}
+    usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
+    return completion_body(choices=[choice], usage=usage)
+
+
+TEN_MB = 10_000_000
+
+
+@pytest.mark.parametrize(
+    ("body", "asked", "defect"),
+    [
+        (long_answer(text=TEN_MB), {"max_tokens": 8}, "10000000 characters of text and reasoning"),
+        (long_answer(reasoning=TEN_MB), {"max_tokens": 8}, "10000000 characters"),
+        (long_answer(text=8, reasoning=12_281), {"max_tokens": 8}, "12289 characters"),
+        (long_answer(text=5, tokens=9), {"max_tokens": 8}, "usage.completion_tokens is 9"),
+        (
+            long_answer(text=20_000),
+            {"max_completion_tokens": 4, "max_tokens": 64},  # the server reads the first
+            "20000 characters of text and reasoning, more than 4 tokens can hold",
+        ),
+    ],
+    ids=["10MB-text", "10MB-reasoning", "one-over", "tokens-over", "max-completion-first"],
+)
+async def test_an_answer_longer_than_its_token_limit_is_malformed(
+    body: bytes, asked: dict[str, int], defect: str
+) -> None:
+    """An answer the engine could not have produced under the request's token limit
+    (more completion tokens, or more text and reasoning than 1024 characters a token
+    plus 4096) is a lying server: malformed, the defect named, never a row's text."""
+    with raw_server(whole(body)) as server:
+        async with client(server.base_url) as c:
+            response = await c.agenerate(messages=MESSAGES, gen_kwargs=asked)
+    assert response.error_type == ErrorKind.MALFORMED.value
+    assert defect in (response.error or "")
+    assert response.text is None
+
+
+@pytest.mark.parametrize(
+    ("body", "asked"),
+    [
+        (long_answer(text=8 * 1024 + 4096, tokens=8), {"max_tokens": 8}),  # at the bound
+        (long_answer(text=TEN_MB), {}),  # no limit asked: only the size cap applies
+        (long_answer(text=TEN_MB), {"max_tokens": 20_000}),
+    ],
+    ids=["at-the-bound", "no-limit", "large-limit"],
+)
+async def test_an_answer_within_its_token_limit_is_accepted(
+    body: bytes, asked: dict[str, int]
+) -> None:
+    with raw_server(whole(body)) as server:
+        async with client(server.base_url) as c:
+            response = await c.agenerate(messages=MESSAGES, gen_kwargs=asked)
+    assert response.ok, response.error
+    assert len(response.text or "") + len(response.reasoning or "") == len(
+        orjson.loads(body)["choices"][0]["message"]["content"]
+    ) + len(orjson.loads(body)["choices"][0]["message"]["reasoning_content"])
+
+
+def test_a_member_answering_10_mb_to_8_tokens_is_evicted_and_its_rows_go_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """A job asking for 8 tokens over a good server and one that answers 10 MB of text:
+    the liar is evicted, never readmitted, and every row is the good server's answer."""
+    rows = [{"text": f"row {i}"} for i in range(12)]
+    options = VLLMOnlineRuntimeOptions(max_completion_tokens=8)
+    with (
+        raw_server(whole(long_answer(text=TEN_MB))) as liar,
+        raw_server(whole(completion_body("fine"))) as good,
+        VLLMQueueAnnotator([liar.base_url, good.base_url], batch_size=2) as pool,
+    ):
+        result = pool.annotate(
+            rows, "Label: {text}", tmp_path / "run", progress=False, options=options
+        )
+        lying = pool.statistics().member(liar.base_url)
+        asked = [orjson.loads(r.body).get("max_tokens") for r in liar.chat_requests]
+    assert (result.num_rows, result.num_failed) == (12, 0)
+    assert lying.evictions >= 1 and lying.completed == 0
+    assert asked and set(asked) <= {1, 8}  # the canary asks for 1 token, the rows for 8
+    table = pq.read_table(tmp_path / "run" / "annotations.parquet")
+    assert table.column("response").to_pylist() == ["fine"] * 12
 
 
 async def test_a_redirect_on_model_discovery_names_the_location() -> None:

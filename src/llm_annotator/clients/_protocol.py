@@ -17,6 +17,13 @@ _ENGINE_DEAD_MARKERS = (
     "EngineGenerateError",
 )
 
+#: The most characters one generated token may decode to, with room to spare: the
+#: longest tokens of common vocabularies (runs of spaces, of ``=``) are far shorter.
+#: An answer longer than this times its token limit cannot have come from the engine.
+MAX_CHARS_PER_TOKEN = 1024
+#: Characters an answer may hold beyond its tokens' share (a short limit's slack).
+ANSWER_SLACK_CHARS = 4096
+
 
 def classify_status(status: int, message: str = "") -> ErrorKind:
     """The kind of failure an HTTP error status stands for.
@@ -112,7 +119,9 @@ _HINTS = {
 }
 
 
-def parse_completion(body: bytes, *, server: str, provider: str) -> Response:
+def parse_completion(
+    body: bytes, *, server: str, provider: str, token_limit: int | None = None
+) -> Response:
     """Decode a 2xx chat-completion body into a Response, checking it first.
 
     The body must be a JSON object with a non-empty list of ``choices``; the first
@@ -120,6 +129,11 @@ def parse_completion(body: bytes, *, server: str, provider: str) -> Response:
     with a reasoning text or tool calls, and a string ``finish_reason``. ``usage`` may
     be missing, but token counts that are there must be integers >= 0. A 2xx that
     carries an ``error`` object instead is malformed too.
+
+    With the request's ``token_limit``, an answer the engine could not have produced
+    under it is malformed as well (a lying server): more completion tokens than the
+    limit, or more text and reasoning than :data:`MAX_CHARS_PER_TOKEN` characters a
+    token plus :data:`ANSWER_SLACK_CHARS`.
 
     Raises:
         MalformedResponseError: If the body is not such a chat completion; the message
@@ -130,12 +144,70 @@ def parse_completion(body: bytes, *, server: str, provider: str) -> Response:
         Traceback (most recent call last):
         ...
         llm_annotator.errors.MalformedResponseError: s: answered 2xx with a body that is not a chat completion: 'choices' is empty: {"choices": []}
+        >>> long = b'{"choices": [{"message": {"content": "%s"}, "finish_reason": "length"}]}'
+        >>> parse_completion(long % (b"x" * 12_289), server="s", provider="p", token_limit=8)
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.MalformedResponseError: s: answered 2xx with a body that is not a chat completion: 12289 characters of text and reasoning, more than 8 tokens can hold (at most 12288): ...
     """  # noqa: E501
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise _malformed(f"not JSON ({exc})", body, server) from exc
-    return _completion(data, body, server, provider)
+    response = _completion(data, body, server, provider)
+    if token_limit is not None:
+        defect = beyond_token_limit(response, token_limit)
+        if defect is not None:
+            raise _malformed(defect, body, server)
+    return response
+
+
+def beyond_token_limit(response: Response, token_limit: int) -> str | None:
+    """Why ``response`` cannot be an engine's answer under ``token_limit``, or None.
+
+    Examples:
+        >>> ok = Response(text="a" * 5000, finish_reason="length", num_output_tokens=8)
+        >>> beyond_token_limit(ok, 8) is None
+        True
+        >>> beyond_token_limit(Response(text="", finish_reason="stop", num_output_tokens=9), 8)
+        'usage.completion_tokens is 9, more than the limit of 8 tokens asked for'
+    """
+    tokens = response.num_output_tokens
+    if tokens is not None and tokens > token_limit:
+        return (
+            f"usage.completion_tokens is {tokens}, more than the limit of {token_limit} "
+            "tokens asked for"
+        )
+    chars = len(response.text or "") + len(response.reasoning or "")
+    most = token_limit * MAX_CHARS_PER_TOKEN + ANSWER_SLACK_CHARS
+    if chars > most:
+        return (
+            f"{chars} characters of text and reasoning, more than {token_limit} tokens "
+            f"can hold (at most {most})"
+        )
+    return None
+
+
+def token_limit(params: dict[str, Any]) -> int | None:
+    """The most tokens a request with ``params`` may be answered with, as the server
+    reads it: ``max_completion_tokens`` first, then ``max_tokens``; None for none (or
+    a value the server will refuse anyway).
+
+    Examples:
+        >>> token_limit({"max_tokens": 8}), token_limit({"max_completion_tokens": 4, "max_tokens": 8})
+        (8, 4)
+        >>> token_limit({}), token_limit({"max_tokens": "8"}), token_limit({"max_tokens": True})
+        (None, None, None)
+    """  # noqa: E501
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = params.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None
+        limit: int = value
+        return limit
+    return None
 
 
 def _completion(data: Any, body: bytes, server: str, provider: str) -> Response:

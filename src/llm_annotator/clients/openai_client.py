@@ -21,7 +21,12 @@ from llm_annotator._constants import (
 )
 from llm_annotator._gc import fewer_full_collections
 from llm_annotator._validate import non_negative_int, one_of, positive_int, positive_seconds
-from llm_annotator.clients._protocol import parse_completion, parse_model_list, status_error
+from llm_annotator.clients._protocol import (
+    parse_completion,
+    parse_model_list,
+    status_error,
+    token_limit,
+)
 from llm_annotator.clients._transport import HttpTransport, Verify, check_key_text
 from llm_annotator.clients.base import Client, Messages, OptionsT, settle_failures
 from llm_annotator.clients.retry import retry_delay, should_retry
@@ -186,6 +191,7 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
                 detail="verify=False: server certificates are not checked",
             )
         self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+        self._last_limit: tuple[bytes, int | None] | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} base_url={self.base_url!r} model={self.model!r}>"
@@ -292,8 +298,11 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
 
     # -- requests ----------------------------------------------------------------------
 
-    async def _send(self, body: bytes) -> Response | ProviderError:
-        """Send one request, retrying transient failures; never raises ProviderError."""
+    async def _send(self, body: bytes, limit: int | None) -> Response | ProviderError:
+        """Send one request, retrying transient failures; never raises ProviderError.
+
+        ``limit`` is the request's token limit: an answer longer than it allows is
+        malformed."""
         attempt = 0
         transport = self._transport
         while True:
@@ -301,7 +310,9 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
             try:
                 status, raw, location = await transport.post(_CHAT_PATH, body)
                 if 200 <= status < 300:
-                    return parse_completion(raw, server=self.base_url, provider=self.provider)
+                    return parse_completion(
+                        raw, server=self.base_url, provider=self.provider, token_limit=limit
+                    )
                 error: ProviderError = status_error(status, raw, self.base_url, location)
             except ProviderError as exc:
                 error = exc
@@ -354,7 +365,17 @@ class OpenAIClient(Client[OptionsT], Generic[OptionsT]):
                 kind=ErrorKind.BAD_REQUEST,
                 server=self.base_url,
             )
-        return await self._send(body)
+        return await self._send(body, self._token_limit(params))
+
+    def _token_limit(self, params: bytes) -> int | None:
+        # The parameters of a call are one bytes object shared by all its requests:
+        # decode them once per call, not once per request.
+        last = self._last_limit
+        if last is not None and last[0] is params:
+            return last[1]
+        limit = token_limit(orjson.loads(params))
+        self._last_limit = (params, limit)
+        return limit
 
     async def abatch_generate(
         self,
