@@ -7,6 +7,7 @@ Also here: a second signal at any phase of a job (the consolidation too) is one
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import threading
@@ -19,10 +20,15 @@ import pytest
 
 from llm_annotator import (
     FingerprintMismatchError,
+    JobError,
     RunInterruptedError,
     VLLMQueueAnnotator,
 )
-from llm_annotator.jobs.consolidate import consolidate
+from llm_annotator.cli.status import show_status
+from llm_annotator.errors import RunDirectoryError
+from llm_annotator.jobs.consolidate import INPUT_IDS_FILE, consolidate
+from llm_annotator.jobs.merge import merge
+from llm_annotator.jobs.status import run_status
 from tests.unit.conftest import FakeServer
 
 FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
@@ -70,6 +76,12 @@ def test_another_input_in_the_same_directory_is_refused_by_name(
     assert report["left_out_rows"] == 100
     status = orjson.loads((out / "status.json").read_bytes())
     assert status["done"] == 100 and status["total"] == 100, status
+    shown = run_status(out)
+    assert (shown.done, shown.total, shown.stored, shown.mixed_inputs) == (100, 100, 200, True)
+    printed = io.StringIO()
+    show_status(shown, printed)
+    assert "rows: 100 of 100 done (100.0%) of this input" in printed.getvalue()
+    assert "other inputs (left out of the output): 200 ids in all" in printed.getvalue()
     job = orjson.loads((out / "job.json").read_bytes())
     assert job["input"]["where"] == str(second) and job["mixed_inputs"] is True
     assert [entry["where"] for entry in job["input_history"]] == [str(first)]
@@ -167,3 +179,49 @@ def test_a_second_signal_during_the_consolidation_is_one_interrupted_error(
     shards = list((tmp_path / "run" / "shards").glob("part-*.jsonl"))
     written = sum(len(path.read_bytes().splitlines()) for path in shards)
     assert written == 20
+
+
+def test_shards_forced_onto_another_input_merge_only_its_rows(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """A job of 2 shards, then the same shards forced onto another input: each shard
+    keeps only the new input's rows, and so does the merge, with the others counted as
+    left out. A shard whose list of kept ids is gone or of the wrong shape stops the
+    merge with one line naming it, writing nothing."""
+    first = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"a{i}"} for i in range(60)])
+    second = write_jsonl(
+        tmp_path / "b.jsonl", [{"id": 500 + i, "text": f"b{i}"} for i in range(40)]
+    )
+    out = tmp_path / "run"
+    with pool_of(fake_server) as pool:
+        for index in (0, 1):
+            pool.annotate(first, TEMPLATE, out, id_column="id", progress=False, shard=(index, 2))
+        results = [
+            pool.annotate(
+                second, TEMPLATE, out, id_column="id", progress=False, shard=(i, 2), force=True
+            )
+            for i in (0, 1)
+        ]
+    merged = results[1].merged_path
+    assert merged is not None
+    assert ids_of(merged) == [500 + i for i in range(40)]
+    texts = pq.read_table(merged, columns=["text"]).column("text").to_pylist()
+    assert all(text.startswith("b") for text in texts)
+    assert sum(r.num_left_out for r in results) == 60
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert (report["rows"], report["left_out_rows"]) == (40, 60), report
+    ids_file = out / "shard-0000-of-0002" / INPUT_IDS_FILE
+    kept = ids_file.read_bytes()
+    ids_file.unlink()
+    merged.unlink()
+    with pytest.raises(JobError, match=r"shard 0 .* also holds rows of another input") as gone:
+        merge(out)
+    assert "--shard 0/2" in str(gone.value) and not merged.exists()
+    ids_file.write_bytes(kept[:-1])
+    with pytest.raises(RunDirectoryError, match="not a list of id hashes"):
+        merge(out)
+    ids_file.write_bytes(kept[8:] + kept[:8])
+    with pytest.raises(RunDirectoryError, match="not a sorted list"):
+        merge(out)
+    ids_file.write_bytes(kept)
+    assert ids_of(merge(out).output_path) == [500 + i for i in range(40)]

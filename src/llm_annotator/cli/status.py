@@ -53,10 +53,16 @@ def show_status(status: RunStatus, out: TextIO) -> None:
         rate = f"; {status.rows_per_second:,.1f} rows/s"
         if status.eta_seconds is not None:
             rate += f", ETA {duration(status.eta_seconds)}"
-    print(
-        f"  rows: {status.done}{of}: {status.succeeded} answered, {status.failed} failed{rate}",
-        file=out,
-    )
+    answered = f"{status.succeeded} answered, {status.failed} failed"
+    if status.mixed_inputs:
+        print(f"  rows: {status.done}{of} of this input{rate}", file=out)
+        print(
+            f"  the directory also holds rows of other inputs (left out of the output): "
+            f"{status.stored} ids in all, {answered}",
+            file=out,
+        )
+    else:
+        print(f"  rows: {status.done}{of}: {answered}{rate}", file=out)
     if status.by_error_type:
         kinds = ", ".join(f"{kind} {n}" for kind, n in status.by_error_type.items())
         print(f"  failed by type: {kinds}", file=out)

@@ -450,7 +450,6 @@ class Annotator:
         seconds = time.monotonic() - started
         report = job_report(job, result, total, resumed, seconds, self.client)
         report["this_run"]["hedged_requests"] = hedged_requests(self.client) - hedged_before
-        report["left_out_rows"] = result.left_out
         report_path = spec.output_dir / REPORT_NAME
         try:
             await asyncio.to_thread(write_json, report_path, report)

@@ -25,8 +25,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import structlog
 
-from llm_annotator.errors import JobError
-from llm_annotator.jobs.files import open_binary
+from llm_annotator.errors import JobError, RunDirectoryError
+from llm_annotator.jobs.files import open_binary, read_run_file
 from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.store import (
     DirectoryLock,
@@ -40,6 +40,10 @@ log = structlog.get_logger(__name__)
 
 PARQUET_FILE = "annotations.parquet"
 JSONL_FILE = "annotations.jsonl"
+INPUT_IDS_FILE = "input_ids.u64"
+"""Beside a consolidation that kept only some ids (a directory of mixed inputs): the
+hashes of the ids kept, sorted, as little-endian 64-bit integers. ``merge`` reads it
+to keep the same rows of a shard."""
 _CHUNK = 1 << 14
 """Records parsed into Python dicts at a time before they become Arrow arrays."""
 _ROW_GROUP = 1 << 17
@@ -112,7 +116,8 @@ def consolidate(
             order they were first seen. Names no record has are left out.
         keep: Write only the ids whose :func:`~llm_annotator.jobs.ids.hash_id` is in
             this sorted array (the current input's ids, when the directory may hold
-            results of another input); the others are counted in ``left_out``.
+            results of another input); the others are counted in ``left_out``. The
+            array is also written to :data:`INPUT_IDS_FILE`.
 
     Returns:
         Where the files are, and counts over the rows.
@@ -125,9 +130,39 @@ def consolidate(
         raise JobError(f"cannot consolidate {directory}: no such run directory")
     lock = DirectoryLock.acquire(directory, "consolidate")
     try:
+        if keep is not None:
+            with atomic_write(directory / INPUT_IDS_FILE) as file:
+                file.write(keep.astype("<u8", copy=False).tobytes())
         return _consolidate(directory, jsonl=jsonl, column_order=column_order or (), keep=keep)
     finally:
         lock.release()
+
+
+def read_input_ids(directory: Path) -> np.ndarray[Any, np.dtype[np.uint64]] | None:
+    """The id hashes a consolidation of ``directory`` kept (:data:`INPUT_IDS_FILE`),
+    or None if it wrote none.
+
+    Raises:
+        RunDirectoryError: The file is a link, not a regular file, cannot be read, or
+            is not a sorted list of 64-bit hashes.
+    """
+    path = directory / INPUT_IDS_FILE
+    data = read_run_file(path)
+    if data is None:
+        return None
+    if len(data) % 8:
+        raise RunDirectoryError(
+            f"{path} is not a list of id hashes ({len(data)} bytes, not a multiple of 8); "
+            "run the job in it again to write it anew",
+            path=str(path),
+        )
+    hashes = np.frombuffer(data, dtype="<u8").astype(np.uint64)
+    if len(hashes) > 1 and bool(np.any(hashes[1:] < hashes[:-1])):
+        raise RunDirectoryError(
+            f"{path} is not a sorted list of id hashes; run the job in it again to write it anew",
+            path=str(path),
+        )
+    return hashes
 
 
 def _consolidate(
@@ -137,8 +172,11 @@ def _consolidate(
     column_order: Sequence[str],
     shards: list[Path] | None = None,
     keep: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
+    kept_in: frozenset[int] | None = None,
 ) -> Consolidated:
-    """Consolidate ``shards`` (the directory's own by default) into ``directory``."""
+    """Consolidate ``shards`` (the directory's own by default) into ``directory``;
+    ``keep`` applies to the records of the shards at the indexes ``kept_in`` (all by
+    default), the others are written whole."""
     if shards is None:
         shards = shard_paths(directory)
     loaded = _Loader()
@@ -154,7 +192,7 @@ def _consolidate(
     keys = keys.take(winners)
     left_out = 0
     if keep is not None:
-        keys, left_out = _kept(keys, keep)
+        keys, left_out = _kept(keys, keep, kept_in)
         if left_out:
             log.warning("results_left_out", output_dir=str(directory), rows=left_out)
     ids = _id_column(keys)
@@ -201,8 +239,11 @@ def _consolidate(
     return result
 
 
-def _kept(keys: pa.Table, keep: np.ndarray[Any, np.dtype[np.uint64]]) -> tuple[pa.Table, int]:
-    """The winners' rows whose id hashes into ``keep``, and how many were not."""
+def _kept(
+    keys: pa.Table, keep: np.ndarray[Any, np.dtype[np.uint64]], kept_in: frozenset[int] | None
+) -> tuple[pa.Table, int]:
+    """The winners' rows whose id hashes into ``keep`` (or that come from a shard not
+    in ``kept_in``, when given), and how many were not."""
     if not keys.num_rows:
         return keys, 0
     kinds = keys["kind"].to_numpy()
@@ -218,6 +259,8 @@ def _kept(keys: pa.Table, keep: np.ndarray[Any, np.dtype[np.uint64]]) -> tuple[p
     )
     at = np.minimum(np.searchsorted(keep, hashes), max(len(keep) - 1, 0))
     mask = keep[at] == hashes if len(keep) else np.zeros(len(hashes), dtype=bool)
+    if kept_in is not None:
+        mask |= ~np.isin(keys["shard"].to_numpy(), np.fromiter(kept_in, dtype=np.int64))
     kept = int(np.count_nonzero(mask))
     return keys.filter(pa.array(mask)), keys.num_rows - kept
 

@@ -25,11 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 import structlog
 
 from llm_annotator.errors import JobError, RunDirectoryError
-from llm_annotator.jobs.consolidate import PARQUET_FILE, Consolidated, _consolidate
+from llm_annotator.jobs.consolidate import (
+    INPUT_IDS_FILE,
+    PARQUET_FILE,
+    Consolidated,
+    _consolidate,
+    read_input_ids,
+)
 from llm_annotator.jobs.files import check_entry, open_binary
 from llm_annotator.jobs.report import REPORT_NAME, read_report, result_summary, write_json
 from llm_annotator.jobs.shard import Shard, read_sharding, shard_folders
@@ -55,6 +62,9 @@ class ShardState:
             (killed, or it did not say) or ``missing`` (never started).
         done: Rows it has done, if it said.
         total: Rows it takes, if it said.
+        mixed_inputs: Its folder also holds rows of another input (a job over another
+            input was forced in it): the merge keeps only the ids its last
+            consolidation kept.
     """
 
     index: int
@@ -62,6 +72,7 @@ class ShardState:
     state: str
     done: int | None
     total: int | None
+    mixed_inputs: bool = False
 
     @property
     def complete(self) -> bool:
@@ -124,7 +135,8 @@ def _state(index: int, folder: Path, rows: bool) -> ShardState:
         raise
     except JobError:  # removed meanwhile
         return ShardState(index, folder, "missing", None, None)
-    return ShardState(index, folder, _shard_state(status.state), status.done, status.total)
+    state = _shard_state(status.state)
+    return ShardState(index, folder, state, status.done, status.total, status.mixed_inputs)
 
 
 def waiting_lines(states: list[ShardState], count: int) -> str:
@@ -186,10 +198,12 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
             f"merge {directory}."
         )
     with _locked([directory, *(s.directory for s in states)]):
-        files = [path for state in states for path in shard_paths(state.directory)]
+        files, keep, kept_in = _shard_files(states, count)
         order = _column_order(states[0].directory)
         parts = _shard_reports(states)  # checked before anything is written
-        result = _consolidate(directory, jsonl=jsonl, column_order=order, shards=files)
+        result = _consolidate(
+            directory, jsonl=jsonl, column_order=order, shards=files, keep=keep, kept_in=kept_in
+        )
         expected = sum(s.total or 0 for s in states)
         if result.num_rows != expected:
             for path in (result.parquet_path, result.jsonl_path):
@@ -208,6 +222,36 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
         write_json(report_path, report)
     log.info("shards_merged", output_dir=str(directory), shards=count, rows=result.num_rows)
     return Merged(result.parquet_path, report_path, count, result)
+
+
+def _shard_files(
+    states: list[ShardState], count: int
+) -> tuple[list[Path], np.ndarray[Any, np.dtype[np.uint64]] | None, frozenset[int] | None]:
+    """Every shard's files, and for shards of mixed inputs the id hashes to keep and
+    the indexes of their files (None and None when no shard is mixed).
+
+    Raises:
+        JobError: A shard of mixed inputs has no list of the ids it kept.
+    """
+    files: list[Path] = []
+    kept: list[np.ndarray[Any, np.dtype[np.uint64]]] = []
+    kept_in: set[int] = set()
+    for state in states:
+        paths = shard_paths(state.directory)
+        if state.mixed_inputs:
+            hashes = read_input_ids(state.directory)
+            if hashes is None:
+                raise JobError(
+                    f"shard {state.index} ({state.directory}) also holds rows of another "
+                    f"input, and no list of its input's ids ({INPUT_IDS_FILE}): run it again "
+                    f"with --shard {state.index}/{count} to write the list, then merge"
+                )
+            kept.append(hashes)
+            kept_in.update(range(len(files), len(files) + len(paths)))
+        files += paths
+    if not kept:
+        return files, None, None
+    return files, np.unique(np.concatenate(kept)), frozenset(kept_in)
 
 
 def merge_if_complete(run_dir: Path, *, jsonl: bool = False) -> Merged | None:

@@ -77,6 +77,7 @@ def result_summary(result: Any) -> dict[str, Any]:
         "by_error_type": result.by_error_type,
         "prompt_tokens": result.prompt_tokens,
         "output_tokens": result.output_tokens,
+        "left_out_rows": result.left_out,
     }
 
 

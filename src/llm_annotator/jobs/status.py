@@ -162,9 +162,11 @@ class RunStatus:
         pid: The process that holds (or last held) the directory, if known.
         host: The host of that process, if known.
         total: Rows the job takes, if a job has said so.
-        done: Ids with a result (answered or error rows).
-        succeeded: Ids with an answer.
-        failed: Ids whose best record is an error row.
+        done: Ids with a result (answered or error rows). In a directory of
+            ``mixed_inputs``, the ids of the current input only, as its job last
+            counted them.
+        succeeded: Ids with an answer (of every input, in a directory of mixed inputs).
+        failed: Ids whose best record is an error row (likewise).
         by_error_type: Those error rows by type.
         per_server: Ids by the server that answered them (error rows included).
         rows_per_second: The running job's last rate, if known.
@@ -175,6 +177,10 @@ class RunStatus:
         error: Why the job failed, if it said.
         servers: Each server's state and evictions at the last snapshot of the run's
             timeline (``{"state": ..., "evictions": ...}`` by URL), if it has one.
+        mixed_inputs: The directory holds results of rows of other inputs too (a job
+            over another input was started in it with ``--force``); the output keeps
+            only the current input's rows.
+        stored: Ids with a result in the directory, of every input.
     """
 
     output_dir: str
@@ -194,6 +200,8 @@ class RunStatus:
     sample: dict[str, Any] | None = None
     error: str | None = None
     servers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mixed_inputs: bool = False
+    stored: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The status as a JSON-able dict (what ``status --json`` prints)."""
@@ -226,13 +234,18 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
     status = _read_status(directory)
     state, pid, host = _state(directory, status)
     live = state in ("running", "consolidating")
+    stored = tally.succeeded + tally.failed
+    mixed = job.get("mixed_inputs") is True
+    done = stored
+    if mixed and "done" in status:  # the store also holds rows of other inputs
+        done = min(status["done"], stored)
     return RunStatus(
         output_dir=str(directory),
         state=state,
         pid=pid,
         host=host,
         total=status.get("total"),
-        done=tally.succeeded + tally.failed,
+        done=done,
         succeeded=tally.succeeded,
         failed=tally.failed,
         by_error_type=dict(tally.by_error_type.most_common()),
@@ -244,6 +257,8 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
         sample=_sample(fingerprint.get("sample")),
         error=status.get("error"),
         servers=_servers_now(directory),
+        mixed_inputs=mixed,
+        stored=stored,
     )
 
 
@@ -401,6 +416,7 @@ _STATUS_FIELDS: dict[str, Any] = {
     "started": _text,
     "updated": _text,
     "total": _count,
+    "done": _count,
     "rows_per_second": _rate,
     "eta_seconds": _rate,
     "error": _text,
