@@ -32,7 +32,7 @@ from llm_annotator.errors import (
     JobError,
     RunInterruptedError,
 )
-from llm_annotator.jobs.consolidate import JSONL_FILE, PARQUET_FILE, consolidate
+from llm_annotator.jobs.consolidate import INPUT_IDS_FILE, JSONL_FILE, PARQUET_FILE, consolidate
 from llm_annotator.jobs.files import check_entry
 from llm_annotator.jobs.fingerprint import make_fingerprint
 from llm_annotator.jobs.ids import hash_id
@@ -562,6 +562,7 @@ RUN_FILES = (
     PARQUET_FILE,
     JSONL_FILE,
     SHARDING_FILE,
+    INPUT_IDS_FILE,
 )
 """The files a run writes at the top of its directory (``report.html`` is written by
 ``llm-annotator report``, which checks it then)."""
