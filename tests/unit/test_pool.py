@@ -672,3 +672,23 @@ def test_every_setting_is_an_argument_with_the_same_default() -> None:
     pool = VLLMQueueAnnotator(["http://127.0.0.1:9/v1"], batch_size=7, stall_window=45)
     assert (pool.batch_size, pool.stall_window, pool.config.batch_size) == (7, 45.0, 7)
     pool.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("batch_size", 8), ("max_sample_retries", 0), ("timeout", 5.0)]
+)
+def test_a_setting_is_fixed_when_the_pool_is_made(
+    fake_servers: FakeServers, name: str, value: object
+) -> None:
+    """Assigning a setting raises AttributeError saying to build a new pool, and
+    changes nothing: the pool reads one config, the one it was made with."""
+    (server,) = fake_servers(1)
+    with VLLMQueueAnnotator([server.base_url], batch_size=4) as pool:
+        before = pool.config
+        with pytest.raises(AttributeError, match=rf"{name} is fixed when a pool is made: build"):
+            setattr(pool, name, value)
+        assert pool.config is before and pool.config is pool._state.config
+        with pytest.raises(AttributeError):
+            pool.config = before  # type: ignore[misc]
+        pool.batch_generate(messages=conversations(10))
+    assert (pool.batch_size, pool.config.batch_size) == (4, 4)

@@ -146,7 +146,8 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
 
     provider = "vllm_pool"
 
-    # The settings, read-only (they live in ``self.config``, a frozen PoolConfig).
+    # The settings, read-only (they live in ``self.config``, a frozen PoolConfig):
+    # assigning one raises AttributeError saying to build a new pool.
     model = FromConfig()
     batch_size = FromConfig()
     max_concurrent_batches_per_client = FromConfig()
@@ -195,9 +196,9 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         given = locals()  # the arguments, before anything else is named here
         if isinstance(base_urls, str):
             raise ConfigurationError("base_urls must be a list of URLs, not one string")
-        self.config = PoolConfig(**{name: given[name] for name in PoolConfig.names()})
-        clients_built = ClientFactory.build(self.config, api_key, verify)
-        state = PoolState(self.config, clock, clients_built, discovery)
+        config = PoolConfig(**{name: given[name] for name in PoolConfig.names()})
+        clients_built = ClientFactory.build(config, api_key, verify)
+        state = PoolState(config, clock, clients_built, discovery)
         self._state = state
         effects = Effects(state)
         self._health = HealthMonitor(state, effects)
@@ -205,6 +206,12 @@ class VLLMQueueAnnotator(Client[VLLMOnlineRuntimeOptions]):
         self._membership = Membership(state, dispatcher)
         self._membership.populate(base_urls or (), clients or ())
         self._calls = Calls(state, dispatcher, self._health, self._membership)
+
+    @property
+    def config(self) -> PoolConfig:
+        """The pool's settings, fixed when it was made (one holder: every part of the
+        pool reads this one)."""
+        return self._state.config
 
     # -- membership --------------------------------------------------------------------
 

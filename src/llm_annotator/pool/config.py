@@ -100,10 +100,11 @@ class PoolConfig:
 
 
 class FromConfig:
-    """An attribute of the pool that is one field of its :class:`PoolConfig`.
+    """An attribute of the pool that is one field of its :class:`PoolConfig`, read-only.
 
-    Reading it reads the config; setting it replaces the config with a checked copy
-    (``dataclasses.replace``), so ``pool.batch_size = 64`` still works and is validated.
+    Reading it reads the config. Setting it raises :class:`AttributeError`: the
+    settings are fixed when a pool is made (its clients, limits and windows are built
+    from them), so ``pool.batch_size = 64`` would change nothing; build a new pool.
     """
 
     __slots__ = ("name",)
@@ -117,4 +118,7 @@ class FromConfig:
         return getattr(instance.config, self.name)
 
     def __set__(self, instance: Any, value: Any) -> None:
-        instance.config = dataclasses.replace(instance.config, **{self.name: value})
+        raise AttributeError(
+            f"{self.name} is fixed when a pool is made: build a new "
+            f"{type(instance).__name__}(..., {self.name}={value!r}) instead"
+        )
