@@ -78,11 +78,10 @@ def _close_transports_at_exit() -> None:
     SIGSEGV after a finished https job). So the loop gets a moment to finish closing
     (TLS close_notify), is stopped, and its thread is joined.
     """
-    from llm_annotator.clients._transport import live_transports
-
     loop, thread = _RUNNER._loop, _RUNNER._thread
     if loop is None or not loop.is_running():
-        return
+        return  # before the import: a process that made no client loads none
+    from llm_annotator.clients._transport import live_transports
 
     async def close_all() -> None:
         await asyncio.gather(*(t.aclose() for t in live_transports()), return_exceptions=True)

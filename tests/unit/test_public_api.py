@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import llm_annotator
 
@@ -44,3 +48,84 @@ def test_errors_share_one_root() -> None:
         value = getattr(llm_annotator, name)
         if isinstance(value, type) and issubclass(value, Exception):
             assert issubclass(value, llm_annotator.LLMAnnotatorError), name
+
+
+def _loaded_after(code: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after running ``code``."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return set(done.stdout.split())
+
+
+HEAVY = {"pyarrow", "numpy", "jsonschema", "prometheus_client"}
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import llm_annotator",
+        "import llm_annotator.clients",
+        "from llm_annotator import VLLMOnlineClient, VLLMOnlineRuntimeOptions",
+        "from llm_annotator.clients.vllm_online_client import VLLMOnlineClient",
+        "from llm_annotator import VLLMQueueAnnotator, ConfigurationError",
+    ],
+)
+def test_importing_the_clients_or_the_pool_loads_no_arrow_or_numpy(code: str) -> None:
+    """The public names are imported on first use (PEP 562): a client user pays for
+    the client, not for the job layer's Arrow, NumPy, JSON Schema or metrics."""
+    loaded = _loaded_after(code)
+    assert loaded & HEAVY == set()
+    assert not any(name.startswith("llm_annotator.jobs.") for name in loaded)
+
+
+def test_importing_the_package_loads_no_layer() -> None:
+    """``import llm_annotator`` loads the errors and the Response only; every other
+    public name resolves when first read, and dir() lists them all."""
+    loaded = _loaded_after("import llm_annotator")
+    ours = {name for name in loaded if name.startswith("llm_annotator")}
+    assert ours == {
+        "llm_annotator",
+        "llm_annotator._lazy",
+        "llm_annotator.errors",
+        "llm_annotator.response",
+    }
+    assert "aiohttp" not in loaded
+    assert set(llm_annotator.__all__) <= set(dir(llm_annotator))
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        llm_annotator.Nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["merge", "--help"]])
+def test_the_commands_help_loads_no_job_layer_or_network_client(argv: list[str]) -> None:
+    """``llm-annotator status --help`` declares only the status command: it loads no
+    job layer, Arrow, NumPy or network client."""
+    code = "\n".join(
+        [
+            "import contextlib",
+            "from llm_annotator.cli import main",
+            "with contextlib.suppress(SystemExit):",
+            f"    main({argv!r})",
+        ]
+    )
+    loaded = _loaded_after(code)
+    assert loaded & {*HEAVY, "aiohttp", "structlog"} == set()
+    assert not any(name.startswith(("llm_annotator.jobs", "llm_annotator.pool")) for name in loaded)
+
+
+def test_status_of_a_run_loads_no_network_client(tmp_path: Path) -> None:
+    """Reading a run directory (``llm-annotator status``) needs no pool and no client."""
+    run = tmp_path / "run"
+    run.mkdir()
+    code = (
+        "from llm_annotator.cli import main\n"
+        f"assert main(['status', {str(run)!r}]) == 1  # no job in it: one line"
+    )
+    loaded = _loaded_after(code)
+    assert "aiohttp" not in loaded
+    assert "llm_annotator.pool.annotator" not in loaded
+    assert "llm_annotator.clients.openai_client" not in loaded

@@ -28,21 +28,13 @@ adding such a function to ``_SUBCOMMANDS``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NoReturn, cast
 
-import structlog
-
-from llm_annotator.cli.demo import add_demo
-from llm_annotator.cli.merge import add_merge
-from llm_annotator.cli.report import add_report
-from llm_annotator.cli.run import add_run
-from llm_annotator.cli.serve_local import add_serve_local, add_small_model, add_tiny_model
-from llm_annotator.cli.status import add_status
 from llm_annotator.errors import LLMAnnotatorError
-
-log = structlog.get_logger(__name__)
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -55,20 +47,71 @@ class _Parser(argparse.ArgumentParser):
         self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-_SUBCOMMANDS = (
-    add_run,
-    add_status,
-    add_merge,
-    add_report,
-    add_demo,
-    add_serve_local,
-    add_tiny_model,
-    add_small_model,
+@dataclass(frozen=True, slots=True)
+class Subcommand:
+    """One subcommand: its name, its one-line help, and the function of its module
+    (``llm_annotator.cli.<module>.<declare>``) that declares its arguments and handler
+    on its parser."""
+
+    name: str
+    help: str
+    module: str
+    declare: str
+
+
+SUBCOMMANDS = (
+    Subcommand("run", "annotate a dataset over vLLM servers (resumable)", "run", "add_run"),
+    Subcommand(
+        "status",
+        "how a run directory stands: rows done, failed by type, per server",
+        "status",
+        "add_status",
+    ),
+    Subcommand(
+        "merge",
+        "merge the shards of a sharded job (run with --shard) into one output",
+        "merge",
+        "add_merge",
+    ),
+    Subcommand(
+        "report",
+        "draw a run (throughput, servers, errors, the tail) into one HTML file",
+        "report",
+        "add_report",
+    ),
+    Subcommand(
+        "demo",
+        "label 300 reviews with a real small model on 2 local servers, killing one",
+        "demo",
+        "add_demo",
+    ),
+    Subcommand(
+        "serve-local",
+        "start local vLLM servers and print their base URLs",
+        "serve_local",
+        "add_serve_local",
+    ),
+    Subcommand(
+        "tiny-model", "write the tiny test model into a folder", "serve_local", "add_tiny_model"
+    ),
+    Subcommand(
+        "small-model",
+        "write the small real model (SmolLM2-135M-Instruct) into a folder",
+        "serve_local",
+        "add_small_model",
+    ),
 )
+"""The subcommands, in the order ``--help`` lists them."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser with every subcommand.
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Build the argument parser.
+
+    Args:
+        argv: The arguments it will parse. Given, only the subcommand they name is
+            declared in full (its module imported): every other one is a name and a
+            help line, so ``llm-annotator status --help`` loads neither the network
+            client nor Arrow. None declares every subcommand.
 
     Returns:
         The parser; ``parse_args`` yields a namespace with a ``handler``.
@@ -78,9 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
         "argparse._SubParsersAction[argparse.ArgumentParser]",
         parser.add_subparsers(dest="command", required=True, metavar="COMMAND"),
     )
-    for add in _SUBCOMMANDS:
-        add(subparsers)
+    named = _named_command(argv) if argv is not None else None
+    for command in SUBCOMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help)
+        if argv is None or command.name == named:
+            module = importlib.import_module(f"llm_annotator.cli.{command.module}")
+            getattr(module, command.declare)(sub)
     return parser
+
+
+def _named_command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first argument that is not an option (the
+    top-level parser has no option that takes a value)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def configure_logging(log_format: str | None = None) -> None:
@@ -89,6 +142,8 @@ def configure_logging(log_format: str | None = None) -> None:
 
     Leaves an existing structlog configuration alone.
     """
+    import structlog  # here, not at the top: --help needs no logging (0.2 s of imports)
+
     if structlog.is_configured():
         return
     if log_format is None:
@@ -134,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    args = build_parser().parse_args(argv)
+    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
     configure_logging(_log_format(args))
     handler: Handler = args.handler
     try:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from llm_annotator.jobs.merge import merge
-
 
 def _merge(args: argparse.Namespace) -> int:
+    from llm_annotator.jobs.merge import merge  # here: --help loads no job layer
+
     merged = merge(args.run_dir, jsonl=args.jsonl)
     result = merged.result
     print(
@@ -18,17 +18,14 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_merge(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "merge",
-        help="merge the shards of a sharded job (run with --shard) into one output",
-        description=(
-            "Check that every shard of a sharded run directory finished with all its "
-            "rows, then consolidate them into RUN_DIR/annotations.parquet (one row per "
-            "id) and RUN_DIR/report.json. Names the shards that are missing, running or "
-            "incomplete, and what to run, instead. The last shard to finish does this "
-            "by itself."
-        ),
+def add_merge(parser: argparse.ArgumentParser) -> None:
+    """Declare ``llm-annotator merge`` on its parser."""
+    parser.description = (
+        "Check that every shard of a sharded run directory finished with all its "
+        "rows, then consolidate them into RUN_DIR/annotations.parquet (one row per "
+        "id) and RUN_DIR/report.json. Names the shards that are missing, running or "
+        "incomplete, and what to run, instead. The last shard to finish does this "
+        "by itself."
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the sharded job's --output-dir")
     parser.add_argument("--jsonl", action="store_true", help="also write annotations.jsonl")

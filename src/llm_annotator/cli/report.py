@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
-
-import structlog
-
-from llm_annotator.jobs.run_report import write_html_report
 
 
 def _report(args: argparse.Namespace) -> int:
+    import logging  # here: --help loads no job layer
+
+    import structlog
+
+    from llm_annotator.jobs.run_report import write_html_report
+
     # Reading a shard that a job is writing may meet a half-written last line: no warning.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     path = write_html_report(args.run_dir, args.output)
@@ -18,18 +19,15 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_report(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "report",
-        help="draw a run (throughput, servers, errors, the tail) into one HTML file",
-        description=(
-            "Read a run directory (finished, interrupted, or still running) and write one "
-            "self-contained HTML file: throughput over time overall and per server with "
-            "evictions and re-admissions marked, the time per row by server, error rows by "
-            "type over time, the progress and its tail, and a summary of the run. It needs "
-            "no network to open. The plots need matplotlib: pip install "
-            "'llm-annotator[report]'."
-        ),
+def add_report(parser: argparse.ArgumentParser) -> None:
+    """Declare ``llm-annotator report`` on its parser."""
+    parser.description = (
+        "Read a run directory (finished, interrupted, or still running) and write one "
+        "self-contained HTML file: throughput over time overall and per server with "
+        "evictions and re-admissions marked, the time per row by server, error rows by "
+        "type over time, the progress and its tail, and a summary of the run. It needs "
+        "no network to open. The plots need matplotlib: pip install "
+        "'llm-annotator[report]'."
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the job's --output-dir")
     parser.add_argument(

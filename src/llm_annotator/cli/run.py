@@ -301,17 +301,13 @@ _SETTINGS: tuple[_Setting, ...] = (
 _REQUIRED = ("input", "prompt_template", "output_dir")
 
 
-def add_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Declare ``llm-annotator run``."""
-    parser = subparsers.add_parser(
-        "run",
-        help="annotate a dataset over vLLM servers (resumable)",
-        description=(
-            "Annotate every row of a dataset over a pool of vLLM servers into an output "
-            "directory. Results are written as they arrive; running the same command "
-            "again resumes the job. A TOML file given with --config sets the same "
-            "settings (flag names with underscores); flags override it."
-        ),
+def add_run(parser: argparse.ArgumentParser) -> None:
+    """Declare ``llm-annotator run`` on its parser."""
+    parser.description = (
+        "Annotate every row of a dataset over a pool of vLLM servers into an output "
+        "directory. Results are written as they arrive; running the same command "
+        "again resumes the job. A TOML file given with --config sets the same "
+        "settings (flag names with underscores); flags override it."
     )
     parser.add_argument("--config", default=None, help="a TOML job file")
     for setting in _SETTINGS:

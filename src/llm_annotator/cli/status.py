@@ -7,19 +7,15 @@ wrong shape) is one line naming it, exit status 1 (``cli.main``), never a traceb
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-import orjson
-import structlog
+if TYPE_CHECKING:
+    from llm_annotator.jobs.status import RunStatus
 
-from llm_annotator.jobs.consolidate import PARQUET_FILE
-from llm_annotator.jobs.merge import LISTED_SHARDS, is_merged, shard_states
-from llm_annotator.jobs.progress import duration
-from llm_annotator.jobs.shard import read_sharding
-from llm_annotator.jobs.status import RunStatus, run_status
+# The job layer is imported by the functions that read a run, not here: declaring the
+# command (its --help) loads none of it.
 
 
 def show_status(status: RunStatus, out: TextIO) -> None:
@@ -27,6 +23,7 @@ def show_status(status: RunStatus, out: TextIO) -> None:
 
     Examples:
         >>> import io
+        >>> from llm_annotator.jobs.status import RunStatus
         >>> out = io.StringIO()
         >>> show_status(RunStatus("runs/a", "running", 41, "node-7", 200, 120, 118, 2,
         ...     {"read_timeout": 2}, {"http://a/v1": 70, "http://b/v1": 50},
@@ -42,6 +39,8 @@ def show_status(status: RunStatus, out: TextIO) -> None:
           model: small
         <BLANKLINE>
     """
+    from llm_annotator.jobs.progress import duration
+
     on = f" on {status.host}" if status.host else ""
     who = f" (pid {status.pid}{on})" if status.pid is not None else ""
     when = f", status written {status.updated}" if status.updated else ""
@@ -88,7 +87,14 @@ def show_status(status: RunStatus, out: TextIO) -> None:
 
 def _sharded_status(run_dir: Path, as_json: bool) -> None:
     """Each shard's status, and whether the shards were merged (for people, the first
-    :data:`LISTED_SHARDS` shards not started, and how many more)."""
+    :data:`~llm_annotator.jobs.merge.LISTED_SHARDS` shards not started, and how many
+    more)."""
+    import orjson
+
+    from llm_annotator.jobs.consolidate import PARQUET_FILE
+    from llm_annotator.jobs.merge import LISTED_SHARDS, is_merged, shard_states
+    from llm_annotator.jobs.status import run_status
+
     count, states = shard_states(run_dir)
     merged = is_merged(run_dir)
     shards = [run_status(s.directory) if s.state != "missing" else None for s in states]
@@ -122,6 +128,14 @@ def _sharded_status(run_dir: Path, as_json: bool) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import logging
+
+    import orjson
+    import structlog
+
+    from llm_annotator.jobs.shard import read_sharding
+    from llm_annotator.jobs.status import run_status
+
     # Reading a shard that a job is writing may meet a half-written last line: no warning.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     if read_sharding(Path(args.run_dir)) is not None:
@@ -136,15 +150,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_status(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "status",
-        help="how a run directory stands: rows done, failed by type, per server",
-        description=(
-            "Read a run directory (while its job runs, or after) and print the rows done "
-            "of the total, the error rows by type, the rows by server, the job's last rate "
-            "and ETA, and whether it is running, finished, interrupted, failed or stopped."
-        ),
+def add_status(parser: argparse.ArgumentParser) -> None:
+    """Declare ``llm-annotator status`` on its parser."""
+    parser.description = (
+        "Read a run directory (while its job runs, or after) and print the rows done "
+        "of the total, the error rows by type, the rows by server, the job's last rate "
+        "and ETA, and whether it is running, finished, interrupted, failed or stopped."
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the job's --output-dir")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -6,10 +6,12 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
 from llm_annotator.pool.pace import Pace
+
+if TYPE_CHECKING:
+    from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
 
 SERVED_WELL = 20
 """Good answers after an admission that clear a member's record of evictions in a row."""
