@@ -9,7 +9,7 @@ python="${PYTHON:-python3}"
 if [[ ! -x .venv/bin/python ]]; then
     "$python" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet -e '.[speed]' 2>&1 | grep -v "is ignored" >&2 || true
+.venv/bin/python -m pip install --quiet -e '.[speed,report]' 2>&1 | grep -v "is ignored" >&2 || true
 .venv/bin/python -c 'import llm_annotator' # fail here if the install failed
 
 LLM_ANNOTATOR_VLLM_PYTHON="$(bash scripts/vllm-env.sh)"

@@ -55,6 +55,8 @@ def test_the_demo_labels_the_reviews_while_a_server_is_killed(
     assert re.search(r"server 2: healthy -> evicted \(.+\); \d+ rows it had taken", shown)
     assert "300 rows in" in shown and "300 answered, 0 errors" in shown
     assert f"annotations: {out / 'annotations.parquet'}" in shown
+    assert f"html report: {out / 'report.html'}" in shown  # drawn, its path printed
+    assert "<svg" in (out / "report.html").read_text(encoding="utf-8")
     assert "--servers http://" in shown and "--model /path/to/model-folder" in shown
     # The killed server's eviction is in the pool's own log too (a warning on stderr).
     assert '"event": "member_evicted"' in done.stderr

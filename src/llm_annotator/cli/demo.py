@@ -157,8 +157,20 @@ def run_demo(settings: DemoSettings, *, out: TextIO) -> int:
     report = orjson.loads(result.report_path.read_bytes())
     _summary(rows, result.seconds, report, stats, names, watch.killed_at, out)
     print(f"\nannotations: {result.output_path}\nreport:      {result.report_path}", file=out)
+    print(f"html report: {_html_report(output_dir)}", file=out)
     print(_NEXT_STEPS, file=out)
     return 0 if result.num_failed == 0 and result.num_rows == count else 1
+
+
+def _html_report(output_dir: Path) -> str:
+    """Write the run's HTML report (``llm-annotator report``); its path, or what it
+    needs when it cannot be drawn."""
+    from llm_annotator.jobs.run_report import write_html_report
+
+    try:
+        return str(write_html_report(output_dir))
+    except ConfigurationError as error:  # matplotlib missing: the report extra
+        return f"not written: {error}"
 
 
 _NEXT_STEPS = """
@@ -404,16 +416,13 @@ def _demo(args: argparse.Namespace) -> int:
         return 128 + signum
 
 
-def add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="label 300 reviews with a real small model on 2 local servers, killing one",
-        description=(
-            "Start 2 local vLLM servers on the small real model (built once, no download "
-            "from a model hub), label the bundled reviews through the pool with an output "
-            "schema, kill one server part way through, and print what happened and the "
-            "accuracy against the gold labels. --servers uses running servers instead."
-        ),
+def add_demo(parser: argparse.ArgumentParser) -> None:
+    """Declare ``llm-annotator demo`` on its parser."""
+    parser.description = (
+        "Start 2 local vLLM servers on the small real model (built once, no download "
+        "from a model hub), label the bundled reviews through the pool with an output "
+        "schema, kill one server part way through, and print what happened and the "
+        "accuracy against the gold labels. --servers uses running servers instead."
     )
     parser.add_argument(
         "--model",
