@@ -582,6 +582,29 @@ def test_a_pool_built_on_discovery_alone_waits_for_its_first_server(
 
 
 SECRET = "sk-discovered-0123456789"
+SLASHED = "12/ab+cd=="  # a base64 key, unescaped in a URL
+HASHED = "p#ss?w/rd"
+
+
+def test_a_key_with_slash_hash_or_question_mark_is_masked_whole(tmp_path: Path) -> None:
+    """A password written unescaped in a URL may hold ``/``, ``#`` or ``?``: the entry
+    is still refused for its credentials and logged with all of the key masked (a
+    ``#`` inside an entry starts no comment)."""
+    path = tmp_path / "servers.txt"
+    path.write_text(
+        f"{A}  # the first server\nhttp://admin:{SLASHED}@10.0.0.7:8000/v1\n"
+        f"http://admin:{HASHED}@10.0.0.8:8000/v1\n# http://10.0.0.9:8000/v1\n"
+    )
+    with structlog.testing.capture_logs() as logs:
+        assert FileSource(path).read_sync() == {A}
+    skipped = [e for e in logs if e["event"] == "discovery_entry_skipped"]
+    assert [e["entry"] for e in skipped] == [
+        "http://***@10.0.0.7:8000/v1",
+        "http://***@10.0.0.8:8000/v1",
+    ]
+    assert all(e["reason"].startswith("holds a user name or password") for e in skipped)
+    for part in ("ab+cd", "p#ss", "w/rd", ":p"):
+        assert part not in repr(logs), part
 
 
 def test_a_credentialed_entry_is_skipped_for_its_credentials_and_logged_masked(
@@ -618,9 +641,12 @@ def test_a_credentialed_entry_is_skipped_for_its_credentials_and_logged_masked(
         f"http://annotator:{SECRET}@127.0.0.1:8000/v1",
         f"annotator:{SECRET}@127.0.0.1:8000",
         f"ftp://{SECRET}@127.0.0.1:8000",
+        f"http://u:{SLASHED}@127.0.0.1:8000/v1",  # urlsplit reads host "u", port 12
+        f"http://u:{HASHED}@127.0.0.1:8000/v1",
     ],
 )
 def test_a_credentialed_url_given_by_hand_is_refused_without_showing_the_key(url: str) -> None:
     with pytest.raises(ConfigurationError, match="holds credentials") as info:
         VLLMQueueAnnotator([url])
-    assert SECRET not in str(info.value)
+    for key in (SECRET, SLASHED, HASHED, "ab+cd", "w/rd"):
+        assert key not in str(info.value)

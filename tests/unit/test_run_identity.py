@@ -80,8 +80,15 @@ def test_another_input_in_the_same_directory_is_refused_by_name(
     assert (shown.done, shown.total, shown.stored, shown.mixed_inputs) == (100, 100, 200, True)
     printed = io.StringIO()
     show_status(shown, printed)
-    assert "rows: 100 of 100 done (100.0%) of this input" in printed.getvalue()
+    assert "rows of this input: 100 of 100 done (100.0%)" in printed.getvalue()
     assert "other inputs (left out of the output): 200 ids in all" in printed.getvalue()
+    assert "rows by server (every input):" in printed.getvalue()
+    (out / "status.json").unlink()  # the job's own count is gone: not guessed
+    unknown = run_status(out)
+    assert (unknown.done, unknown.stored) == (None, 200)
+    printed = io.StringIO()
+    show_status(unknown, printed)
+    assert "rows of this input: not known yet" in printed.getvalue()
     job = orjson.loads((out / "job.json").read_bytes())
     assert job["input"]["where"] == str(second) and job["mixed_inputs"] is True
     assert [entry["where"] for entry in job["input_history"]] == [str(first)]
@@ -186,8 +193,9 @@ def test_shards_forced_onto_another_input_merge_only_its_rows(
 ) -> None:
     """A job of 2 shards, then the same shards forced onto another input: each shard
     keeps only the new input's rows, and so does the merge, with the others counted as
-    left out. A shard whose list of kept ids is gone or of the wrong shape stops the
-    merge with one line naming it, writing nothing."""
+    left out; while one shard is on the first input and one on the second, nothing is
+    merged (the output would mix them). A shard whose list of kept ids is gone or of
+    the wrong shape stops the merge with one line naming it, writing nothing."""
     first = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"a{i}"} for i in range(60)])
     second = write_jsonl(
         tmp_path / "b.jsonl", [{"id": 500 + i, "text": f"b{i}"} for i in range(40)]
@@ -198,10 +206,19 @@ def test_shards_forced_onto_another_input_merge_only_its_rows(
             pool.annotate(first, TEMPLATE, out, id_column="id", progress=False, shard=(index, 2))
         results = [
             pool.annotate(
-                second, TEMPLATE, out, id_column="id", progress=False, shard=(i, 2), force=True
+                second, TEMPLATE, out, id_column="id", progress=False, shard=(0, 2), force=True
             )
-            for i in (0, 1)
         ]
+        assert results[0].merged_path is None  # shard 1 is still on the first input
+        with pytest.raises(JobError, match="over 2 different inputs") as mixed:
+            merge(out)
+        assert f"{first}: shard 1" in str(mixed.value)
+        assert f"{second}: shard 0" in str(mixed.value)
+        results.append(
+            pool.annotate(
+                second, TEMPLATE, out, id_column="id", progress=False, shard=(1, 2), force=True
+            )
+        )
     merged = results[1].merged_path
     assert merged is not None
     assert ids_of(merged) == [500 + i for i in range(40)]

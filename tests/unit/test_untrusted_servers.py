@@ -419,8 +419,9 @@ async def test_an_answer_longer_than_its_token_limit_is_malformed(
         (long_answer(text=8 * 1024 + 4096, tokens=8), {"max_tokens": 8}),  # at the bound
         (long_answer(text=TEN_MB), {}),  # no limit asked: only the size cap applies
         (long_answer(text=TEN_MB), {"max_tokens": 20_000}),
+        (long_answer(text=TEN_MB), {"max_tokens": 8, "echo": True}),  # the prompt comes back
     ],
-    ids=["at-the-bound", "no-limit", "large-limit"],
+    ids=["at-the-bound", "no-limit", "large-limit", "echo"],
 )
 async def test_an_answer_within_its_token_limit_is_accepted(
     body: bytes, asked: dict[str, int]

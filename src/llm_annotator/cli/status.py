@@ -45,29 +45,32 @@ def show_status(status: RunStatus, out: TextIO) -> None:
     who = f" (pid {status.pid}{on})" if status.pid is not None else ""
     when = f", status written {status.updated}" if status.updated else ""
     print(f"{status.output_dir}: {status.state}{who}{when}", file=out)
-    total = status.total
-    of = f" of {total} done ({status.done / total:.1%})" if total else " done"
+    total, done = status.total, status.done
+    of = f" of {total} done ({done / total:.1%})" if total and done is not None else " done"
     rate = ""
     if status.rows_per_second is not None:
         rate = f"; {status.rows_per_second:,.1f} rows/s"
         if status.eta_seconds is not None:
             rate += f", ETA {duration(status.eta_seconds)}"
     answered = f"{status.succeeded} answered, {status.failed} failed"
+    every = ""
     if status.mixed_inputs:
-        print(f"  rows: {status.done}{of} of this input{rate}", file=out)
+        known = f"{done}{of}" if done is not None else "not known yet (its job has not said)"
+        print(f"  rows of this input: {known}{rate}", file=out)
         print(
             f"  the directory also holds rows of other inputs (left out of the output): "
             f"{status.stored} ids in all, {answered}",
             file=out,
         )
+        every = " (every input)"
     else:
-        print(f"  rows: {status.done}{of}: {answered}{rate}", file=out)
+        print(f"  rows: {done}{of}: {answered}{rate}", file=out)
     if status.by_error_type:
         kinds = ", ".join(f"{kind} {n}" for kind, n in status.by_error_type.items())
-        print(f"  failed by type: {kinds}", file=out)
+        print(f"  failed by type{every}: {kinds}", file=out)
     if status.per_server:
         servers = ", ".join(f"{server} {n}" for server, n in status.per_server.items())
-        print(f"  rows by server: {servers}", file=out)
+        print(f"  rows by server{every}: {servers}", file=out)
     if status.servers:
         servers = ", ".join(
             f"{url} {now['state']}"

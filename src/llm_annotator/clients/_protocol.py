@@ -191,14 +191,19 @@ def beyond_token_limit(response: Response, token_limit: int) -> str | None:
 def token_limit(params: dict[str, Any]) -> int | None:
     """The most tokens a request with ``params`` may be answered with, as the server
     reads it: ``max_completion_tokens`` first, then ``max_tokens``; None for none (or
-    a value the server will refuse anyway).
+    a value the server will refuse anyway), and None with vLLM's ``echo``, whose
+    answer starts with the conversation's last message.
 
     Examples:
         >>> token_limit({"max_tokens": 8}), token_limit({"max_completion_tokens": 4, "max_tokens": 8})
         (8, 4)
         >>> token_limit({}), token_limit({"max_tokens": "8"}), token_limit({"max_tokens": True})
         (None, None, None)
+        >>> token_limit({"max_tokens": 8, "echo": True}) is None
+        True
     """  # noqa: E501
+    if params.get("echo"):
+        return None
     for key in ("max_completion_tokens", "max_tokens"):
         value = params.get(key)
         if value is None:

@@ -7,8 +7,10 @@ from urllib.parse import urlsplit
 
 from llm_annotator.errors import ConfigurationError
 
-_USERINFO = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.-]*:)?//|\s*)[^/?#\s]*@")
-"""What comes before the host of a URL, up to its last ``@``: a user name and password."""
+_USERINFO = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.-]*:)?//|\s*).*@", re.DOTALL)
+"""What comes after the scheme of a URL up to its last ``@``, wherever that is: a user
+name and password (which may hold ``/``, ``?`` or ``#`` unescaped) and anything with
+them. A base URL never needs an ``@``, so masking too much is the safe error."""
 
 
 def shown_url(text: str) -> str:
@@ -18,8 +20,8 @@ def shown_url(text: str) -> str:
     Examples:
         >>> shown_url("http://user:sk-1@10.0.0.1:8000/v1")
         'http://***@10.0.0.1:8000/v1'
-        >>> shown_url("user:sk-1@10.0.0.1:8000"), shown_url("http://10.0.0.1/v1?a=b@c")
-        ('***@10.0.0.1:8000', 'http://10.0.0.1/v1?a=b@c')
+        >>> shown_url("user:sk-1@10.0.0.1:8000"), shown_url("http://u:sk/a?b#c@10.0.0.1/v1")
+        ('***@10.0.0.1:8000', 'http://***@10.0.0.1/v1')
     """
     return _USERINFO.sub(lambda match: match.group(1) + "***@", text, count=1)
 

@@ -38,6 +38,7 @@ from llm_annotator.jobs.consolidate import (
     read_input_ids,
 )
 from llm_annotator.jobs.files import check_entry, open_binary
+from llm_annotator.jobs.fingerprint import read_job_record
 from llm_annotator.jobs.report import REPORT_NAME, read_report, result_summary, write_json
 from llm_annotator.jobs.shard import Shard, read_sharding, shard_folders
 from llm_annotator.jobs.status import run_state, run_status
@@ -198,6 +199,7 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
             f"merge {directory}."
         )
     with _locked([directory, *(s.directory for s in states)]):
+        _one_input(states, count)
         files, keep, kept_in = _shard_files(states, count)
         order = _column_order(states[0].directory)
         parts = _shard_reports(states)  # checked before anything is written
@@ -222,6 +224,38 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
         write_json(report_path, report)
     log.info("shards_merged", output_dir=str(directory), shards=count, rows=result.num_rows)
     return Merged(result.parquet_path, report_path, count, result)
+
+
+def _one_input(states: list[ShardState], count: int) -> None:
+    """Refuse to merge shards that last ran over different inputs (some forced onto
+    another input, the others not yet): each would pass its own row count, and the
+    output would mix the two.
+
+    Raises:
+        JobError: Naming the input of each group of shards, and what to run.
+    """
+    groups: dict[tuple[Any, Any], list[ShardState]] = {}
+    where: dict[tuple[Any, Any], str] = {}
+    for state in states:
+        record = read_job_record(state.directory / JOB_FILE) or {}
+        said = record.get("input")
+        said = said if isinstance(said, dict) else {}
+        key = (said.get("digest"), said.get("rows"))
+        groups.setdefault(key, []).append(state)
+        where.setdefault(key, str(said.get("where") or "an input it did not record"))
+    if len(groups) < 2:
+        return
+    lines = [
+        f"\n  {where[key]}: shard{'s' if len(group) > 1 else ''} "
+        + ", ".join(str(s.index) for s in group[:LISTED_SHARDS])
+        + (f" and {len(group) - LISTED_SHARDS} more" if len(group) > LISTED_SHARDS else "")
+        for key, group in groups.items()
+    ]
+    raise JobError(
+        f"cannot merge the {count} shards of {states[0].directory.parent}: they last ran "
+        f"over {len(groups)} different inputs:{''.join(lines)}\nRun every shard over the "
+        "same input (with --force where it changed), then merge."
+    )
 
 
 def _shard_files(

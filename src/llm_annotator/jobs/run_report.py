@@ -518,13 +518,16 @@ def _summary_rows(
     status: RunStatus, summary: dict[str, Any], series: RunSeries
 ) -> list[tuple[str, Any]]:
     total = status.total or series.total or None
+    done = status.done
+    if done is None:  # a directory of mixed inputs whose job has not counted its own
+        shown = "not known yet"
+    else:
+        shown = f"{done}" + (f" of {total} ({done / total:.1%})" if total else "")
+    every = " (every input)" if status.mixed_inputs else ""
     rows: list[tuple[str, Any]] = [
-        (
-            "rows done",
-            f"{status.done}" + (f" of {total} ({status.done / total:.1%})" if total else ""),
-        ),
-        ("answered", status.succeeded),
-        ("error rows", status.failed),
+        ("rows done" + (" of this input" if status.mixed_inputs else ""), shown),
+        ("answered" + every, status.succeeded),
+        ("error rows" + every, status.failed),
     ]
     for kind, count in status.by_error_type.items():
         rows.append((f"  {kind}", count))

@@ -164,8 +164,9 @@ class RunStatus:
         total: Rows the job takes, if a job has said so.
         done: Ids with a result (answered or error rows). In a directory of
             ``mixed_inputs``, the ids of the current input only, as its job last
-            counted them.
-        succeeded: Ids with an answer (of every input, in a directory of mixed inputs).
+            counted them (None if it has not said).
+        succeeded: Ids with an answer (of every input, in a directory of mixed inputs;
+            so are the counts by error type and by server).
         failed: Ids whose best record is an error row (likewise).
         by_error_type: Those error rows by type.
         per_server: Ids by the server that answered them (error rows included).
@@ -188,7 +189,7 @@ class RunStatus:
     pid: int | None
     host: str | None
     total: int | None
-    done: int
+    done: int | None
     succeeded: int
     failed: int
     by_error_type: dict[str, int] = field(default_factory=dict)
@@ -236,9 +237,9 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
     live = state in ("running", "consolidating")
     stored = tally.succeeded + tally.failed
     mixed = job.get("mixed_inputs") is True
-    done = stored
-    if mixed and "done" in status:  # the store also holds rows of other inputs
-        done = min(status["done"], stored)
+    done: int | None = stored
+    if mixed:  # the store also holds rows of other inputs: only the job knows its own
+        done = min(status["done"], stored) if "done" in status else None
     return RunStatus(
         output_dir=str(directory),
         state=state,

@@ -1,7 +1,7 @@
 """Where servers are listed: a file, a directory of ``*.url`` files, a DNS name.
 
 - :class:`FileSource`: a file of base URLs, one a line; blank lines and ``#``
-  comments are ignored.
+  comments (at a line's start or after a space) are ignored.
 - :class:`DirectorySource`: a directory where each server writes ``<name>.url`` (one
   base URL) once it is healthy, and deletes it when it goes away. Write the file under
   another name and rename it, so a reader never sees half a URL.
@@ -33,6 +33,9 @@ from llm_annotator.clients.urls import has_credentials, normalize_base_url, show
 from llm_annotator.errors import ConfigurationError
 
 log = structlog.get_logger(__name__)
+
+_COMMENT = re.compile(r"(?:^|\s)#")
+"""Where a comment starts in a servers file: a ``#`` at the start or after a space."""
 
 _MAX_URL_FILE = 4096
 """Bytes read from one ``*.url`` file: a base URL is far shorter."""
@@ -145,6 +148,10 @@ class _Memo:
 class FileSource:
     """A file of base URLs, one a line; blank lines and ``#`` comments are ignored.
 
+    A comment starts at a ``#`` at the start of a line or after a space: a ``#`` within
+    an entry (a password, wrongly written in the URL) stays part of it, so the entry
+    is refused and masked whole, not cut into a URL that shows part of the password.
+
     It is read every round and parsed again when its content changes. A line that is
     not an http(s) URL is skipped and logged once. A file that cannot be read (missing,
     no permission) keeps the last list: empty it to remove every server.
@@ -186,7 +193,7 @@ class FileSource:
     def _parse(self, text: str) -> set[str]:
         urls: set[str] = set()
         for number, line in enumerate(text.splitlines(), start=1):
-            entry = line.split("#", 1)[0].strip()
+            entry = _COMMENT.split(line, maxsplit=1)[0].strip()
             if not entry:
                 continue
             try:
