@@ -437,15 +437,23 @@ class WorkerOutput:
         return "crashed", f"the worker exited with code {self.returncode}:\n{self.tail(lines)}"
 
 
-def run_worker(script: str, spec: Any, marker: str, timeout: float) -> WorkerOutput:
-    """Run ``script --worker <spec as JSON>`` and read back its result line.
+def run_worker(
+    script: str, spec: Any, marker: str, timeout: float, env: dict[str, str] | None = None
+) -> WorkerOutput:
+    """Run ``script --worker <spec as JSON>`` (in ``env``, this process's by default) and
+    read back its result line.
 
     A worker that runs past ``timeout`` seconds is killed.
     """
     command = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(asdict(spec))]
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
     except subprocess.TimeoutExpired:
         return WorkerOutput(None, "", None, timeout)

@@ -258,6 +258,7 @@ class SimServer:
         self.served_model = served_model
         self.cpu = cpu
         self.port = 0
+        self._attached_pid: int | None = None
         self._process: subprocess.Popen[str] | None = None
         # Open for the life of this object: the process writes to it until it ends.
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
@@ -267,15 +268,27 @@ class SimServer:
         """The OpenAI base URL, ``http://127.0.0.1:<port>/v1``."""
         return f"http://{LOOPBACK}:{self.port}/v1"
 
+    @classmethod
+    def attach(cls, model: ServerModel, served_model: str, port: int, pid: int) -> SimServer:
+        """A handle on a server another process started (its counters and CPU time are
+        read over HTTP and from /proc; it cannot be stopped or killed from here)."""
+        server = cls(model, served_model, None)
+        server.port, server._attached_pid = port, pid
+        return server
+
     @property
     def pid(self) -> int:
         """The server process's id."""
+        if self._process is None and self._attached_pid is not None:
+            return self._attached_pid
         assert self._process is not None
         return self._process.pid
 
     @property
     def alive(self) -> bool:
         """Whether the process is running."""
+        if self._process is None and self._attached_pid is not None:
+            return Path(f"/proc/{self._attached_pid}").exists()
         return self._process is not None and self._process.poll() is None
 
     def start(self, timeout: float = 20.0) -> None:

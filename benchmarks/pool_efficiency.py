@@ -11,16 +11,16 @@ summed throughput at full load, taken from the simulation's parameters; the tail
 50 ms); and what each server did (answers, busy and saturated seconds, idle time at the
 end).
 
-Each run is made with four dispatches, side by side: ``window`` (this version's
+Each run is made with two dispatches, side by side: ``window`` (this version's
 default: a batch slot keeps its batch full as answers arrive; a server's window, what
 it may hold, starts at 64 and grows by one with each answer up to ``batch_size x
 batches``; once the input is read each server holds its part of what is left by its
 pace; the tail hedges the last sent first and the first answer cancels the other
-copy), ``adaptive`` (the same with ``adaptive=True``: each server's window follows its
-``/metrics`` so that it queues little), ``refill`` (the refill dispatch before windows
-started small and the end was shared by pace) and ``batch`` (the dispatch before
-refilling: a slot sends a whole batch and waits for its last answer). ``--dispatch``
-picks some.
+copy) and ``adaptive`` (the same with ``adaptive=True``: each server's window follows
+its ``/metrics`` so that it queues little). ``--dispatch`` picks some. ``--against
+REV`` adds ``window@REV``: the default dispatch of an older commit (for instance one
+of the dispatches before this one), run from a git worktree of it in a worker process
+against the same servers, in the efficiency table.
 
 Fault cost: the same run again, with one server SIGKILLed once 30% of the samples are
 done; the extra wall time over the run without the fault, against the extra that the
@@ -31,6 +31,7 @@ Run it as::
 
     python benchmarks/pool_efficiency.py            # full run, about two minutes
     python benchmarks/pool_efficiency.py --quick    # smoke run, about 20 seconds
+    python benchmarks/pool_efficiency.py --against 85f15d7   # beside an older commit
 
 Targets: makespan within 2% of the lower bound; a killed server costs no more than its
 lost capacity explains plus 0.5 s. The exit code is 0 whether or not they are met, and
@@ -55,21 +56,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _against
 import _harness as harness
 from _nginx import MODEL, raise_nofile_limit
 from _sim_server import ServerModel, ServerStats, SimServer
 from llm_annotator import VLLMQueueAnnotator
-from llm_annotator.pool import dispatch, pace
 
 POLL = 0.05
 """Seconds between two reads of the pool's completed count."""
 TARGET_RATIO = 1.02
 TARGET_FAULT_SLACK = 0.5
-DISPATCHES = ("adaptive", "window", "refill", "batch")
-"""This version's dispatch with ``adaptive=True``, the same with its default
-``adaptive=False``, the refill dispatch before windows started small and the end was
-shared by pace (``pace.PACED`` off), and the one before refilling (``dispatch.REFILL``
-off)."""
+DISPATCHES = ("adaptive", "window")
+"""This version's dispatch with ``adaptive=True``, and the same with its default
+``adaptive=False``."""
+RESULT = "RESULT "
+"""The marker of a worker's result line."""
 DEFAULT_SERVERS = "A:20:32,B:40:32,C:60:24,D:80:16"
 """name:base latency ms:capacity of each simulated server."""
 
@@ -80,7 +81,8 @@ class RunResult:
 
     Attributes:
         batch_size: The pool's batch size.
-        dispatch: ``window`` or ``batch`` (see :data:`DISPATCHES`).
+        dispatch: ``window`` or ``adaptive`` (see :data:`DISPATCHES`), or
+            ``window@REV`` for an older commit's.
         samples: Conversations sent.
         makespan: Seconds the call took.
         first: Seconds to the first completed sample (start-up probes included).
@@ -171,8 +173,6 @@ def run_once(
     """
     for server in servers:
         server.reset()
-    dispatch.REFILL = mode != "batch"
-    pace.PACED = mode not in ("batch", "refill")
     names = {server.base_url: server.model.name for server in servers}
     result = RunResult(batch_size=batch_size, samples=samples, dispatch=mode)
     pool = VLLMQueueAnnotator(
@@ -465,10 +465,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dispatch",
         default=",".join(DISPATCHES),
-        help="dispatches to compare: adaptive (adaptive=True), window (the default), "
-        "refill (before pace shares), batch (before refilling) "
+        help="dispatches to compare: adaptive (adaptive=True), window (the default) "
         f"({','.join(DISPATCHES)})",
     )
+    _against.add_against(parser, "the default dispatch (in the efficiency table)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     harness.add_number(
         parser,
         "--attempts",
@@ -494,6 +495,70 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.samples < 100 or not args.batch_sizes or not 0 < args.kill_at < 1:
         parser.error("need --samples >= 100, a batch size, and 0 < --kill-at < 1")
     return args
+
+
+@dataclass
+class WorkerSpec:
+    """A run of ``window`` for a worker on an older commit's library.
+
+    Attributes:
+        servers: Each running server as (name, base latency, capacity, alpha, port, pid).
+        batch_size: The pool's batch size.
+        samples: Conversations sent.
+        batches_per_server: ``max_concurrent_batches_per_client``.
+    """
+
+    servers: tuple[tuple[str, float, int, float, int, int], ...]
+    batch_size: int
+    samples: int
+    batches_per_server: int
+
+
+def run_against(
+    tree: Path, label: str, servers: Sequence[SimServer], batch_size: int, args: argparse.Namespace
+) -> RunResult:
+    """One ``window`` run of the library in ``tree`` (an older commit), in a worker
+    process against the same ``servers``.
+
+    Raises:
+        RuntimeError: If the worker reports no result.
+    """
+    spec = WorkerSpec(
+        tuple(
+            (s.model.name, s.model.base_latency, s.model.capacity, s.model.alpha, s.port, s.pid)
+            for s in servers
+        ),
+        batch_size,
+        args.samples,
+        args.batches_per_server,
+    )
+    output = harness.run_worker(__file__, spec, RESULT, 600.0, _against.environment(tree))
+    if output.data is None:
+        status, note = output.failure(20)
+        raise RuntimeError(f"the run on {label} failed ({status}): {note}")
+    data = output.data
+    data["server_stats"] = {
+        name: ServerStats(**stats) if stats is not None else None
+        for name, stats in data["server_stats"].items()
+    }
+    data["dispatch"] = f"window@{label}"
+    return RunResult(**data)
+
+
+def worker(text: str) -> int:
+    """The worker's side of :func:`run_against`: the run, reported on one line."""
+    spec = harness.read_spec(WorkerSpec, text)
+    servers = [
+        SimServer.attach(ServerModel(name, base, capacity, alpha), MODEL, port, pid)
+        for name, base, capacity, alpha, port, pid in spec.servers
+    ]
+    events = harness.EventLog(echo=False)
+    events.install()
+    result = run_once(
+        servers, spec.batch_size, spec.samples, spec.batches_per_server, events, mode="window"
+    )
+    harness.report_result(RESULT, result)
+    return 0
 
 
 def quietest(args: argparse.Namespace, measure: Callable[[], RunResult]) -> RunResult:
@@ -548,6 +613,16 @@ def print_setup(args: argparse.Namespace, client_cpu: int | None, server_cpu: in
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
+    if args.worker is not None:
+        return worker(args.worker)
+    against = _against.short(args.against) if args.against else None
+    with contextlib.ExitStack() as stack:
+        tree = stack.enter_context(_against.worktree(against)) if against else None
+        return _run(args, tree, against)
+
+
+def _run(args: argparse.Namespace, tree: Path | None, against: str | None) -> int:
+    """The benchmark: servers up, the runs, the tables (see the module's docstring)."""
     raise_nofile_limit()  # the servers inherit it
     client_cpu, server_cpu = _pick_cpus(not args.no_pin)
     if client_cpu is not None:
@@ -575,6 +650,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     mode=mode,
                 )
                 clean[batch_size, mode] = quietest(args, measure)
+            if tree is not None and against is not None:
+                print(f"running batch size {batch_size}, window dispatch of {against} ...")
+                older = partial(run_against, tree, against, servers, batch_size, args)
+                clean[batch_size, f"window@{against}"] = quietest(args, older)
         print("\nPool efficiency (makespan against total work / total capacity)\n")
         print_efficiency(list(clean.values()), models)
         if args.no_fault:

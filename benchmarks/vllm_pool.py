@@ -12,11 +12,9 @@ the same N conversations:
   answers arrive, ``adaptive=False``);
 * pool-adaptive: the same with ``adaptive=True`` (each server's window sized from its
   ``/metrics``);
-* pool-refill: the refill dispatch before windows started small and the end of a call
-  was shared by pace (every server given its whole window at once; an even share of
-  the queue per slot at the end);
-* pool-batch: the dispatch before both (a slot waits for the last answer of its batch
-  before it takes the next);
+* pool@REV (with ``--against REV``): the same call on the library of an older commit
+  (a git worktree of it, in a worker process that keeps its pool from round to round),
+  for instance one from before a change of the dispatch;
 * vllm-bench: vLLM's own benchmark client (``vllm bench serve``, from the vLLM
   environment) driving each server on its own, both at once, each with half of the
   conversations at ``--in-flight`` concurrency; its figure is the sum of the two
@@ -43,9 +41,10 @@ Run it as::
 
     python benchmarks/vllm_pool.py            # N=4,000, 3 rounds: about five minutes
     python benchmarks/vllm_pool.py --quick    # N=1,000, 2 rounds: about two minutes
+    python benchmarks/vllm_pool.py --against 85f15d7   # also the pool of that commit
 
 Targets: the pool (and the annotation job) at least 95% of plain's rows per second;
-the pool at least as fast as pool-refill, pool-batch and vllm-bench, with no more
+the pool at least as fast as vllm-bench and as the older commit's pool, with no more
 preemptions.
 The exit code is 0 whether or not it is met, and non-zero only when the harness fails.
 """
@@ -54,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -72,6 +72,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _against
 import _harness as harness
 from _nginx import group_cpu_seconds, pin_group
 
@@ -80,7 +81,8 @@ MAX_TOKENS = 8
 TEMPERATURE = 1.0
 BATCHES_PER_MEMBER = 4
 TEMPLATE = "Is this review positive or negative? Answer in one word.\n\nReview: {text}"
-WAYS = ("pool", "pool-adaptive", "pool-refill", "pool-batch", "vllm-bench", "plain", "annotate")
+WAYS = ("pool", "pool-adaptive", "vllm-bench", "plain", "annotate")
+"""The ways of sending; ``--against REV`` adds ``pool@REV``."""
 ANSWER = {"from": "gpt", "value": "positive"}
 """The second turn vLLM's ShareGPT reader wants (unused: the output length is fixed)."""
 BENCH_SCRIPT = (
@@ -99,7 +101,7 @@ class RunResult:
     """One timed run of one way.
 
     Attributes:
-        way: ``"pool"``, ``"annotate"`` or ``"plain"``.
+        way: One of :data:`WAYS`, or ``pool@REV``.
         round: The round it ran in (from 1).
         samples: Conversations sent.
         wall: Seconds of the call.
@@ -151,6 +153,96 @@ def _tally(result: RunResult, responses: Sequence[Any]) -> None:
     result.errors = dict(errors)
 
 
+class OlderPool:
+    """``pool@REV``: a worker process that runs the library of an older commit (from
+    ``tree``) and keeps its pool from call to call; each :meth:`run` is one
+    ``batch_generate`` of the conversations there, timed by the caller around it.
+    """
+
+    def __init__(
+        self,
+        tree: Path,
+        base_urls: Sequence[str],
+        settings: dict[str, Any],
+        conversations: list[list[dict[str, str]]],
+    ) -> None:
+        spec = {
+            "base_urls": list(base_urls),
+            "settings": settings,
+            "conversations": conversations,
+            "options": {"max_completion_tokens": MAX_TOKENS, "temperature": TEMPERATURE},
+        }
+        self._process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--older-pool", "-"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_against.environment(tree),
+        )
+        self._say(json.dumps(spec))
+        self._hear()  # its pool's first call is made
+
+    def _say(self, line: str) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.write(line + "\n")
+        self._process.stdin.flush()
+
+    def _hear(self) -> dict[str, Any]:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the older pool's worker ended (exit {self._process.wait()})")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the worker has used so far (0 once it is gone)."""
+        try:
+            with open(f"/proc/{self._process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def run(self) -> dict[str, Any]:
+        """One call: ``ok``, ``output_tokens`` and ``errors`` by type."""
+        self._say("run")
+        return self._hear()
+
+    def close(self) -> None:
+        """End the worker."""
+        with contextlib.suppress(OSError):
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def older_pool_worker(_: str) -> int:
+    """The worker's side of :class:`OlderPool`: a spec line, then one call per
+    ``run`` line, each answered with one JSON line."""
+    from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
+
+    harness.EventLog().install()  # its events stay out of the parent's tables
+    spec = json.loads(sys.stdin.readline())
+    options = VLLMOnlineRuntimeOptions(**spec["options"])
+    conversations = spec["conversations"]
+    with VLLMQueueAnnotator(spec["base_urls"], **spec["settings"]) as pool:
+        pool.batch_generate(messages=conversations[:200], options=options)
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "run":
+                continue
+            result = RunResult(way="older", round=0, samples=len(conversations))
+            _tally(result, pool.batch_generate(messages=conversations, options=options))
+            answer = {"ok": result.ok, "output_tokens": result.output_tokens}
+            print(json.dumps({**answer, "errors": result.errors}), flush=True)
+    return 0
+
+
 class Bench:
     """The servers, the pool, the inputs, and one method per way of sending."""
 
@@ -182,9 +274,10 @@ class Bench:
             "batch_size": max(1, args.in_flight // BATCHES_PER_MEMBER),
             "max_concurrent_batches_per_client": BATCHES_PER_MEMBER,
         }
+        self.settings = settings
         self.pool = VLLMQueueAnnotator(servers.base_urls, **settings)
-        self.old_pool = VLLMQueueAnnotator(servers.base_urls, adaptive=False, **settings)
         self.adaptive_pool = VLLMQueueAnnotator(servers.base_urls, adaptive=True, **settings)
+        self.older: OlderPool | None = None
         self.jobs = 0
         # In ShareGPT's layout: vLLM's benchmark reads it with json alone (its custom
         # JSONL dataset needs pandas, which the vLLM environment lacks).
@@ -199,34 +292,38 @@ class Bench:
         """One small call on each pool, so that no way's first round also pays for its
         pool's first call (its connections and probes)."""
         part = self.conversations[: min(200, len(self.conversations))]
-        for pool in (self.pool, self.old_pool, self.adaptive_pool):
+        for pool in (self.pool, self.adaptive_pool):
             pool.batch_generate(messages=part, options=self.options)
 
+    def start_older(self, tree: Path) -> None:
+        """Start the worker of ``pool@REV`` on the library in ``tree`` (its pool's
+        first call is made there, not counted)."""
+        self.older = OlderPool(tree, self.servers.base_urls, self.settings, self.conversations)
+
     def close(self) -> None:
-        """Close the pools' connections."""
+        """Close the pools' connections (and the older commit's worker)."""
         self.pool.close()
-        self.old_pool.close()
         self.adaptive_pool.close()
+        if self.older is not None:
+            self.older.close()
 
     def run(self, way: str, round_number: int) -> RunResult:
         """Time one run of ``way``, with the CPU figures around it."""
         result = RunResult(way=way, round=round_number, samples=len(self.conversations))
         methods: dict[str, Callable[[RunResult], None]] = {
             "pool": self._pool,
-            "pool-batch": self._old_pool,
-            "pool-refill": self._refill_pool,
             "pool-adaptive": self._adaptive_pool,
             "vllm-bench": self._vllm_bench,
             "annotate": self._annotate,
             "plain": self._plain,
         }
         preempted0 = self._preemptions()
-        busy0, own0 = harness.busy_seconds(), harness.cpu_seconds() + _children_cpu()
+        busy0, own0 = harness.busy_seconds(), self._client_cpu()
         servers0 = group_cpu_seconds(self.groups)
         wall0 = time.perf_counter()
-        methods[way](result)
+        methods.get(way, self._older_pool)(result)
         wall = time.perf_counter() - wall0
-        busy1, own1 = harness.busy_seconds(), harness.cpu_seconds() + _children_cpu()
+        busy1, own1 = harness.busy_seconds(), self._client_cpu()
         servers1 = group_cpu_seconds(self.groups)
         if not result.wall:
             result.wall = wall
@@ -266,26 +363,17 @@ class Bench:
         )
         _tally(result, responses)
 
-    def _old_pool(self, result: RunResult) -> None:
-        from llm_annotator.pool import dispatch
+    def _client_cpu(self) -> float:
+        """CPU seconds of this process, its reaped children and the older pool's worker."""
+        older = self.older.cpu_seconds() if self.older is not None else 0.0
+        return harness.cpu_seconds() + _children_cpu() + older
 
-        self._old_dispatch(result, dispatch, "REFILL")
-
-    def _refill_pool(self, result: RunResult) -> None:
-        from llm_annotator.pool import pace
-
-        self._old_dispatch(result, pace, "PACED")
-
-    def _old_dispatch(self, result: RunResult, module: Any, flag: str) -> None:
-        """A run of ``old_pool`` with ``module.flag`` off: a dispatch before this one."""
-        setattr(module, flag, False)
-        try:
-            responses = self.old_pool.batch_generate(
-                messages=self.conversations, options=self.options
-            )
-        finally:
-            setattr(module, flag, True)
-        _tally(result, responses)
+    def _older_pool(self, result: RunResult) -> None:
+        """``pool@REV``: the call made by the older commit's worker."""
+        assert self.older is not None, "pool@REV needs --against REV"
+        answered = self.older.run()
+        result.ok, result.output_tokens = answered["ok"], answered["output_tokens"]
+        result.errors = answered["errors"]
 
     def _vllm_bench(self, result: RunResult) -> None:
         """vLLM's benchmark client on each server, at once, each with half the prompts."""
@@ -494,7 +582,8 @@ def print_summary(runs: Sequence[RunResult]) -> None:
     print()
     medians: dict[str, float] = {}
     rows = []
-    for way in WAYS:
+    ways = [*WAYS, *dict.fromkeys(r.way for r in runs if r.way not in WAYS)]  # pool@REV
+    for way in ways:
         good = [r.rps for r in runs if r.way == way and _good(r)]
         counted = [r.preemptions for r in runs if r.way == way and r.preemptions is not None]
         preempted = f"{statistics.median(counted):,.0f}" if counted else "-"
@@ -518,10 +607,8 @@ def print_summary(runs: Sequence[RunResult]) -> None:
     comparisons = (
         ("pool", "plain", TARGET_SHARE),
         ("annotate", "plain", TARGET_SHARE),
-        ("pool", "pool-refill", 1.0),
-        ("pool", "pool-batch", 1.0),
-        ("pool-adaptive", "pool-batch", 1.0),
         ("pool", "vllm-bench", 1.0),
+        *(("pool", way, 1.0) for way in medians if way.startswith("pool@")),
     )
     for way, other, target in comparisons:
         mine, theirs = medians.get(way), medians.get(other)
@@ -551,6 +638,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ways", default=",".join(WAYS), help=f"ways to run (default {','.join(WAYS)})"
     )
+    _against.add_against(parser, "the pool (as the way pool@REV)")
+    parser.add_argument("--older-pool", help=argparse.SUPPRESS)
     parser.add_argument(
         "--no-pin",
         dest="pin",
@@ -589,6 +678,18 @@ def pin_servers(servers: Fleet) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the process exit code."""
     args = parse_args(argv)
+    if args.older_pool is not None:
+        return older_pool_worker(args.older_pool)
+    against = _against.short(args.against) if args.against else None
+    if against is not None:
+        args.ways = (*args.ways, f"pool@{against}")
+        with _against.worktree(against) as tree:
+            return _run(args, tree)
+    return _run(args, None)
+
+
+def _run(args: argparse.Namespace, tree: Path | None) -> int:
+    """The benchmark: servers up, the rounds, the tables (see the module's docstring)."""
     harness.exit_on_sigterm()
     harness.EventLog().install()  # the library's events would interleave with the tables
     from llm_annotator.errors import LLMAnnotatorError
@@ -629,6 +730,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         warm = bench.run("plain", 0)  # the servers' first requests are slow
         print(f"warm-up (plain, not counted): {warm.rps:,.0f} rows/s", flush=True)
         bench.warm_pools()
+        if tree is not None:
+            bench.start_older(tree)
         print("each pool's first call made (not counted)\n", flush=True)
         runs = []
         ways = args.ways

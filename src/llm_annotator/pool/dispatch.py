@@ -10,7 +10,7 @@ import structlog
 from llm_annotator.clients.base import Messages
 from llm_annotator.clients.retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
-from llm_annotator.pool import pace, scheduler
+from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
@@ -23,11 +23,6 @@ from llm_annotator.pool.window import WindowTuner
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
-
-REFILL = True
-"""Slots refill their window as answers arrive. False gives the dispatch before it (a
-slot sends a whole batch and waits for its last answer; the tail hedges oldest first),
-kept so that benchmarks can show both side by side."""
 
 HEDGE_ROOM = 8
 """Room a slot needs before it hedges while it still holds requests (a hedge walks
@@ -99,18 +94,17 @@ class Dispatcher:
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
             self._windows.restart_if_back(member)
-            limit = self._room(run, member, 0) if REFILL else None
-            if limit is not None and limit <= 0:
+            limit = self._room(run, member, 0)
+            if limit <= 0:
                 # Its window is full (a change wakes it), or its share of the end is
                 # (that moves with the others' answers: look again soon).
                 share_full = member.window > len(member.in_flight)
                 await run.wait_for_change(SHARE_WAIT if share_full else 1.0)
                 continue
-            slots = 1 if REFILL else self._working_slots()
-            batch = run.take(slots, self._shunned_by(member), limit=limit)
+            batch = run.take(1, self._shunned_by(member), limit=limit)
             hedges = False
             if batch is None and self._hedges_now(run):
-                batch = self._hedge(run, member, limit or self._state.config.batch_size)
+                batch = self._hedge(run, member, limit)
                 hedges = True
             if batch is None:
                 await run.wait_for_change(1.0)
@@ -143,17 +137,15 @@ class Dispatcher:
             elapsed=self._state.clock.now() - run.started,
             limit=limit,
             skip=_Skip(run, failed_here),
-            newest_first=REFILL,
         )
         if not batch:
             return None
         run.hedged.update(batch)
-        if REFILL:  # the first answer cancels the other copy
-            picked = set(batch)
-            for other in others:
-                for task, index in other.in_flight.items():
-                    if index in picked:
-                        run.copies.setdefault(index, []).append(task)
+        picked = set(batch)  # the first answer cancels the other copy
+        for other in others:
+            for task, index in other.in_flight.items():
+                if index in picked:
+                    run.copies.setdefault(index, []).append(task)
         log.debug("samples_hedged", server=member.url, samples=len(batch))
         return batch
 
@@ -161,9 +153,9 @@ class Dispatcher:
         self, run: Run, member: Member, batch: list[int], *, hedges: bool = False
     ) -> None:
         """Send ``batch`` (hedges, if ``hedges``) and settle each answer as it arrives;
-        with :data:`REFILL`, keep up to ``batch_size`` requests in flight by taking more
-        work as answers arrive (in bursts of :data:`BURST`), until there is none;
-        requeue what is left."""
+        keep up to ``batch_size`` requests in flight by taking more work as answers
+        arrive (in bursts of :data:`BURST`), until there is none; requeue what is
+        left."""
         params = self._state.params_for(member)
         client = member.client
         clock = self._state.clock
@@ -203,7 +195,7 @@ class Dispatcher:
             send(batch, hedges)
             while True:
                 settle_arrived()
-                more, hedges = self._refill(run, member, len(waiting)) if REFILL else _NONE
+                more, hedges = self._refill(run, member, len(waiting))
                 if more:
                     send(more, hedges)
                     if len(more) == BURST:
@@ -254,7 +246,7 @@ class Dispatcher:
         """Room left in ``member``'s share of the end of the call.
 
         Once the source is done, a member holds no more than its part of what is
-        queued or in flight, in proportion to its pace (:func:`pace.tail_share`), so
+        queued or in flight, in proportion to its pace (:func:`tail_share`), so
         that a slow server does not end the call alone on a long line of requests the
         others could have answered. While some member that takes work has no known
         pace yet, a slot holds no more than an even share of the queue over the
@@ -275,8 +267,6 @@ class Dispatcher:
         """The working members' paces, if every one is known (else empty), and their sum
         in ``_total_pace``; read at most every :data:`PACE_EVERY` seconds."""
         now = self._state.clock.now()
-        if not pace.PACED:
-            return {}
         if now - self._paces_at >= PACE_EVERY:
             self._paces_at = now
             working = [m for m in self._state.members.values() if m.takes_work(now)]

@@ -16,10 +16,6 @@ MIN_SPAN = 1.0
 """Seconds a pace must have been measured for before it is believed ..."""
 MIN_ANSWERS = 4
 """... and answers it must have counted."""
-PACED = True
-"""Windows start small and the end of a call is shared by pace. False gives the refill
-dispatch before both (the whole window at once, an even share of the queue per slot
-at the end), kept so that benchmarks can show both side by side."""
 
 
 class Pace:

@@ -253,14 +253,13 @@ def pick_hedges(
     elapsed: float,
     limit: int,
     skip: Container[int],
-    newest_first: bool = True,
 ) -> list[int]:
     """Up to ``limit`` samples an idle member sends again near the end of a call.
 
     The samples come first from the members expected to finish last (what they hold,
     over the rate at which they have answered in ``elapsed`` seconds), each one's last
-    sent first (``newest_first``): a server serves its line in order, so those are the
-    ones it would answer last. A sample in
+    sent first: a server serves its line in order, so those are the ones it would
+    answer last. A sample in
     ``skip`` is never hedged: one closed or hedged already, one that was on an evicted
     member (it may be what kills servers), or one that failed on the idle member.
 
@@ -277,8 +276,7 @@ def pick_hedges(
 
     picked: list[int] = []
     for holder in sorted(holders, key=expected_end, reverse=True):
-        line = reversed(holder.in_flight) if newest_first else holder.in_flight
-        for index in line:
+        for index in reversed(holder.in_flight):
             if index not in skip:
                 picked.append(index)
                 if len(picked) == limit:

@@ -20,7 +20,6 @@ import math
 import structlog
 
 from llm_annotator.clients.metrics import EngineLoad
-from llm_annotator.pool import pace
 from llm_annotator.pool.member import Member, MemberState
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.state import PoolState
@@ -124,7 +123,7 @@ class WindowTuner:
         the whole window, so that at the start of a call every server gets its first
         requests at once instead of behind thousands of others."""
         adaptive = self._state.config.adaptive
-        member.window = min(START_WINDOW, self.ceiling) if adaptive or pace.PACED else self.ceiling
+        member.window = min(START_WINDOW, self.ceiling)
         member.window_evictions = member.evictions
         self._grow_to = 0 if adaptive else self.ceiling
 
