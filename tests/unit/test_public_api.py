@@ -100,7 +100,9 @@ def test_importing_the_package_loads_no_layer() -> None:
         llm_annotator.Nothing  # noqa: B018
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["merge", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["status", "--help"], ["merge", "--help"], ["run", "--help"]]
+)
 def test_the_commands_help_loads_no_job_layer_or_network_client(argv: list[str]) -> None:
     """``llm-annotator status --help`` declares only the status command: it loads no
     job layer, Arrow, NumPy or network client."""

@@ -19,36 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from llm_annotator import _constants as default
-from llm_annotator.cli._offline import SERVER_SETTINGS, check_offline_settings, offline_client
-from llm_annotator.clients.tls import Verify, ssl_setting
-from llm_annotator.clients.urls import normalize_base_url
-from llm_annotator.clients.vllm_offline_client import VLLMOfflineRuntimeOptions
-from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import (
     ConfigurationError,
     PoolExhaustedError,
     RunInterruptedError,
     ServersUnusableError,
 )
-from llm_annotator.jobs.inputs import open_input
-from llm_annotator.jobs.schema import OutputSchema
-from llm_annotator.jobs.shard import Shard
-from llm_annotator.pool.discovery import (
-    DirectorySource,
-    DnsSource,
-    FileSource,
-    ServerDiscovery,
-    ServerSource,
-)
 
+# The clients, the pool and the job layer are imported by the functions that use them,
+# not here: declaring the command (its --help) loads none of them.
 if TYPE_CHECKING:
     from llm_annotator.clients.base import Client
+    from llm_annotator.clients.tls import Verify
     from llm_annotator.pool.annotator import VLLMQueueAnnotator
-
-log = structlog.get_logger(__name__)
+    from llm_annotator.pool.discovery import ServerDiscovery
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +324,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         ConfigurationError: An unreadable file, an unknown key, a value of the wrong
             type, or a required setting missing.
     """
+    from llm_annotator.cli._offline import SERVER_SETTINGS, check_offline_settings
+
     known = {s.flag: s for s in _SETTINGS}
     merged: dict[str, Any] = {s.flag: s.default for s in _SETTINGS}
     if args.config is not None:
@@ -424,6 +411,8 @@ def verify_from(settings: dict[str, Any]) -> Verify:
     Raises:
         ConfigurationError: If the CA bundle cannot be read.
     """
+    from llm_annotator.clients.tls import ssl_setting
+
     if settings["ca_bundle"]:
         bundle = settings["ca_bundle"]
         try:
@@ -436,7 +425,13 @@ def verify_from(settings: dict[str, Any]) -> Verify:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the job; the exit status is 0 when it finished, 128+signal when stopped."""
+    from llm_annotator.cli._offline import offline_client
+    from llm_annotator.clients.vllm_offline_client import VLLMOfflineRuntimeOptions
+    from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
     from llm_annotator.jobs.annotate import Annotator
+    from llm_annotator.jobs.inputs import open_input
+    from llm_annotator.jobs.schema import OutputSchema
+    from llm_annotator.jobs.shard import Shard
 
     settings = settings_from(args)
     validate = load_validator(settings["validate"]) if settings["validate"] else None
@@ -530,6 +525,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _pool(settings: dict[str, Any]) -> VLLMQueueAnnotator:
     """The pool of servers the settings name."""
+    from llm_annotator.clients.urls import normalize_base_url
     from llm_annotator.pool.annotator import VLLMQueueAnnotator
 
     for url in settings["servers"] or []:
@@ -608,6 +604,14 @@ def load_validator(spec: str) -> Callable[[str], Any]:
 
 def _discovery(settings: dict[str, Any]) -> ServerDiscovery | None:
     """The server sources the settings name, re-read during the run."""
+    from llm_annotator.pool.discovery import (
+        DirectorySource,
+        DnsSource,
+        FileSource,
+        ServerDiscovery,
+        ServerSource,
+    )
+
     sources: list[ServerSource] = []
     if settings["servers_file"]:
         sources.append(FileSource(Path(settings["servers_file"])))
