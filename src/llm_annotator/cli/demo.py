@@ -23,23 +23,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
-import pyarrow.parquet as pq
-import structlog
 
 from llm_annotator.cli._signals import Interrupted, signals_ignored, signals_interrupt
-from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ConfigurationError, RunInterruptedError
-from llm_annotator.local import (
-    SMALL_MODEL_DIRNAME,
-    LocalServers,
-    cache_dir,
-    ensure_small_model,
-    start_local_servers,
-)
-from llm_annotator.pool import PoolStatistics, VLLMQueueAnnotator
+
+# The pool, the local servers and Arrow are imported where the demo runs, not here:
+# declaring the command (its --help) loads none of them.
+if TYPE_CHECKING:
+    from llm_annotator.local import LocalServers
+    from llm_annotator.pool import PoolStatistics
 
 PROMPT = "Classify the sentiment of this review as positive or negative: {text}"
 
@@ -110,6 +105,11 @@ def run_demo(settings: DemoSettings, *, out: TextIO) -> int:
     Raises:
         ConfigurationError: A setting is out of range.
     """
+    import pyarrow.parquet as pq
+
+    from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
+    from llm_annotator.pool import VLLMQueueAnnotator
+
     reviews = labelled_reviews()
     count = len(reviews) if settings.rows is None else settings.rows
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= len(reviews):
@@ -182,6 +182,13 @@ your own data: llm-annotator run --help"""
 
 def _start(settings: DemoSettings, out: TextIO) -> LocalServers:
     """Build the small model if it is not cached yet, then start the local servers."""
+    from llm_annotator.local import (
+        SMALL_MODEL_DIRNAME,
+        cache_dir,
+        ensure_small_model,
+        start_local_servers,
+    )
+
     if settings.model == "small" and not Path(settings.model).exists():
         cached = (cache_dir() / SMALL_MODEL_DIRNAME).is_dir()
         if not cached:
@@ -305,7 +312,7 @@ def status_line(stats: PoolStatistics, names: dict[str, str]) -> str:
     """One line: answers so far, then each server's state, answers and requests held.
 
     Examples:
-        >>> from llm_annotator.pool import MemberStatistics
+        >>> from llm_annotator.pool import MemberStatistics, PoolStatistics
         >>> member = MemberStatistics("http://a/v1", "healthy", 40, 1, 0, 0, 0, 0, 16, None)
         >>> stats = PoolStatistics(members=(member,), healthy=1, queued=0, in_flight=16)
         >>> status_line(stats, {"http://a/v1": "server 1"})
@@ -327,7 +334,7 @@ def state_changes(
     """A line for each server whose state changed since ``before`` (server -> state).
 
     Examples:
-        >>> from llm_annotator.pool import MemberStatistics
+        >>> from llm_annotator.pool import MemberStatistics, PoolStatistics
         >>> gone = MemberStatistics("http://b/v1", "evicted", 20, 0, 1, 0, 12, 0, 0, "connect")
         >>> stats = PoolStatistics(members=(gone,), healthy=0, queued=12, in_flight=0)
         >>> state_changes({"http://b/v1": "healthy"}, stats, {"http://b/v1": "server 2"})
@@ -394,6 +401,8 @@ def _summary(
 
 def _demo(args: argparse.Namespace) -> int:
     # The demo prints its own lines; of the log, warnings only (an eviction is one).
+    import structlog
+
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     settings = DemoSettings(
         model=args.model,
