@@ -102,7 +102,14 @@ def test_importing_the_package_loads_no_layer() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["status", "--help"], ["merge", "--help"], ["run", "--help"], ["demo", "--help"]],
+    [
+        ["--help"],
+        ["status", "--help"],
+        ["merge", "--help"],
+        ["run", "--help"],
+        ["demo", "--help"],
+        ["serve-local", "--help"],
+    ],
 )
 def test_the_commands_help_loads_no_job_layer_or_network_client(argv: list[str]) -> None:
     """``llm-annotator status --help`` declares only the status command: it loads no

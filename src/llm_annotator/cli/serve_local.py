@@ -6,21 +6,29 @@ import argparse
 import signal
 import threading
 from collections.abc import Sequence
-
-import structlog
+from typing import TYPE_CHECKING
 
 from llm_annotator.cli._signals import Interrupted, signals_ignored, signals_interrupt
-from llm_annotator.local import (
-    LocalServer,
-    ensure_small_model,
-    ensure_tiny_model,
-    start_local_servers,
-)
 
-log = structlog.get_logger(__name__)
+# The launcher and structlog are imported where a command runs, not here: declaring
+# the commands (their --help) loads neither.
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
+
+    from llm_annotator.local import LocalServer
+
+
+def _log() -> FilteringBoundLogger:
+    import structlog
+
+    logger: FilteringBoundLogger = structlog.get_logger(__name__)
+    return logger
 
 
 def _serve_local(args: argparse.Namespace) -> int:
+    from llm_annotator.local import start_local_servers
+
+    log = _log()
     ports = None
     if args.port_base is not None:
         ports = [args.port_base + i for i in range(args.num_servers)]
@@ -72,7 +80,7 @@ def _watch(servers: Sequence[LocalServer]) -> None:
             if not server.is_running():
                 alive.remove(server)
                 server.withdraw()
-                log.warning(
+                _log().warning(
                     "local_server_exited",
                     server=server.base_url,
                     returncode=server.returncode,
@@ -81,12 +89,16 @@ def _watch(servers: Sequence[LocalServer]) -> None:
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
+    from llm_annotator.local import ensure_tiny_model
+
     path = ensure_tiny_model(args.directory, python=args.python)
     print(path, flush=True)
     return 0
 
 
 def _small_model(args: argparse.Namespace) -> int:
+    from llm_annotator.local import ensure_small_model
+
     path = ensure_small_model(args.directory, python=args.python)
     print(path, flush=True)
     return 0
