@@ -22,7 +22,7 @@ Subcommands:
 
 Each subcommand is one ``add_*`` function (in the subcommand's module) that declares its
 arguments and sets the handler (``args.handler(args) -> int``); add a subcommand by
-adding such a function to ``_SUBCOMMANDS``.
+adding a :class:`Subcommand` naming that function to :data:`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
