@@ -88,7 +88,7 @@ def quiet_logs() -> None:
 
 def merge_cpu(run_dir: Path) -> float:
     """CPU seconds of merging ``run_dir``'s shards again, in this process."""
-    from llm_annotator.jobs.merge import merge
+    from llm_annotator.jobs.shards.merge import merge
 
     quiet_logs()
     before = harness.cpu_seconds()
@@ -138,9 +138,9 @@ def cpu_per_row(rows: int, folder: Path, rounds: int) -> None:
 
 def write_shards(run_dir: Path, rows: int) -> None:
     """Four finished shards of ``rows`` rows in all, as the job leaves them."""
-    from llm_annotator.jobs.consolidate import consolidate
-    from llm_annotator.jobs.shard import SHARDING_FILE, Shard
-    from llm_annotator.jobs.store import ResultStore
+    from llm_annotator.jobs.rundir.consolidate import consolidate
+    from llm_annotator.jobs.rundir.store import ResultStore
+    from llm_annotator.jobs.shards.shard import SHARDING_FILE, Shard
 
     fingerprint = {"model": MODEL}
     run_dir.mkdir(parents=True)

@@ -8,8 +8,13 @@ and NumPy, the network client's aiohttp.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any
 
 
@@ -42,3 +47,69 @@ def lazy_names(
         return sorted({*names, *vars(sys.modules[package])})
 
     return __getattr__, __dir__
+
+
+def moved_modules(package: str, moves: Mapping[str, str]) -> None:
+    """Keep the old paths of the modules of ``package`` that moved (each old name and
+    its new path under ``package``) importable for a release: importing one warns
+    (:class:`DeprecationWarning`) and gives the module at its new path, the same object,
+    so that its private names and a test's patches reach it too.
+
+    Installed once per package, after the file system's finders: an old path that a
+    file still holds is never shadowed.
+
+    Examples:
+        >>> import warnings
+        >>> moved_modules("json", {"old_decoder": "decoder"})
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     import json.old_decoder
+        >>> import json.decoder
+        >>> json.old_decoder is json.decoder, json.decoder.__spec__.name
+        (True, 'json.decoder')
+        >>> str(caught[0].message)
+        'json.old_decoder moved to json.decoder; the old path goes in the next release'
+        >>> sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "package", 0) != "json"]
+        >>> del sys.modules["json.old_decoder"]
+    """
+    if not any(getattr(f, "package", None) == package for f in sys.meta_path):
+        sys.meta_path.append(_MovedFinder(package, dict(moves)))
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, package: str, moves: dict[str, str]) -> None:
+        self.package = package
+        self.moves = moves
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        parent, _, name = fullname.rpartition(".")
+        if parent != self.package or name not in self.moves:
+            return None
+        return importlib.util.spec_from_loader(
+            fullname, _Alias(f"{self.package}.{self.moves[name]}")
+        )
+
+
+class _Alias(importlib.abc.Loader):
+    """Gives the module at ``target`` for an old path."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._spec: ModuleSpec | None = None
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
+        warnings.warn(
+            f"{spec.name} moved to {self.target}; the old path goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        module = importlib.import_module(self.target)
+        self._spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The import system labelled the module with the old path's spec: give it back
+        # its own, so that it stays the module at its new path in every respect.
+        module.__spec__ = self._spec

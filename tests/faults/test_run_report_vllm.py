@@ -27,7 +27,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_annotator.jobs.timeline import read_timeline
+from llm_annotator.jobs.watch.timeline import read_timeline
 from llm_annotator.local import LocalServers, pick_free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]

@@ -202,8 +202,8 @@ def test_only_the_job_writes_the_store_and_many_bad_rows_stay_bounded(
     gets its record, the good ones answered, and every record is written by the job's
     own task (never from inside the pool's input reader), with at most a bounded
     number of error records waiting for it at any time."""
-    from llm_annotator.jobs import runner as job_module
-    from llm_annotator.jobs.store import ResultStore
+    from llm_annotator.jobs.loop import runner as job_module
+    from llm_annotator.jobs.rundir.store import ResultStore
 
     records = [{"text": f"t{i}"} if i % 1000 == 0 else {"other": i} for i in range(10_000)]
     data = write_jsonl(tmp_path / "data.jsonl", records)
@@ -241,8 +241,8 @@ def test_answers_wait_for_the_job_while_it_syncs(
     """While the job is slow to sync its store (a network file system), the answers it
     has not written yet stay bounded: the pump stops reading, so the pool stops taking
     rows; every row still comes out once."""
-    from llm_annotator.jobs import runner
-    from llm_annotator.jobs.store import ResultStore
+    from llm_annotator.jobs.loop import runner
+    from llm_annotator.jobs.rundir.store import ResultStore
 
     monkeypatch.setattr(runner, "_ANSWERS_LIMIT", 8)
     original_sync = ResultStore.sync
@@ -357,7 +357,7 @@ def test_a_row_the_store_claims_without_a_result_fails_the_job_loudly(
     would skip it; it must end in a JobError that says rows are missing, not a quiet
     success."""
     from llm_annotator import JobError
-    from llm_annotator.jobs.store import ResultStore
+    from llm_annotator.jobs.rundir.store import ResultStore
 
     servers = fake_servers(1)
     data = write_jsonl(tmp_path / "data.jsonl", rows(20))

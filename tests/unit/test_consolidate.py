@@ -12,9 +12,9 @@ import pytest
 import structlog
 
 from llm_annotator.errors import JobError
-from llm_annotator.jobs import consolidate as consolidate_module
-from llm_annotator.jobs.consolidate import consolidate
-from llm_annotator.jobs.store import ResultStore
+from llm_annotator.jobs.rundir import consolidate as consolidate_module
+from llm_annotator.jobs.rundir.consolidate import consolidate
+from llm_annotator.jobs.rundir.store import ResultStore
 
 
 def write_shard(directory: Path, number: int, records: list[dict[str, Any]]) -> Path:

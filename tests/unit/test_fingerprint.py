@@ -9,7 +9,7 @@ import pytest
 import structlog
 
 from llm_annotator.errors import ConfigurationError, FingerprintMismatchError, JobError
-from llm_annotator.jobs.fingerprint import (
+from llm_annotator.jobs.rundir.fingerprint import (
     JOB_FORMAT_VERSION,
     describe_changes,
     fingerprint_digest,

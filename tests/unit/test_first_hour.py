@@ -16,9 +16,9 @@ from aiohttp import web
 
 from llm_annotator import ConfigurationError, FingerprintMismatchError, VLLMOnlineRuntimeOptions
 from llm_annotator.cli import main
-from llm_annotator.jobs.sample import Sample
-from llm_annotator.jobs.status import run_status
-from llm_annotator.jobs.store import ResultStore
+from llm_annotator.jobs.rows.sample import Sample
+from llm_annotator.jobs.rundir.store import ResultStore
+from llm_annotator.jobs.watch.status import run_status
 from tests.cli import COMMAND
 from tests.unit.conftest import FakeServer, completion, echo, error
 from tests.unit.test_annotate import TEMPLATE, pool_of, read_output, rows, sent_texts

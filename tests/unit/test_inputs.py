@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from llm_annotator.errors import ConfigurationError, InputError
-from llm_annotator.jobs import inputs
-from llm_annotator.jobs.inputs import Row, open_input
+from llm_annotator.jobs.rows import inputs
+from llm_annotator.jobs.rows.inputs import Row, open_input
 
 
 def write_lines(path: Path, lines: list[bytes], *, final_newline: bool = True) -> Path:

@@ -6,7 +6,7 @@ import io
 
 import structlog
 
-from llm_annotator.jobs.progress import Progress
+from llm_annotator.jobs.watch.progress import Progress
 
 
 class Clock:

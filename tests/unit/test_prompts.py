@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from llm_annotator.errors import ConfigurationError, PromptError
-from llm_annotator.jobs.prompts import PromptTemplate, build_messages
+from llm_annotator.jobs.rows.prompts import PromptTemplate, build_messages
 
 
 def test_fields_are_unique_in_order_of_first_use() -> None:

@@ -139,3 +139,53 @@ def test_status_of_a_run_loads_no_network_client(tmp_path: Path) -> None:
     assert "aiohttp" not in loaded
     assert "llm_annotator.pool.annotator" not in loaded
     assert "llm_annotator.clients.openai_client" not in loaded
+
+
+def test_the_job_layer_names_its_documented_api() -> None:
+    """Every name in ``llm_annotator.jobs.__all__`` resolves, and each is the object its
+    room defines (the reference documents them by room)."""
+    import llm_annotator.jobs as jobs
+    from llm_annotator.jobs.shards.merge import merge
+    from llm_annotator.jobs.watch.status import run_status
+
+    for name in jobs.__all__:
+        assert getattr(jobs, name).__name__ == name
+    assert set(jobs.__all__) <= set(dir(jobs))
+    assert jobs.run_status is run_status
+    assert jobs.merge is merge
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("llm_annotator.jobs.store", "llm_annotator.jobs.rundir.store"),
+        ("llm_annotator.jobs.status", "llm_annotator.jobs.watch.status"),
+        ("llm_annotator.jobs.report", "llm_annotator.jobs.loop.summary"),
+        ("llm_annotator.jobs.inputs", "llm_annotator.jobs.rows.inputs"),
+    ],
+)
+def test_a_module_of_the_flat_layout_still_imports_with_a_warning(old: str, new: str) -> None:
+    """``from llm_annotator.jobs.store import ResultStore`` keeps working for a release:
+    it warns, and gives the module at its new path, the same object."""
+    code = "\n".join(
+        [
+            "import importlib, warnings",
+            "with warnings.catch_warnings(record=True) as caught:",
+            "    warnings.simplefilter('always')",
+            f"    old = importlib.import_module({old!r})",
+            f"new = importlib.import_module({new!r})",
+            "assert old is new and new.__spec__.name == new.__name__",
+            "print(caught[0].category.__name__, caught[0].message)",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == (
+        f"DeprecationWarning {old} moved to {new}; the old path goes in the next release"
+    )
+
+
+def test_a_name_that_never_was_a_module_of_the_job_layer_does_not_import() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("llm_annotator.jobs.nothing_here")

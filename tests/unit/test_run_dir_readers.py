@@ -32,14 +32,14 @@ from hypothesis import strategies as st
 
 from llm_annotator.cli.main import main
 from llm_annotator.errors import ConfigurationError, JobError, RunDirectoryError
-from llm_annotator.jobs.fingerprint import read_job_record
-from llm_annotator.jobs.merge import merge, shard_states
-from llm_annotator.jobs.report import write_json
+from llm_annotator.jobs.loop.summary import write_json
 from llm_annotator.jobs.run_report import run_series, write_html_report
-from llm_annotator.jobs.shard import MAX_SHARDS, Shard, claim, read_sharding
-from llm_annotator.jobs.status import StatusFile, run_status
-from llm_annotator.jobs.store import ResultStore
-from llm_annotator.jobs.timeline import (
+from llm_annotator.jobs.rundir.fingerprint import read_job_record
+from llm_annotator.jobs.rundir.store import ResultStore
+from llm_annotator.jobs.shards.merge import merge, shard_states
+from llm_annotator.jobs.shards.shard import MAX_SHARDS, Shard, claim, read_sharding
+from llm_annotator.jobs.watch.status import StatusFile, run_status
+from llm_annotator.jobs.watch.timeline import (
     SERVER_FIELDS,
     TIMELINE_FILE,
     TimelineFile,

@@ -26,9 +26,9 @@ from llm_annotator import (
 )
 from llm_annotator.cli.status import show_status
 from llm_annotator.errors import RunDirectoryError
-from llm_annotator.jobs.consolidate import INPUT_IDS_FILE, consolidate
-from llm_annotator.jobs.merge import merge
-from llm_annotator.jobs.status import run_status
+from llm_annotator.jobs.rundir.consolidate import INPUT_IDS_FILE, consolidate
+from llm_annotator.jobs.shards.merge import merge
+from llm_annotator.jobs.watch.status import run_status
 from tests.unit.conftest import FakeServer
 
 FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}

@@ -26,8 +26,8 @@ from llm_annotator import ConfigurationError, RunInterruptedError, VLLMQueueAnno
 from llm_annotator.cli.main import main
 from llm_annotator.jobs.annotate import Annotator
 from llm_annotator.jobs.run_report import run_series, write_html_report
-from llm_annotator.jobs.status import run_status
-from llm_annotator.jobs.timeline import (
+from llm_annotator.jobs.watch.status import run_status
+from llm_annotator.jobs.watch.timeline import (
     TIMELINE_FILE,
     RunRecord,
     read_timeline,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from llm_annotator.errors import ConfigurationError, ErrorKind
-from llm_annotator.jobs.schema import OutputSchema, Parsed, strip_code_fence
+from llm_annotator.jobs.answers.schema import OutputSchema, Parsed, strip_code_fence
 
 LABEL_SCHEMA: dict[str, Any] = {
     "type": "object",

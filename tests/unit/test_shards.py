@@ -23,15 +23,15 @@ import pytest
 from llm_annotator import ConfigurationError, JobError, VLLMQueueAnnotator
 from llm_annotator.cli.main import main
 from llm_annotator.errors import InputError
-from llm_annotator.jobs import inputs
-from llm_annotator.jobs import merge as merge_module
 from llm_annotator.jobs.annotate import Annotator
 from llm_annotator.jobs.ids import hash_id
-from llm_annotator.jobs.inputs import open_input
-from llm_annotator.jobs.merge import merge, merge_if_complete, shard_states
-from llm_annotator.jobs.shard import Shard
-from llm_annotator.jobs.status import run_status
-from llm_annotator.jobs.store import DirectoryLock
+from llm_annotator.jobs.rows import inputs
+from llm_annotator.jobs.rows.inputs import open_input
+from llm_annotator.jobs.rundir.store import DirectoryLock
+from llm_annotator.jobs.shards import merge as merge_module
+from llm_annotator.jobs.shards.merge import merge, merge_if_complete, shard_states
+from llm_annotator.jobs.shards.shard import Shard
+from llm_annotator.jobs.watch.status import run_status
 from tests.unit.conftest import FakeServer, completion
 
 COMMAND = str(Path(sys.executable).with_name("llm-annotator"))

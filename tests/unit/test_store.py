@@ -20,8 +20,8 @@ from llm_annotator.errors import (
     OutputWriteError,
     RunDirectoryError,
 )
-from llm_annotator.jobs.consolidate import consolidate
-from llm_annotator.jobs.store import ResultStore, shard_paths
+from llm_annotator.jobs.rundir.consolidate import consolidate
+from llm_annotator.jobs.rundir.store import ResultStore, shard_paths
 
 SETTINGS = {"prompt_template": "Classify: {text}", "model": "m"}
 
@@ -112,7 +112,7 @@ def test_another_process_holding_the_directory_is_named(tmp_path: Path) -> None:
     """A run in another process blocks this one; the error gives that process's pid."""
     script = (
         "import sys\n"
-        "from llm_annotator.jobs.store import ResultStore\n"
+        "from llm_annotator.jobs.rundir.store import ResultStore\n"
         f"store = ResultStore.open(sys.argv[1], {SETTINGS!r})\n"
         "print('ready', file=sys.stderr, flush=True)\n"
         "sys.stdin.read()\n"

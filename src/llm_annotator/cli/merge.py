@@ -6,7 +6,7 @@ import argparse
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from llm_annotator.jobs.merge import merge  # here: --help loads no job layer
+    from llm_annotator.jobs.shards.merge import merge  # here: --help loads no job layer
 
     merged = merge(args.run_dir, jsonl=args.jsonl)
     result = merged.result

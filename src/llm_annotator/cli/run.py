@@ -429,9 +429,9 @@ def run_command(args: argparse.Namespace) -> int:
     from llm_annotator.clients.vllm_offline_client import VLLMOfflineRuntimeOptions
     from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
     from llm_annotator.jobs.annotate import Annotator
-    from llm_annotator.jobs.inputs import open_input
-    from llm_annotator.jobs.schema import OutputSchema
-    from llm_annotator.jobs.shard import Shard
+    from llm_annotator.jobs.answers.schema import OutputSchema
+    from llm_annotator.jobs.rows.inputs import open_input
+    from llm_annotator.jobs.shards.shard import Shard
 
     settings = settings_from(args)
     validate = load_validator(settings["validate"]) if settings["validate"] else None

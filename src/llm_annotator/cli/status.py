@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from llm_annotator.jobs.status import RunStatus
+    from llm_annotator.jobs.watch.status import RunStatus
 
 # The job layer is imported by the functions that read a run, not here: declaring the
 # command (its --help) loads none of it.
@@ -23,7 +23,7 @@ def show_status(status: RunStatus, out: TextIO) -> None:
 
     Examples:
         >>> import io
-        >>> from llm_annotator.jobs.status import RunStatus
+        >>> from llm_annotator.jobs.watch.status import RunStatus
         >>> out = io.StringIO()
         >>> show_status(RunStatus("runs/a", "running", 41, "node-7", 200, 120, 118, 2,
         ...     {"read_timeout": 2}, {"http://a/v1": 70, "http://b/v1": 50},
@@ -39,7 +39,7 @@ def show_status(status: RunStatus, out: TextIO) -> None:
           model: small
         <BLANKLINE>
     """
-    from llm_annotator.jobs.progress import duration
+    from llm_annotator.jobs.watch.progress import duration
 
     on = f" on {status.host}" if status.host else ""
     who = f" (pid {status.pid}{on})" if status.pid is not None else ""
@@ -90,13 +90,13 @@ def show_status(status: RunStatus, out: TextIO) -> None:
 
 def _sharded_status(run_dir: Path, as_json: bool) -> None:
     """Each shard's status, and whether the shards were merged (for people, the first
-    :data:`~llm_annotator.jobs.merge.LISTED_SHARDS` shards not started, and how many
+    :data:`~llm_annotator.jobs.shards.merge.LISTED_SHARDS` shards not started, and how many
     more)."""
     import orjson
 
-    from llm_annotator.jobs.consolidate import PARQUET_FILE
-    from llm_annotator.jobs.merge import LISTED_SHARDS, is_merged, shard_states
-    from llm_annotator.jobs.status import run_status
+    from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
+    from llm_annotator.jobs.shards.merge import LISTED_SHARDS, is_merged, shard_states
+    from llm_annotator.jobs.watch.status import run_status
 
     count, states = shard_states(run_dir)
     merged = is_merged(run_dir)
@@ -136,8 +136,8 @@ def _status(args: argparse.Namespace) -> int:
     import orjson
     import structlog
 
-    from llm_annotator.jobs.shard import read_sharding
-    from llm_annotator.jobs.status import run_status
+    from llm_annotator.jobs.shards.shard import read_sharding
+    from llm_annotator.jobs.watch.status import run_status
 
     # Reading a shard that a job is writing may meet a half-written last line: no warning.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))

@@ -32,39 +32,44 @@ from llm_annotator.errors import (
     JobError,
     RunInterruptedError,
 )
-from llm_annotator.jobs.consolidate import INPUT_IDS_FILE, JSONL_FILE, PARQUET_FILE, consolidate
+from llm_annotator.jobs.answers.records import RecordBuilder
+from llm_annotator.jobs.answers.schema import OutputSchema
 from llm_annotator.jobs.files import check_entry
-from llm_annotator.jobs.fingerprint import make_fingerprint
 from llm_annotator.jobs.ids import hash_id
-from llm_annotator.jobs.inputs import RowSource, open_input
-from llm_annotator.jobs.interrupt import Interrupt, handling_signals
-from llm_annotator.jobs.live_metrics import LiveMetrics
-from llm_annotator.jobs.merge import merge_if_complete
-from llm_annotator.jobs.progress import Progress
-from llm_annotator.jobs.prompts import PromptTemplate
-from llm_annotator.jobs.records import RecordBuilder
-from llm_annotator.jobs.report import (
+from llm_annotator.jobs.loop.interrupt import Interrupt, handling_signals
+from llm_annotator.jobs.loop.runner import Cadence, JobRun, varies
+from llm_annotator.jobs.loop.summary import (
     REPORT_NAME,
     healthy_servers,
     hedged_requests,
     job_report,
     write_json,
 )
-from llm_annotator.jobs.runner import JobRun, varies
-from llm_annotator.jobs.sample import Sample
-from llm_annotator.jobs.schema import OutputSchema
-from llm_annotator.jobs.shard import SHARDING_FILE, Shard, claim, read_sharding
-from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_name
-from llm_annotator.jobs.status import STATUS_FILE, StatusFile
-from llm_annotator.jobs.store import (
+from llm_annotator.jobs.protocols import ModelSource
+from llm_annotator.jobs.rows.inputs import RowSource, open_input
+from llm_annotator.jobs.rows.prompts import PromptTemplate
+from llm_annotator.jobs.rows.sample import Sample
+from llm_annotator.jobs.rundir.consolidate import (
+    INPUT_IDS_FILE,
+    JSONL_FILE,
+    PARQUET_FILE,
+    consolidate,
+)
+from llm_annotator.jobs.rundir.fingerprint import make_fingerprint
+from llm_annotator.jobs.rundir.store import (
     JOB_FILE,
     LOCK_FILE,
     SHARDS_DIR,
     ResultStore,
     output_write_error,
 )
-from llm_annotator.jobs.streaming import ModelSource
-from llm_annotator.jobs.timeline import TIMELINE_FILE, RunWatch
+from llm_annotator.jobs.shards.merge import merge_if_complete
+from llm_annotator.jobs.shards.shard import SHARDING_FILE, Shard, claim, read_sharding
+from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_name
+from llm_annotator.jobs.watch.live_metrics import LiveMetrics
+from llm_annotator.jobs.watch.progress import Progress
+from llm_annotator.jobs.watch.status import STATUS_FILE, StatusFile
+from llm_annotator.jobs.watch.timeline import TIMELINE_FILE, RunWatch
 
 log = structlog.get_logger(__name__)
 
@@ -130,11 +135,11 @@ class Annotator:
         sync_interval: Seconds between fsyncs of the results file.
         metrics_port: Serve live Prometheus metrics of the job on this port while it
             runs (0: any free port, logged as ``metrics_serving``); None serves none.
-            See :mod:`llm_annotator.jobs.live_metrics` for the metrics.
+            See :mod:`llm_annotator.jobs.watch.live_metrics` for the metrics.
         metrics_host: The address to serve them on: loopback by default; ``0.0.0.0``
             for a scraper on another host.
         timeline: Keep ``timeline.jsonl`` in the run directory (what
-            ``llm-annotator report`` draws); see :mod:`llm_annotator.jobs.timeline`.
+            ``llm-annotator report`` draws); see :mod:`llm_annotator.jobs.watch.timeline`.
     """
 
     def __init__(
@@ -237,7 +242,7 @@ class Annotator:
                 ``"auto"``: this process takes only the rows whose id hashes to shard
                 ``index`` of ``count``, kept in ``output_dir/shard-IIII-of-NNNN``; the
                 last shard to finish merges them all into ``output_dir`` (see
-                :mod:`llm_annotator.jobs.shard` and :func:`llm_annotator.jobs.merge.merge`).
+                :mod:`llm_annotator.jobs.shards.shard` and :func:`llm_annotator.jobs.merge`).
 
         Returns:
             An :class:`AnnotationResult`.
@@ -362,7 +367,13 @@ class Annotator:
             model=model,
         )
         job = JobRun(
-            annotator=self,
+            client=self.client,
+            cadence=Cadence(
+                batch_size=self.batch_size,
+                max_concurrent_batches=self.max_concurrent_batches,
+                flush_interval=self.flush_interval,
+                sync_interval=self.sync_interval,
+            ),
             rows=sample.rows(source, input_rows) if selection is None else source.rows(selection),
             template=template,
             system_message=spec.system_message,

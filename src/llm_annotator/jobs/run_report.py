@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from llm_annotator.errors import ConfigurationError
-from llm_annotator.jobs.consolidate import PARQUET_FILE
 from llm_annotator.jobs.files import atomic_write, check_entry
-from llm_annotator.jobs.merge import LISTED_SHARDS, is_merged, shard_states
-from llm_annotator.jobs.report import REPORT_NAME, read_report
-from llm_annotator.jobs.shard import read_sharding
-from llm_annotator.jobs.status import RunStatus, run_status
-from llm_annotator.jobs.timeline import TIMELINE_FILE, RunRecord, read_timeline
+from llm_annotator.jobs.loop.summary import REPORT_NAME, read_report
+from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
+from llm_annotator.jobs.shards.merge import LISTED_SHARDS, is_merged, shard_states
+from llm_annotator.jobs.shards.shard import read_sharding
+from llm_annotator.jobs.watch.status import RunStatus, run_status
+from llm_annotator.jobs.watch.timeline import TIMELINE_FILE, RunRecord, read_timeline
 
 HTML_REPORT_NAME = "report.html"
 MAX_POINTS = 400
@@ -92,7 +92,7 @@ def run_series(runs: Sequence[RunRecord], max_points: int = MAX_POINTS) -> RunSe
     """The series of a job's runs (see :class:`RunSeries`).
 
     Examples:
-        >>> from llm_annotator.jobs.timeline import RunRecord
+        >>> from llm_annotator.jobs.watch.timeline import RunRecord
         >>> tick = lambda t, rows: {"t": t, "wall": 100.0 + t, "done": rows, "rows": rows,
         ...     "errors": {}, "servers": {"http://a/v1": {"rows": rows, "in_flight": 4}}}
         >>> run = RunRecord(wall=100.0, total=40, done_before=0,

@@ -1,6 +1,6 @@
 """Live metrics of a running job, in Prometheus's text format (``--metrics-port``).
 
-The job's :class:`~llm_annotator.jobs.timeline.RunWatch` hands :class:`LiveMetrics` a
+The job's :class:`~llm_annotator.jobs.watch.timeline.RunWatch` hands :class:`LiveMetrics` a
 snapshot every second; a scrape reads the latest one, in the HTTP server's own thread,
 so that a scrape never touches the job's state and costs the job nothing.
 
@@ -47,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from llm_annotator.errors import ConfigurationError
-from llm_annotator.jobs.timeline import Snapshot
+from llm_annotator.jobs.watch.timeline import Snapshot
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +61,7 @@ class LiveMetrics(Collector):
     Examples:
         >>> from prometheus_client import generate_latest
         >>> from prometheus_client.registry import CollectorRegistry
-        >>> from llm_annotator.jobs.timeline import Snapshot
+        >>> from llm_annotator.jobs.watch.timeline import Snapshot
         >>> metrics = LiveMetrics()
         >>> registry = CollectorRegistry()
         >>> registry.register(metrics)

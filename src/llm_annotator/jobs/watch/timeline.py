@@ -45,7 +45,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import orjson
 import structlog
@@ -53,8 +53,8 @@ import structlog
 from llm_annotator.clients.base import Client
 from llm_annotator.errors import RunDirectoryError
 from llm_annotator.jobs.files import open_binary, open_file, read_run_file
-from llm_annotator.jobs.progress import Progress
-from llm_annotator.jobs.streaming import Streamer
+from llm_annotator.jobs.protocols import MemberWatchable, Streamer
+from llm_annotator.jobs.watch.progress import Progress
 from llm_annotator.pool.member import MemberChange
 
 log = structlog.get_logger(__name__)
@@ -216,15 +216,6 @@ def take_snapshot(
         rows_per_second=rows_per_second,
         changes_dropped=changes_dropped,
     )
-
-
-@runtime_checkable
-class MemberWatchable(Protocol):
-    """A client that tells of its servers' changes of state (the pool does)."""
-
-    def watch_members(self, watcher: Callable[[MemberChange], None]) -> Callable[[], None]:
-        """Call ``watcher`` with each change; returns a function that stops it."""
-        ...
 
 
 class TimelineFile:

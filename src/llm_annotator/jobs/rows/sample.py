@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_annotator.errors import ConfigurationError
-from llm_annotator.jobs.inputs import Row, RowSource
+from llm_annotator.jobs.rows.inputs import Row, RowSource
 
 
 @dataclass(frozen=True, slots=True)

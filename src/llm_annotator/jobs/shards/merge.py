@@ -1,7 +1,7 @@
 """``llm-annotator merge RUN_DIR``: the shards of a sharded job, consolidated into one
 output with one row per id.
 
-Each shard keeps its own results (:mod:`llm_annotator.jobs.shard`); the merge checks that
+Each shard keeps its own results (:mod:`llm_annotator.jobs.shards.shard`); the merge checks that
 every shard of the count in ``sharding.json`` finished with all its rows, then
 consolidates all their records at once (the same rules as one run's consolidation: a
 success beats an error, the last record of a kind wins) into ``RUN_DIR/
@@ -11,7 +11,7 @@ still running or incomplete instead of merging silently (the first
 itself (:func:`merge_if_complete`); it can also be a final step of its own.
 
 The shard folders are found by listing the run directory
-(:func:`~llm_annotator.jobs.shard.shard_folders`), and every file read there is checked:
+(:func:`~llm_annotator.jobs.shards.shard.shard_folders`), and every file read there is checked:
 a link, a FIFO or a ``report.json`` of the wrong shape is refused naming it.
 """
 
@@ -30,19 +30,19 @@ import pyarrow.parquet as pq
 import structlog
 
 from llm_annotator.errors import JobError, RunDirectoryError
-from llm_annotator.jobs.consolidate import (
+from llm_annotator.jobs.files import check_entry, open_binary
+from llm_annotator.jobs.loop.summary import REPORT_NAME, read_report, result_summary, write_json
+from llm_annotator.jobs.rundir.consolidate import (
     INPUT_IDS_FILE,
     PARQUET_FILE,
     Consolidated,
     _consolidate,
     read_input_ids,
 )
-from llm_annotator.jobs.files import check_entry, open_binary
-from llm_annotator.jobs.fingerprint import read_job_record
-from llm_annotator.jobs.report import REPORT_NAME, read_report, result_summary, write_json
-from llm_annotator.jobs.shard import Shard, read_sharding, shard_folders
-from llm_annotator.jobs.status import run_state, run_status
-from llm_annotator.jobs.store import JOB_FILE, DirectoryLock, shard_paths
+from llm_annotator.jobs.rundir.fingerprint import read_job_record
+from llm_annotator.jobs.rundir.store import JOB_FILE, DirectoryLock, shard_paths
+from llm_annotator.jobs.shards.shard import Shard, read_sharding, shard_folders
+from llm_annotator.jobs.watch.status import run_state, run_status
 
 log = structlog.get_logger(__name__)
 

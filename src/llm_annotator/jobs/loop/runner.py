@@ -9,26 +9,23 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from llm_annotator.clients.base import Messages
+from llm_annotator.clients.base import Client, Messages
 from llm_annotator.errors import ConfigurationError, ErrorKind, PromptError
+from llm_annotator.jobs.answers.records import RecordBuilder
+from llm_annotator.jobs.answers.schema import OutputSchema, Parsed
 from llm_annotator.jobs.ids import RowId
-from llm_annotator.jobs.inputs import Row
-from llm_annotator.jobs.interrupt import Interrupt
-from llm_annotator.jobs.progress import Progress
-from llm_annotator.jobs.prompts import PromptTemplate, build_messages
-from llm_annotator.jobs.records import RecordBuilder
-from llm_annotator.jobs.schema import OutputSchema, Parsed
+from llm_annotator.jobs.loop.interrupt import Interrupt
+from llm_annotator.jobs.loop.streaming import stream
+from llm_annotator.jobs.rows.inputs import Row
+from llm_annotator.jobs.rows.prompts import PromptTemplate, build_messages
+from llm_annotator.jobs.rundir.store import ResultStore
 from llm_annotator.jobs.spec import Validate
-from llm_annotator.jobs.store import ResultStore
-from llm_annotator.jobs.streaming import stream
+from llm_annotator.jobs.watch.progress import Progress
 from llm_annotator.response import Response
-
-if TYPE_CHECKING:
-    from llm_annotator.jobs.annotate import Annotator
 
 
 class _Item:
@@ -56,6 +53,17 @@ _ANSWERS_LIMIT = 4096
 the pump stops reading the stream, and the pool stops taking rows."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cadence:
+    """How a run paces itself: batches for a client that does not stream (the pool
+    does, and ignores both), and how often its records are flushed and synced."""
+
+    batch_size: int
+    max_concurrent_batches: int
+    flush_interval: float
+    sync_interval: float
+
+
 class JobRun:
     """The moving parts of one run: rows out to the model, records into the store.
 
@@ -73,7 +81,8 @@ class JobRun:
     def __init__(
         self,
         *,
-        annotator: Annotator,
+        client: Client[Any],
+        cadence: Cadence,
         rows: Iterator[Row],
         template: PromptTemplate,
         system_message: str | None,
@@ -84,7 +93,8 @@ class JobRun:
         regenerate: int,
         progress: Progress,
     ) -> None:
-        self.annotator = annotator
+        self.client = client
+        self.cadence = cadence
         self.rows = rows
         self.template = template
         self.system_message = system_message
@@ -118,15 +128,15 @@ class JobRun:
     async def run(
         self, options: Any, gen_kwargs: dict[str, Any] | None, interrupt: Interrupt
     ) -> None:
-        annotator = self.annotator
+        cadence = self.cadence
         results = stream(
-            annotator.client,
+            self.client,
             self._requests(),
             options=options,
             gen_kwargs=gen_kwargs,
             stop=interrupt.stop,
-            batch_size=annotator.batch_size,
-            max_concurrent_batches=annotator.max_concurrent_batches,
+            batch_size=cadence.batch_size,
+            max_concurrent_batches=cadence.max_concurrent_batches,
         )
         pump = asyncio.ensure_future(self._pump(results))
         try:
@@ -161,7 +171,7 @@ class JobRun:
         a job has written is on disk for ``status`` and ``report`` to read, and is not
         redone after a crash, however long the servers then stay quiet.
         """
-        annotator, store = self.annotator, self.store
+        cadence, store = self.cadence, self.store
         answers, ready = self.answers, self.ready
         flushed = synced = time.monotonic()
         dirty = unsynced = False
@@ -186,10 +196,10 @@ class JobRun:
                     self._answers_taken.set()
                     dirty = unsynced = True
                 now = time.monotonic()
-                if dirty and now - flushed >= annotator.flush_interval:
+                if dirty and now - flushed >= cadence.flush_interval:
                     store.flush()
                     flushed, dirty = now, False
-                if unsynced and not dirty and now - synced >= annotator.sync_interval:
+                if unsynced and not dirty and now - synced >= cadence.sync_interval:
                     await asyncio.to_thread(store.sync)
                     synced, unsynced = time.monotonic(), False
                     if ready or answers:
@@ -204,9 +214,9 @@ class JobRun:
                     # sync: a sync follows a flush); a timer set for a later sync is
                     # moved up to the flush.
                     if dirty:
-                        due = flushed + annotator.flush_interval
+                        due = flushed + cadence.flush_interval
                     else:
-                        due = synced + annotator.sync_interval
+                        due = synced + cadence.sync_interval
                     if timer is None or due < timer_due:
                         if timer is not None:
                             timer.cancel()

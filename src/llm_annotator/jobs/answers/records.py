@@ -8,8 +8,8 @@ from typing import Any
 import orjson
 
 from llm_annotator.errors import ConfigurationError
+from llm_annotator.jobs.answers.schema import OutputSchema, Parsed
 from llm_annotator.jobs.ids import RowId
-from llm_annotator.jobs.schema import OutputSchema, Parsed
 from llm_annotator.response import Response
 
 ANSWER_COLUMNS: tuple[str, ...] = (

@@ -32,16 +32,16 @@ import structlog
 
 from llm_annotator.errors import JobError, RunDirectoryError, RunInterruptedError
 from llm_annotator.jobs.files import atomic_write, check_entry, read_bytes
-from llm_annotator.jobs.fingerprint import read_job_record
 from llm_annotator.jobs.ids import IdSet
-from llm_annotator.jobs.store import (
+from llm_annotator.jobs.rundir.fingerprint import read_job_record
+from llm_annotator.jobs.rundir.store import (
     JOB_FILE,
     LOCK_FILE,
     is_error_record,
     read_shard,
     shard_paths,
 )
-from llm_annotator.jobs.timeline import last_servers
+from llm_annotator.jobs.watch.timeline import last_servers
 
 log = structlog.get_logger(__name__)
 

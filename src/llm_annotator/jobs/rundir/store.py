@@ -42,8 +42,8 @@ from llm_annotator.jobs.files import (
     open_binary,
     open_file,
 )
-from llm_annotator.jobs.fingerprint import job_record, read_job_record
 from llm_annotator.jobs.ids import IdSet, RowId, id_problem, is_valid_id
+from llm_annotator.jobs.rundir.fingerprint import job_record, read_job_record
 
 log = structlog.get_logger(__name__)
 
@@ -280,14 +280,14 @@ class ResultStore:
         Args:
             output_dir: The run directory; created if missing.
             fingerprint: What defines the results (see
-                :func:`~llm_annotator.jobs.fingerprint.make_fingerprint`).
+                :func:`~llm_annotator.jobs.rundir.fingerprint.make_fingerprint`).
             force: Resume even if the directory was made with another fingerprint;
                 the new one is recorded and the old one kept in the history.
             retry_errors: Count ids whose best record is an error as not done, so
                 the job sends them again; a set of error types: only the ids whose
                 latest error is of one of those types.
             input_identity: What identifies the job's input
-                (:meth:`~llm_annotator.jobs.inputs.InputIdentity.to_json`), recorded in
+                (:meth:`~llm_annotator.jobs.rows.inputs.InputIdentity.to_json`), recorded in
                 ``job.json``: a directory made over another input is refused like other
                 settings. None leaves the record's input as it is.
 

@@ -17,10 +17,10 @@ import orjson
 from llm_annotator.clients.base import Client
 from llm_annotator.errors import RunDirectoryError
 from llm_annotator.jobs.files import atomic_write, read_run_file
-from llm_annotator.jobs.streaming import Streamer
+from llm_annotator.jobs.protocols import Streamer
 
 if TYPE_CHECKING:
-    from llm_annotator.jobs.runner import JobRun
+    from llm_annotator.jobs.loop.runner import JobRun
 
 REPORT_NAME = "report.json"
 
@@ -67,7 +67,7 @@ def job_report(
 
 
 def result_summary(result: Any) -> dict[str, Any]:
-    """The counts of a consolidation (:class:`~llm_annotator.jobs.consolidate.
+    """The counts of a consolidation (:class:`~llm_annotator.jobs.rundir.consolidate.
     Consolidated`), as ``report.json`` gives them."""
     return {
         "rows": result.num_rows,

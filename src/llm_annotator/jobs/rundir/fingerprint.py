@@ -170,7 +170,7 @@ def job_record(
         force: Accept a fingerprint or an input that differs from the recorded one;
             the old one moves to ``history`` (``input_history``).
         identity: What identifies the run's input
-            (:meth:`~llm_annotator.jobs.inputs.InputIdentity.to_json`: ``where``,
+            (:meth:`~llm_annotator.jobs.rows.inputs.InputIdentity.to_json`: ``where``,
             ``rows``, ``digest``), or None to leave the recorded one as it is.
 
     Returns:

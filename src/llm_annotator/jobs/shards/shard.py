@@ -38,7 +38,7 @@ import structlog
 from llm_annotator.errors import ConfigurationError, FingerprintMismatchError, RunDirectoryError
 from llm_annotator.jobs.files import check_entry, read_run_file, refused
 from llm_annotator.jobs.ids import RowId, hash_id
-from llm_annotator.jobs.inputs import RowSource, Selection
+from llm_annotator.jobs.rows.inputs import RowSource, Selection
 
 log = structlog.get_logger(__name__)
 
@@ -177,7 +177,7 @@ class Shard:
         ``source.rows(selection)``, which skips the others before decoding them.
 
         Examples:
-            >>> from llm_annotator.jobs.inputs import open_input
+            >>> from llm_annotator.jobs.rows.inputs import open_input
             >>> rows = [{"id": f"row-{i}"} for i in range(6)]
             >>> selection = Shard(1, 3).select(open_input(rows, id_column="id"))
             >>> ids = [row.id for row in open_input(rows, id_column="id").rows(selection)]
@@ -299,7 +299,7 @@ def claim(run_dir: Path, shard: Shard, fingerprint: Mapping[str, Any], *, force:
         FingerprintMismatchError: Its shards were started with other settings (and
             ``force`` is False).
     """
-    from llm_annotator.jobs.store import JOB_FILE, atomic_write
+    from llm_annotator.jobs.rundir.store import JOB_FILE, atomic_write
 
     if check_entry(run_dir / JOB_FILE):
         raise ConfigurationError(

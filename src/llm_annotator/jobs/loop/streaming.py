@@ -6,48 +6,13 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 from llm_annotator.clients.base import Client, Messages
-from llm_annotator.pool.statistics import PoolStatistics
+from llm_annotator.jobs.protocols import Streamer
 from llm_annotator.response import Response
 
 K = TypeVar("K")
-
-
-@runtime_checkable
-class Streamer(Protocol):
-    """A client that streams a job's samples itself and reports on its servers, as
-    :class:`~llm_annotator.VLLMQueueAnnotator` does. The job needs only this of a pool.
-    """
-
-    def astream(
-        self,
-        samples: AsyncIterable[tuple[K, Messages]],
-        *,
-        options: Any = None,
-        gen_kwargs: dict[str, Any] | None = None,
-        stop: asyncio.Event | None = None,
-    ) -> AsyncGenerator[tuple[K, Response], None]:
-        """``(key, Response)`` pairs as each completes."""
-        ...
-
-    async def aresolve_model(self) -> str:
-        """The model the servers run."""
-        ...
-
-    def statistics(self) -> PoolStatistics:
-        """A snapshot of the servers' counters."""
-        ...
-
-
-@runtime_checkable
-class ModelSource(Protocol):
-    """A client that can say which model it runs (``OpenAIClient`` and the pool can)."""
-
-    async def aresolve_model(self) -> str:
-        """The model's name."""
-        ...
 
 
 def stream(

@@ -28,7 +28,7 @@ import structlog
 from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.files import open_binary, read_run_file
 from llm_annotator.jobs.ids import hash_id
-from llm_annotator.jobs.store import (
+from llm_annotator.jobs.rundir.store import (
     DirectoryLock,
     atomic_write,
     is_error_record,
@@ -106,7 +106,7 @@ def consolidate(
     column too when ids mix ints and strs.
 
     The directory's lock is taken for the duration: close the run's
-    :class:`~llm_annotator.jobs.store.ResultStore` first.
+    :class:`~llm_annotator.jobs.rundir.store.ResultStore` first.
 
     Args:
         output_dir: The run directory.

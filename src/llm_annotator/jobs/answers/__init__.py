@@ -1,0 +1,1 @@
+"""What comes back: an answer checked against its schema and made the record stored."""

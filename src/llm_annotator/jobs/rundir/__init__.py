@@ -1,0 +1,1 @@
+"""The run directory on disk: the results store, the fingerprint, the consolidated output."""
