@@ -35,6 +35,7 @@ from llm_annotator.errors import (
 from llm_annotator.response import OnError, Response
 
 if TYPE_CHECKING:
+    from llm_annotator.annotator import VLLMQueueAnnotator
     from llm_annotator.clients.base import Client, ProviderRuntimeOptions
     from llm_annotator.clients.openai_client import OpenAIClient
     from llm_annotator.clients.vllm_offline_client import (
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
         PoolStatistics,
         ServerDiscovery,
         ServerSource,
-        VLLMQueueAnnotator,
     )
 
 _LAZY = {
@@ -84,7 +84,7 @@ _LAZY = {
     "PoolStatistics": "llm_annotator.pool",
     "ServerDiscovery": "llm_annotator.pool",
     "ServerSource": "llm_annotator.pool",
-    "VLLMQueueAnnotator": "llm_annotator.pool",
+    "VLLMQueueAnnotator": "llm_annotator.annotator",
 }
 """The public names imported on first use, and the module of each."""
 

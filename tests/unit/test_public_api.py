@@ -80,7 +80,7 @@ def test_importing_the_clients_or_the_pool_loads_no_arrow_or_numpy(code: str) ->
     the client, not for the job layer's Arrow, NumPy, JSON Schema or metrics."""
     loaded = _loaded_after(code)
     assert loaded & HEAVY == set()
-    assert not any(name.startswith("llm_annotator.jobs.") for name in loaded)
+    assert not any(name.startswith("llm_annotator.jobs") for name in loaded)
 
 
 def test_importing_the_package_loads_no_layer() -> None:
@@ -137,7 +137,7 @@ def test_status_of_a_run_loads_no_network_client(tmp_path: Path) -> None:
     )
     loaded = _loaded_after(code)
     assert "aiohttp" not in loaded
-    assert "llm_annotator.pool.annotator" not in loaded
+    assert "llm_annotator.pool.queue" not in loaded
     assert "llm_annotator.clients.openai_client" not in loaded
 
 
@@ -189,3 +189,16 @@ def test_a_module_of_the_flat_layout_still_imports_with_a_warning(old: str, new:
 def test_a_name_that_never_was_a_module_of_the_job_layer_does_not_import() -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("llm_annotator.jobs.nothing_here")
+
+
+def test_the_pool_imports_no_job_layer_and_the_annotator_joins_them() -> None:
+    """Parted layers: the pool alone (``QueuePool``) has no ``annotate``; the class users
+    make is the pool with it, and the old path to it says where it went."""
+    import llm_annotator.pool as pool
+    from llm_annotator import VLLMQueueAnnotator
+
+    assert issubclass(VLLMQueueAnnotator, pool.QueuePool)
+    assert not hasattr(pool.QueuePool, "annotate")
+    assert hasattr(VLLMQueueAnnotator, "aannotate")
+    with pytest.raises(AttributeError, match=r"now llm_annotator\.VLLMQueueAnnotator"):
+        pool.VLLMQueueAnnotator  # noqa: B018

@@ -107,8 +107,8 @@ def run_demo(settings: DemoSettings, *, out: TextIO) -> int:
     """
     import pyarrow.parquet as pq
 
+    from llm_annotator.annotator import VLLMQueueAnnotator
     from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
-    from llm_annotator.pool import VLLMQueueAnnotator
 
     reviews = labelled_reviews()
     count = len(reviews) if settings.rows is None else settings.rows

@@ -30,9 +30,9 @@ from llm_annotator.errors import (
 # The clients, the pool and the job layer are imported by the functions that use them,
 # not here: declaring the command (its --help) loads none of them.
 if TYPE_CHECKING:
+    from llm_annotator.annotator import VLLMQueueAnnotator
     from llm_annotator.clients.base import Client
     from llm_annotator.clients.tls import Verify
-    from llm_annotator.pool.annotator import VLLMQueueAnnotator
     from llm_annotator.pool.discovery import ServerDiscovery
 
 
@@ -525,8 +525,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _pool(settings: dict[str, Any]) -> VLLMQueueAnnotator:
     """The pool of servers the settings name."""
+    from llm_annotator.annotator import VLLMQueueAnnotator
     from llm_annotator.clients.urls import normalize_base_url
-    from llm_annotator.pool.annotator import VLLMQueueAnnotator
 
     for url in settings["servers"] or []:
         try:

@@ -1,11 +1,15 @@
-"""The pool: one work queue over many servers, members, health, eviction, discovery."""
+"""The pool: one work queue over many servers, members, health, eviction, discovery.
 
-from typing import TYPE_CHECKING
+The pool knows nothing of annotation jobs: :class:`QueuePool` is the pool alone, and
+:class:`llm_annotator.VLLMQueueAnnotator`, above both layers, is the pool with
+``annotate``.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from llm_annotator._lazy import lazy_names
 
 if TYPE_CHECKING:
-    from llm_annotator.pool.annotator import VLLMQueueAnnotator
     from llm_annotator.pool.discovery import (
         DirectorySource,
         DnsSource,
@@ -14,14 +18,15 @@ if TYPE_CHECKING:
         ServerSource,
     )
     from llm_annotator.pool.member import MemberChange, MemberState, MemberStatistics
+    from llm_annotator.pool.queue import QueuePool
     from llm_annotator.pool.statistics import PoolStatistics
 
 # Imported on first use (PEP 562): the job layer reads PoolStatistics and MemberState
 # without loading the pool's dispatch and network client.
-__getattr__, __dir__ = lazy_names(
+_getattr, __dir__ = lazy_names(
     __name__,
     {
-        "VLLMQueueAnnotator": "llm_annotator.pool.annotator",
+        "QueuePool": "llm_annotator.pool.queue",
         "DirectorySource": "llm_annotator.pool.discovery",
         "DnsSource": "llm_annotator.pool.discovery",
         "FileSource": "llm_annotator.pool.discovery",
@@ -34,6 +39,17 @@ __getattr__, __dir__ = lazy_names(
     },
 )
 
+
+def __getattr__(name: str) -> Any:
+    if name == "VLLMQueueAnnotator":  # here until the pool and the jobs were parted
+        raise AttributeError(
+            "llm_annotator.pool.VLLMQueueAnnotator is now llm_annotator.VLLMQueueAnnotator "
+            "(from llm_annotator import VLLMQueueAnnotator); llm_annotator.pool.QueuePool "
+            "is the pool without annotate()"
+        )
+    return _getattr(name)
+
+
 __all__ = [
     "DirectorySource",
     "DnsSource",
@@ -42,7 +58,7 @@ __all__ = [
     "MemberState",
     "MemberStatistics",
     "PoolStatistics",
+    "QueuePool",
     "ServerDiscovery",
     "ServerSource",
-    "VLLMQueueAnnotator",
 ]

@@ -14,7 +14,7 @@ The pool is composed of small objects that each own one concern and share one
 - :class:`~llm_annotator.pool.calls.Calls` runs one call (a batch or a stream);
 - :class:`~llm_annotator.pool.membership.Membership` adds and removes servers, from any
   thread;
-- :class:`~llm_annotator.pool.annotator.VLLMQueueAnnotator` is the public facade.
+- :class:`~llm_annotator.pool.queue.QueuePool` is the public facade.
 """
 
 from __future__ import annotations
