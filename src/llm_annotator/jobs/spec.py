@@ -80,7 +80,7 @@ class JobSpec:
 
 
 _JOB_ARGS = frozenset(JobArgs.__annotations__)
-"""The keyword arguments of a job (``tests/unit/test_annotate.py`` checks that
+"""The keyword arguments of a job (``tests/unit/jobs/test_annotate.py`` checks that
 :class:`JobSpec` has the same)."""
 
 

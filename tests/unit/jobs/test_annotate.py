@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 
@@ -25,31 +24,9 @@ from llm_annotator import (
 )
 from llm_annotator.jobs.annotate import Annotator
 from tests.unit.conftest import FakeServer, completion, echo, error
+from tests.unit.helpers import TEMPLATE, pool_of, read_output, rows, sent_texts, write_jsonl
 
 FakeServers = Callable[[int], list[FakeServer]]
-FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
-TEMPLATE = "Label: {text}"
-
-
-def rows(n: int) -> list[dict[str, Any]]:
-    return [{"text": f"t{i}", "n": i} for i in range(n)]
-
-
-def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-    return path
-
-
-def read_output(path: Path) -> list[dict[str, Any]]:
-    return pq.read_table(path).to_pylist()  # type: ignore[no-any-return]
-
-
-def sent_texts(servers: list[FakeServer]) -> Counter[str]:
-    return Counter(r["messages"][-1]["content"] for s in servers for r in s.requests)
-
-
-def pool_of(servers: list[FakeServer], **kwargs: Any) -> VLLMQueueAnnotator:
-    return VLLMQueueAnnotator([s.base_url for s in servers], batch_size=16, **FAST, **kwargs)
 
 
 def test_annotate_writes_one_row_per_input_with_columns(

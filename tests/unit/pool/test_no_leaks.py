@@ -16,7 +16,7 @@ from llm_annotator import PoolExhaustedError, VLLMQueueAnnotator
 from llm_annotator.clients._deadline import SWEEP_INTERVAL
 from tests.unit.conftest import FakeServer
 from tests.unit.fake_clock import ClockedClient, FakeClock
-from tests.unit.test_pool import FAST, conversations, delayed_echo
+from tests.unit.helpers import FAST, conversations, delayed_echo
 
 FakeServers = Callable[[int], list[FakeServer]]
 

@@ -27,7 +27,7 @@ from llm_annotator.pool.discovery import (
     plan_changes,
 )
 from tests.unit.conftest import FakeServer, running_fake_server
-from tests.unit.test_pool import FAST, conversations, delayed_echo, index_of
+from tests.unit.helpers import FAST, conversations, delayed_echo, index_of
 
 FakeServers = Callable[[int], list[FakeServer]]
 

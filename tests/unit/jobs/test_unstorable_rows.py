@@ -14,8 +14,7 @@ import pytest
 
 from llm_annotator import VLLMQueueAnnotator
 from tests.unit.conftest import FakeServer
-
-FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
+from tests.unit.helpers import FAST
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from llm_annotator import (
 from llm_annotator.errors import ReadTimeoutError, StatusError
 from tests.unit.conftest import FakeServer
 from tests.unit.fake_clock import ClockedClient, FakeClock, overloaded
-from tests.unit.test_pool import FAST, assert_all_answered_in_order, conversations, delayed_echo
+from tests.unit.helpers import FAST, assert_all_answered_in_order, conversations, delayed_echo
 
 FakeServers = Callable[[int], list[FakeServer]]
 

@@ -21,7 +21,7 @@ from llm_annotator.clients.metrics import EngineLoad, engine_load
 from llm_annotator.pool import dispatch, window
 from llm_annotator.pool.window import next_window, waiting_target
 from tests.unit.fake_clock import ClockedClient, FakeClock
-from tests.unit.test_pool import assert_all_answered_in_order, conversations
+from tests.unit.helpers import assert_all_answered_in_order, conversations
 
 
 def load(running: float, waiting: float) -> EngineLoad:

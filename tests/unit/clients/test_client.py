@@ -21,10 +21,7 @@ from llm_annotator import (
     server_is_healthy,
 )
 from tests.unit.conftest import FakeServer, completion, error, sleep_forever
-
-
-def conversations(n: int) -> list[list[dict[str, str]]]:
-    return [[{"role": "user", "content": f"sample {i}"}] for i in range(n)]
+from tests.unit.helpers import conversations
 
 
 def test_batch_returns_one_response_per_conversation_in_order(fake_server: FakeServer) -> None:

@@ -6,10 +6,8 @@ in-process fake servers over loopback, so its signals are real signals.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,22 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 
-from llm_annotator.cli import build_parser, main
+from llm_annotator.cli import main
 from llm_annotator.errors import ConfigurationError
+from tests.cli import COMMAND
 from tests.unit.conftest import FakeServer, echo, sleep_forever
-from tests.unit.test_pool import delayed_echo
-
-COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["run", *argv])
-
-
-def settings(*argv: str) -> dict[str, Any]:
-    from llm_annotator.cli.run import settings_from
-
-    return settings_from(parse(*argv))
+from tests.unit.helpers import command, delayed_echo, settings, write_rows
 
 
 def test_flags_override_the_job_file(tmp_path: Path) -> None:
@@ -84,31 +71,6 @@ def test_a_missing_setting_exits_1_with_the_message(capsys: pytest.CaptureFixtur
     """The command prints the error and exits 1 instead of a traceback."""
     assert main(["run", "--input", "a.jsonl"]) == 1
     assert "--prompt-template" in capsys.readouterr().err
-
-
-def write_rows(path: Path, n: int) -> Path:
-    path.write_bytes(b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(n)))
-    return path
-
-
-def command(server: FakeServer, data: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        COMMAND,
-        "run",
-        "--servers",
-        server.base_url,
-        "--input",
-        str(data),
-        "--prompt-template",
-        "Label: {text}",
-        "--output-dir",
-        str(out),
-        "--log-format",
-        "json",
-        "--batch-size",
-        "8",
-        *extra,
-    ]
 
 
 def complete_lines(out: Path) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import pytest
 
 from llm_annotator import VLLMQueueAnnotator
 from tests.unit.conftest import FakeServer
-from tests.unit.test_pool import FAST, delayed_echo
+from tests.unit.helpers import FAST, delayed_echo
 
 FakeServers = Callable[[int], list[FakeServer]]
 Pair = tuple[str, list[dict[str, str]]]

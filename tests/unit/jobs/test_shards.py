@@ -8,7 +8,6 @@ import gzip
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -32,15 +31,9 @@ from llm_annotator.jobs.shards import merge as merge_module
 from llm_annotator.jobs.shards.merge import merge, merge_if_complete, shard_states
 from llm_annotator.jobs.shards.shard import Shard
 from llm_annotator.jobs.watch.status import run_status
+from tests.cli import COMMAND
 from tests.unit.conftest import FakeServer, completion
-
-COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
-FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
-
-
-def write_rows(path: Path, n: int) -> Path:
-    path.write_bytes(b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(n)))
-    return path
+from tests.unit.helpers import FAST, write_rows
 
 
 def shard_command(servers: list[FakeServer], data: Path, out: Path, shard: str) -> list[str]:

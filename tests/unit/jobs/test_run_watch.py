@@ -35,13 +35,9 @@ from llm_annotator.jobs.watch.timeline import (
     ticks_within,
 )
 from tests.unit.conftest import FakeServer, completion
+from tests.unit.helpers import FAST, rows
 
 FakeServers = Callable[[int], list[FakeServer]]
-FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
-
-
-def rows(n: int) -> list[dict[str, Any]]:
-    return [{"text": f"t{i}", "n": i} for i in range(n)]
 
 
 def output_by_server(path: Path, keep: Callable[[int], bool] = lambda _: True) -> Counter[str]:

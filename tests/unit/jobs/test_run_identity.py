@@ -30,14 +30,7 @@ from llm_annotator.jobs.rundir.consolidate import INPUT_IDS_FILE, consolidate
 from llm_annotator.jobs.shards.merge import merge
 from llm_annotator.jobs.watch.status import run_status
 from tests.unit.conftest import FakeServer
-
-FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
-TEMPLATE = "Label: {text}"
-
-
-def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-    return path
+from tests.unit.helpers import FAST, TEMPLATE, write_jsonl
 
 
 def pool_of(server: FakeServer) -> VLLMQueueAnnotator:

@@ -22,19 +22,15 @@ from llm_annotator.clients._protocol import parse_completion
 from llm_annotator.pool.run import Run
 from llm_annotator.response import Response
 from tests.unit.conftest import FakeServer, completion, echo, error, sleep_forever
+from tests.unit.helpers import (
+    FAST,
+    assert_all_answered_in_order,
+    conversations,
+    delayed_echo,
+    index_of,
+)
 
 FakeServers = Callable[[int], list[FakeServer]]
-
-FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
-
-
-def conversations(n: int) -> list[list[dict[str, str]]]:
-    return [[{"role": "user", "content": f"sample {i}"}] for i in range(n)]
-
-
-def index_of(request: dict[str, Any]) -> int:
-    words = request["messages"][0]["content"].split()
-    return int(words[1]) if len(words) > 1 and words[1].isdigit() else -1  # -1: a test completion
 
 
 def always_500_for(index: int) -> Any:
@@ -46,23 +42,6 @@ def always_500_for(index: int) -> Any:
         return await echo(request)
 
     return handle
-
-
-def delayed_echo(seconds: float) -> Any:
-    """A handler that answers like ``echo`` after ``seconds``."""
-
-    async def handle(request: dict[str, Any]) -> web.StreamResponse:
-        await asyncio.sleep(seconds)
-        return await echo(request)
-
-    return handle
-
-
-def assert_all_answered_in_order(responses: list[Any], n: int) -> None:
-    assert len(responses) == n
-    bad = [r for r in responses if not r.ok]
-    assert not bad, bad[:3]
-    assert [r.text for r in responses] == [f"sample {i}" for i in range(n)]
 
 
 def test_work_spreads_over_members_and_comes_back_in_order(fake_servers: FakeServers) -> None:

@@ -21,9 +21,16 @@ from llm_annotator.jobs.rundir.store import ResultStore
 from llm_annotator.jobs.watch.status import run_status
 from tests.cli import COMMAND
 from tests.unit.conftest import FakeServer, completion, echo, error
-from tests.unit.test_annotate import TEMPLATE, pool_of, read_output, rows, sent_texts
-from tests.unit.test_pool import delayed_echo
-from tests.unit.test_run_command import command, write_rows
+from tests.unit.helpers import (
+    TEMPLATE,
+    command,
+    delayed_echo,
+    pool_of,
+    read_output,
+    rows,
+    sent_texts,
+    write_rows,
+)
 
 # -- a trial run on a sample ------------------------------------------------------------
 
@@ -159,7 +166,7 @@ def test_validate_turns_answers_into_columns(fake_server: FakeServer, tmp_path: 
             ("pos", 0.9, True, "neg")
         ] * 6
         job = orjson.loads((out / "job.json").read_bytes())
-        assert job["fingerprint"]["validate"] == "tests.unit.test_first_hour:parse_label"
+        assert job["fingerprint"]["validate"] == "tests.unit.jobs.test_first_hour:parse_label"
         clash = [{"text": "t0", "label": "gold"}]
         with pytest.raises(ConfigurationError, match="'label', which is also an input column"):
             pool.annotate(clash, TEMPLATE, tmp_path / "clash", validate=parse_label)
@@ -427,7 +434,7 @@ def test_cli_refuses_bad_first_hour_flags_in_one_line(
 
 
 def test_bare_retry_errors_means_every_type(tmp_path: Path) -> None:
-    from tests.unit.test_run_command import settings
+    from tests.unit.helpers import settings
 
     base = [
         "--servers",

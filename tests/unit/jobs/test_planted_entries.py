@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
-from typing import Any
 
-import orjson
 import pytest
 
 from llm_annotator import RunDirectoryError, VLLMQueueAnnotator
 from llm_annotator.jobs.annotate import RUN_FILES
+from tests.cli import COMMAND
 from tests.unit.conftest import FakeServer
+from tests.unit.helpers import FAST, write_rows
 
-FAST: dict[str, Any] = {"health_check_interval": 0.2, "health_check_timeout": 0.5}
-COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
 OUTSIDE = b"a file outside the run directory\n"
 
 
@@ -31,11 +28,6 @@ def plant(entry: Path, kind: str, outside: Path) -> None:
         os.mkfifo(entry)
     else:
         entry.mkdir()
-
-
-def write_rows(path: Path, n: int) -> Path:
-    path.write_bytes(b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(n)))
-    return path
 
 
 @pytest.mark.parametrize("kind", ["link", "fifo", "directory"])

@@ -1,0 +1,1 @@
+"""The client layer: requests, answers, options and what a server may send."""

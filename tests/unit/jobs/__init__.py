@@ -1,0 +1,1 @@
+"""The job layer: rows in, answers checked, the run directory, shards and watching."""

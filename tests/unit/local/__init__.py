@@ -1,0 +1,1 @@
+"""Local vLLM servers: the launcher without vLLM."""

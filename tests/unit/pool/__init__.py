@@ -1,0 +1,1 @@
+"""The pool: dispatch, health, eviction, failure decisions and discovery."""
