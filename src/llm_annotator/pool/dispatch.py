@@ -1,14 +1,13 @@
-"""Dispatch: the members' batch slots, settling each answer, and the tail."""
+"""Dispatch: the members' batch slots, their room, and the tail (each answer is settled
+by :mod:`~llm_annotator.pool.settle`)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import NamedTuple
 
 import structlog
 
 from llm_annotator.clients.base import Messages
-from llm_annotator.clients.retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
 from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects
@@ -16,7 +15,8 @@ from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
 from llm_annotator.pool.pace import tail_share
 from llm_annotator.pool.run import Run
-from llm_annotator.pool.scheduler import Effect, Failure, Holder, Limits
+from llm_annotator.pool.scheduler import Holder
+from llm_annotator.pool.settle import Settler
 from llm_annotator.pool.stall import StallWatch
 from llm_annotator.pool.state import PoolState
 from llm_annotator.pool.window import WindowTuner
@@ -46,18 +46,13 @@ class Dispatcher:
         self, state: PoolState, effects: Effects, health: HealthMonitor, stall: StallWatch
     ) -> None:
         self._state = state
-        self._effects = effects
         self._health = health
         self._stall = stall
+        self._settler = Settler(state, effects, health)
         self._windows = WindowTuner(state)
         self._paces_at = float("-inf")
         self._paces_now: dict[Member, float] = {}
         self._total_pace = 0.0
-        config = state.config
-        self._limits = Limits(
-            max_sample_retries=config.max_sample_retries,
-            max_server_faults=config.max_server_faults,
-        )
 
     def attach(self, run: Run, member: Member) -> None:
         """Start a member's probe loop and batch slots for this call."""
@@ -296,7 +291,7 @@ class Dispatcher:
         if task.cancelled():
             cut.append(index)
             return
-        outcome = self._outcome(task, member)
+        outcome = self._settler.outcome(task, member)
         if not _timed_out(outcome):  # an answer: the member is not hung
             now = self._state.clock.now()
             member.note_arrival(now)
@@ -304,7 +299,7 @@ class Dispatcher:
                 member.pace.note(now)
                 if self._windows.answered(member):
                     run.notify()  # its idle slots may take work now
-        self._settle(run, member, index, outcome, sent_at)
+        self._settler.settle(run, member, index, outcome, sent_at)
 
     @staticmethod
     def _requeue(run: Run, member: Member, indices: list[int]) -> None:
@@ -313,197 +308,6 @@ class Dispatcher:
         member.requeued += moved
         if moved:
             log.info("samples_requeued", server=member.url, samples=moved)
-
-    @staticmethod
-    def _outcome(
-        task: asyncio.Task[Response | ProviderError], member: Member
-    ) -> Response | ProviderError:
-        """The task's result; an unexpected exception (a bug, not a server's answer) is
-        logged with its traceback and becomes an error row, so that no sample is lost
-        to it and the bug is seen."""
-        error = task.exception()
-        if error is None:
-            return task.result()
-        log.error(
-            "client_raised",
-            server=member.url,
-            error=f"{type(error).__name__}: {error}",
-            exc_info=error,
-        )
-        unexpected = ProviderError(
-            f"unexpected {type(error).__name__} in the client: {error}",
-            kind=ErrorKind.HTTP_ERROR,
-            server=member.url,
-        )
-        return member.client.redact(unexpected)
-
-    def _settle(
-        self,
-        run: Run,
-        member: Member,
-        index: int,
-        result: Response | ProviderError,
-        sent_at: float = float("inf"),
-    ) -> None:
-        """Decide what one answer means for its sample and its member (its request was
-        sent at ``sent_at``), and carry it out."""
-        if isinstance(result, Response):
-            if run.store(index, result):
-                member.completed += 1
-            member.note_answer()
-            return
-        failure = self._failure(run, member, index, result.kind, sent_at)
-        effects = scheduler.settle(failure, self._limits)
-        self._carry_out(effects, run, member, index, result, sent_at, str(result))
-
-    def _failure(
-        self, run: Run, member: Member, index: int, kind: ErrorKind, sent_at: float
-    ) -> Failure:
-        """What is known of ``member`` and sample ``index`` when its request failed."""
-        first_fault = run.first_fault_at.get(index, self._state.clock.now())
-        return Failure(
-            kind=kind,
-            member_working=member.state in (MemberState.HEALTHY, MemberState.DRAINING),
-            answered_since_sent=member.last_answer_at > sent_at,
-            overloads=run.overloads[index] + 1,
-            retries=run.retries[index] + 1,
-            sample_faults=run.faults[index] + 1,
-            pool_answered_since_first_fault=run.last_success_at > first_fault,
-            fault_streak=member.streak_with(index),
-            hedged_copy_in_flight=index in run.hedged and self._in_flight_elsewhere(member, index),
-            fresh_drop=sent_at > member.drop_counted_at,
-            still_open=run.is_open(index),
-        )
-
-    def _carry_out(
-        self,
-        effects: tuple[Effect, ...],
-        run: Run,
-        member: Member,
-        index: int,
-        error: ProviderError,
-        sent_at: float,
-        reason: str,
-    ) -> None:
-        """Do what the scheduler decided, in its order."""
-        do = self._effects
-        for effect in effects:
-            if effect is Effect.BLAME:
-                member.last_error = str(error)
-            elif effect is Effect.REQUEUE:
-                do.requeue(run, member, index)
-            elif effect is Effect.ERROR_ROW:
-                do.error_row(run, member, index, error)
-            elif effect is Effect.EVICT:
-                do.evict(run, member, reason, cause=index)
-            elif effect is Effect.DISABLE:
-                do.disable(run, member, reason)
-            elif effect is Effect.VERIFY:
-                member.suspects.add(index)
-                held = _Held(run, member, index, error, sent_at, member.evictions)
-                self._state.spawn(self._verify_then_settle(held))
-            elif effect is Effect.BACK_OFF:
-                member.back_off(self._state.clock.now(), retry_delay)
-                member.last_error = reason
-                run.overloads[index] += 1
-            elif effect is Effect.COUNT_SAMPLE_FAULT:
-                run.note_fault(index, member.url)
-            elif effect is Effect.COUNT_FAULT:
-                streak = member.note_fault(index)
-                log.debug(
-                    "server_fault",
-                    server=member.url,
-                    kind=error.kind.value,
-                    streak=streak,
-                    sample_faults=run.faults[index],
-                )
-            elif effect is Effect.EVICT_FOR_FAULTS:
-                broke_on = list(member.fault_samples)
-                do.evict(
-                    run,
-                    member,
-                    f"{member.fault_streak} answers in a row were the server's fault; "
-                    f"last: {error}",
-                )
-                for sample in broke_on:
-                    do.note_eviction(run, member, sample)
-            elif effect is Effect.COUNT_EVICTION:
-                do.note_eviction_or_requeue(run, member, index)
-            elif effect is Effect.COUNT_DROP:
-                member.drop_counted_at = self._state.clock.now()
-            elif effect is Effect.COUNT_RETRY:
-                run.retries[index] += 1
-            elif effect is Effect.PROVE:
-                member.suspects.add(index)
-                held = _Held(run, member, index, error, sent_at, member.evictions)
-                self._state.spawn(self._prove_then_settle(held))
-
-    def _in_flight_elsewhere(self, member: Member, index: int) -> bool:
-        return any(
-            index in other.in_flight.values()
-            for other in self._state.members.values()
-            if other is not member
-        )
-
-    async def _verify_then_settle(self, held: _Held) -> None:
-        """Wait for the member's shared health check, then settle the held sample."""
-        run, member, index, error, sent_at, evictions = held
-        healthy = await self._health.verify(member)
-        member.suspects.discard(index)
-        if self._evicted_since(run, member, index, evictions):
-            return
-        failure = self._failure(run, member, index, error.kind, sent_at)
-        effects = scheduler.after_check(failure, healthy, self._limits)
-        reason = f"{error} and then failed a health check"
-        self._carry_out(effects, run, member, index, error, sent_at, reason)
-
-    async def _prove_then_settle(self, held: _Held) -> None:
-        """Wait for the member's shared test completion, then settle the held sample
-        (if the member was evicted since, it is sent again without a test)."""
-        run, member, index, error, sent_at, evictions = held
-        if self._evicted_since(run, member, index, evictions):
-            member.suspects.discard(index)
-            return
-        problem = await self._health.prove(member)
-        member.suspects.discard(index)
-        if self._evicted_since(run, member, index, evictions):
-            return
-        log.info(
-            "sample_doubted",
-            server=member.url,
-            error=str(error),
-            test_completion="ok" if problem is None else str(problem),
-        )
-        if problem is None:
-            run.last_success_at = self._state.clock.now()  # a server answers: not a storm
-            member.end_fault_streak()  # and this one works
-        failure = self._failure(run, member, index, error.kind, sent_at)
-        effects = scheduler.after_proof(failure, works=problem is None)
-        reason = f"{error}, and then its test completion failed: {problem}"
-        self._carry_out(effects, run, member, index, error, sent_at, reason)
-
-    def _evicted_since(self, run: Run, member: Member, index: int, evictions: int) -> bool:
-        """Whether ``member`` was evicted while sample ``index`` waited for a check that
-        began at its ``evictions``-th eviction: that eviction counted the sample as on
-        it, so the check's answer is stale (the member may even have rejoined since) and
-        the sample goes back on the queue."""
-        if member.evictions == evictions:
-            return False
-        log.debug("check_outlived", server=member.url, sample=index)
-        self._effects.requeue(run, member, index)
-        return True
-
-
-class _Held(NamedTuple):
-    """A sample held for a check of its member: what its failure was, and the member's
-    number of evictions when it was held (a check that outlives one is stale)."""
-
-    run: Run
-    member: Member
-    sample: int
-    error: ProviderError
-    sent_at: float
-    evictions: int
 
 
 _NONE: tuple[None, bool] = (None, False)

@@ -184,3 +184,18 @@ def test_what_an_idle_member_hedges(
     holders: list[Holder], limit: int, skip: set[int], picked: list[int]
 ) -> None:
     assert pick_hedges(holders, elapsed=10.0, limit=limit, skip=skip) == picked
+
+
+def test_every_effect_has_one_step_that_carries_it_out() -> None:
+    """The settler carries out each Effect the scheduler may decide; a new Effect with
+    no step would be skipped silently."""
+    from llm_annotator.pool.effects import Effects
+    from llm_annotator.pool.health import HealthMonitor
+    from llm_annotator.pool.queue import QueuePool
+    from llm_annotator.pool.settle import Settler
+
+    pool = QueuePool(["http://127.0.0.1:9/v1"], model="m")
+    state = pool._state
+    settler = Settler(state, Effects(state), HealthMonitor(state, Effects(state)))
+    assert set(settler._steps) == set(Effect)
+    pool.close()
