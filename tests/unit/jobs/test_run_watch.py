@@ -481,3 +481,41 @@ def test_an_interrupted_then_resumed_job_is_drawn_as_two_runs(
     assert len(series.runs) == 2 and series.runs[1][0] > 0
     page = write_html_report(out).read_text()
     assert "2 run(s) in the timeline" in page
+
+
+def test_a_cancelled_job_is_interrupted_in_status_and_timeline_alike(
+    fake_servers: FakeServers, tmp_path: Path
+) -> None:
+    """One rule for how a run ended: a job whose task is cancelled (as an embedding
+    application does) is ``interrupted`` in ``status.json`` and in the timeline, not
+    ``failed`` in one and ``interrupted`` in the other."""
+    servers = fake_servers(1)
+    answered = 0
+
+    async def slow(body: dict[str, Any]) -> Any:
+        nonlocal answered
+        await asyncio.sleep(0.01)
+        answered += 1
+        return completion(body["messages"][-1]["content"])
+
+    servers[0].handler = slow
+    out = tmp_path / "run"
+
+    async def cancelled_run() -> None:
+        pool = VLLMQueueAnnotator([servers[0].base_url], batch_size=8, **FAST)
+        job = asyncio.ensure_future(pool.aannotate(rows(2000), "x {text}", out, progress=False))
+        for _ in range(3000):  # 30 s at most
+            if answered >= 50 or job.done():
+                break
+            await asyncio.sleep(0.01)
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        await pool.aclose()
+
+    asyncio.run(cancelled_run())
+    assert answered >= 50
+    (run,) = read_timeline(out)
+    status = orjson.loads((out / "status.json").read_bytes())
+    assert (run.ended, status["state"]) == ("interrupted", "interrupted")
+    assert status.get("error") is None

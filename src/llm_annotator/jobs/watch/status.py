@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 import structlog
 
-from llm_annotator.errors import JobError, RunDirectoryError, RunInterruptedError
+from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.files import atomic_write, check_entry, read_bytes
 from llm_annotator.jobs.ids import IdSet
 from llm_annotator.jobs.rundir.fingerprint import read_job_record
@@ -41,6 +41,7 @@ from llm_annotator.jobs.rundir.store import (
     read_shard,
     shard_paths,
 )
+from llm_annotator.jobs.watch.outcome import ENDINGS, outcome
 from llm_annotator.jobs.watch.timeline import last_servers
 
 log = structlog.get_logger(__name__)
@@ -109,7 +110,8 @@ class StatusFile:
     @contextlib.asynccontextmanager
     async def kept(self, progress: Any) -> AsyncIterator[None]:
         """Keep ``status.json`` up to date while the block runs, then write how it ended:
-        ``finished``, ``interrupted`` (a signal) or ``failed`` (with the error).
+        ``finished``, ``interrupted`` (a signal, a cancelled task) or ``failed`` (with
+        the error), by the rule of :func:`~llm_annotator.jobs.watch.outcome.outcome`.
 
         Raises:
             RunDirectoryError: ``status.json`` is a link or not a regular file (before
@@ -117,14 +119,11 @@ class StatusFile:
         """
         check_entry(self.path)
         task = asyncio.ensure_future(self._keep_writing(progress))
-        state, error = "finished", None
+        state, error = outcome(None)
         try:
             yield
-        except RunInterruptedError:
-            state = "interrupted"
-            raise
         except BaseException as failure:
-            state, error = "failed", str(failure) or type(failure).__name__
+            state, error = outcome(failure)
             raise
         finally:
             task.cancel()
@@ -318,7 +317,7 @@ def _state(directory: Path, status: dict[str, Any]) -> tuple[str, int | None, st
         if host is not None and host != socket.gethostname() and _fresh(status):
             return said, pid, host
         return "stopped", pid, host
-    if said in ("finished", "interrupted", "failed"):
+    if said in ENDINGS:
         return said, pid, host
     return "stopped", pid, host
 

@@ -54,6 +54,7 @@ from llm_annotator.clients.base import Client
 from llm_annotator.errors import RunDirectoryError
 from llm_annotator.jobs.files import open_binary, open_file, read_run_file
 from llm_annotator.jobs.protocols import MemberWatchable, Streamer
+from llm_annotator.jobs.watch.outcome import ENDINGS, outcome
 from llm_annotator.jobs.watch.progress import Progress
 from llm_annotator.pool.member import MemberChange
 
@@ -420,11 +421,11 @@ class RunWatch:
         if isinstance(self.client, MemberWatchable):
             stop_watching = self.client.watch_members(self.on_change)
         task = asyncio.ensure_future(self._sample())
-        state = "finished"
+        state, _ = outcome(None)
         try:
             yield
         except BaseException as failure:
-            state = "interrupted" if _interrupted(failure) else "failed"
+            state, _ = outcome(failure)
             raise
         finally:
             task.cancel()
@@ -458,12 +459,6 @@ class RunWatch:
             except Exception as error:  # watching must never stop the job
                 log.warning("run_watch_failed", error=repr(error))
             await asyncio.sleep(self.interval)
-
-
-def _interrupted(failure: BaseException) -> bool:
-    from llm_annotator.errors import RunInterruptedError
-
-    return isinstance(failure, RunInterruptedError | asyncio.CancelledError)
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -511,7 +506,7 @@ def read_timeline(directory: Path) -> list[RunRecord]:
     return _runs(_lines(data), path)
 
 
-_ENDED = ("finished", "interrupted", "failed")
+_ENDED = ENDINGS
 """How a run ends, as its ``end`` line says."""
 _LONGEST = 1e11
 """The largest time a line may hold, in seconds (wall times are Unix seconds; about the
