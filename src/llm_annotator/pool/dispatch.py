@@ -109,7 +109,7 @@ class Dispatcher:
     def _shunned_by(self, member: Member) -> str | None:
         """``member``'s URL if samples that failed there should wait for another member
         (one that takes work now); else None."""
-        if not self._state.run or not self._state.run.avoid:
+        if not self._state.run or not self._state.run.avoiding:
             return None
         now = self._state.clock.now()
         for other in self._state.members.values():
@@ -126,21 +126,23 @@ class Dispatcher:
         yet hedged (the last sent first: a server's line serves them last)."""
         others = [m for m in self._state.members.values() if m is not member and m.in_flight]
         holders = [Holder(m.completed, list(m.in_flight.values())) for m in others]
-        failed_here = {i for i, url in run.avoid.items() if url == member.url}
         batch = scheduler.pick_hedges(
             holders,
             elapsed=self._state.clock.now() - run.started,
             limit=limit,
-            skip=_Skip(run, failed_here),
+            skip=_Skip(run, member.url),
         )
         if not batch:
             return None
-        run.hedged.update(batch)
-        picked = set(batch)  # the first answer cancels the other copy
-        for other in others:
+        copies: dict[int, list[asyncio.Task[Response | ProviderError]]] = {}
+        for index in batch:
+            sample = run.open[index]
+            sample.hedged = True
+            sample.copies = copies[index] = []
+        for other in others:  # the first answer cancels the other copy
             for task, index in other.in_flight.items():
-                if index in picked:
-                    run.copies.setdefault(index, []).append(task)
+                if index in copies:
+                    copies[index].append(task)
         log.debug("samples_hedged", server=member.url, samples=len(batch))
         return batch
 
@@ -154,7 +156,6 @@ class Dispatcher:
         params = self._state.params_for(member)
         client = member.client
         clock = self._state.clock
-        copies = run.copies
         arrived: asyncio.Queue[asyncio.Task[Response | ProviderError]] = asyncio.Queue()
         """The slot's finished requests, in the order they finished."""
         waiting: dict[asyncio.Task[Response | ProviderError], tuple[int, float]] = {}
@@ -166,18 +167,18 @@ class Dispatcher:
             sent_at = clock.now()
             member.note_sent(sent_at)
             for index in indices:
-                messages = run.open[index]
+                sample = run.open[index]
                 request = (
-                    _hedge_copy(member, messages, params)
+                    _hedge_copy(member, sample.messages, params)
                     if hedges
-                    else client.asend(messages, params)
+                    else client.asend(sample.messages, params)
                 )
                 task = asyncio.ensure_future(request)
                 task.add_done_callback(arrived.put_nowait)  # one callback a task
                 waiting[task] = (index, sent_at)
                 member.in_flight[task] = index
-                if copies and index in copies:
-                    copies[index].append(task)
+                if sample.copies is not None:
+                    sample.copies.append(task)
 
         def settle_arrived() -> None:
             while not arrived.empty():
@@ -332,17 +333,17 @@ class _Skip:
     """The samples an idle member must not hedge: closed, hedged already, on an evicted
     member before, or failed on that member (a view, nothing is copied)."""
 
-    __slots__ = ("_failed_here", "_run")
+    __slots__ = ("_open", "_url")
 
-    def __init__(self, run: Run, failed_here: set[int]) -> None:
-        self._run = run
-        self._failed_here = failed_here
+    def __init__(self, run: Run, url: str) -> None:
+        self._open = run.open
+        self._url = url
 
     def __contains__(self, index: object) -> bool:
-        run = self._run
+        sample = self._open.get(index)  # type: ignore[call-overload]
         return (
-            index not in run.open
-            or index in run.hedged
-            or index in run.evicted_with
-            or index in self._failed_here
+            sample is None
+            or sample.hedged
+            or sample.evicted_with is not None
+            or sample.avoid == self._url
         )

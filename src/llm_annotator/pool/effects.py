@@ -95,17 +95,17 @@ class Effects:
     def note_eviction(self, run: Run, member: Member, index: int) -> bool:
         """Count that sample ``index`` was on ``member`` when it was evicted; True if that
         made it a poison sample (it then has its error Response)."""
-        if not run.is_open(index):
+        sample = run.open.get(index)
+        if sample is None:
             return False
-        marks = run.eviction_marks.setdefault(index, set())
         mark = (member.url, member.evictions)
-        if mark in marks:
+        if sample.evicted_with is None:
+            sample.evicted_with = []
+        elif mark in sample.evicted_with:
             return False  # this eviction is counted already (the sample was sent twice)
-        marks.add(mark)
-        history = run.evicted_with.setdefault(index, [])
-        history.append(member.url)
-        if len(history) >= self._state.config.max_sample_evictions:
-            return run.store(index, _poison(member, history))
+        sample.evicted_with.append(mark)
+        if len(sample.evicted_with) >= self._state.config.max_sample_evictions:
+            return run.store(index, _poison(member, [url for url, _ in sample.evicted_with]))
         return False
 
     def note_eviction_or_requeue(self, run: Run, member: Member, index: int) -> None:

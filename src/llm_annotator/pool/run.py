@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from llm_annotator.clients.base import Messages
@@ -14,6 +15,30 @@ from llm_annotator.response import Response
 
 Deliver = Callable[[int, Response], None]
 """Called once per sample with its final Response."""
+
+
+@dataclass(slots=True, eq=False)
+class SampleState:
+    """One open sample of a call: its conversation and what befell it so far. It lives
+    from :meth:`Run.admit` until its Response is stored, and goes with it."""
+
+    messages: Messages
+    retries: int = 0
+    """Resends after transient server errors."""
+    overloads: int = 0
+    """Answers that said the server was overloaded (429, 503)."""
+    faults: int = 0
+    """Answers that were the server's fault."""
+    first_fault_at: float | None = None
+    avoid: str | None = None
+    """The member whose fault the last failure was: the sample goes elsewhere."""
+    evicted_with: list[tuple[str, int]] | None = None
+    """The evictions it was on, in order: each member and that member's count of
+    evictions then (the same eviction is counted once; poison at the limit)."""
+    hedged: bool = False
+    """Also sent to a second member near the end (the first answer wins)."""
+    copies: list[asyncio.Task[Any]] | None = None
+    """The requests of a hedged sample: storing its Response cancels the rest."""
 
 
 class Run:
@@ -34,28 +59,17 @@ class Run:
         self.batch_size = batch_size
         self.clock = clock
         self.deliver = deliver
-        self.open: dict[int, Messages] = {}
+        self.open: dict[int, SampleState] = {}
+        """Each open sample's conversation and history, the one place that holds them."""
         self.queue: deque[int] = deque()
         self.admitted = 0
         self.delivered = 0
         self.source_done = False
         self.stop: asyncio.Event | None = None
         """Set by the caller: no new work is taken; the run ends once nothing is in flight."""
-        self.hedged: set[int] = set()
-        """Open samples also sent to a second member near the end (first answer wins)."""
-        self.copies: dict[int, list[asyncio.Task[Any]]] = {}
-        """The requests of each hedged sample: storing its Response cancels the rest."""
         self.started = clock.now()
-        self.evicted_with: dict[int, list[str]] = {}
-        self.eviction_marks: dict[int, set[tuple[str, int]]] = {}
-        """Which evictions (member, its eviction count) each sample was counted in."""
-        self.retries: Counter[int] = Counter()
-        self.overloads: Counter[int] = Counter()
-        self.faults: Counter[int] = Counter()
-        """Server-fault answers per open sample."""
-        self.first_fault_at: dict[int, float] = {}
-        self.avoid: dict[int, str] = {}
-        """The member whose fault an open sample's last failure was: it goes elsewhere."""
+        self.avoiding = 0
+        """Open samples whose last failure was a member's fault (they go elsewhere)."""
         self.last_success_at = float("-inf")
         self.exhausted: PoolExhaustedError | None = None
         self.failure: BaseException | None = None
@@ -80,7 +94,7 @@ class Run:
 
     def admit(self, index: int, messages: Messages) -> None:
         """Add one sample at the back of the queue."""
-        self.open[index] = messages
+        self.open[index] = SampleState(messages)
         self.queue.append(index)
         self.admitted += 1
 
@@ -93,22 +107,15 @@ class Run:
 
     def store(self, index: int, response: Response) -> bool:
         """Record the result of sample ``index``; False if it already had one."""
-        if self.open.pop(index, None) is None:
+        sample = self.open.pop(index, None)
+        if sample is None:
             return False
-        if self.evicted_with:
-            self.evicted_with.pop(index, None)
-            self.eviction_marks.pop(index, None)
-        self.hedged.discard(index)
-        if self.copies:
-            for copy in self.copies.pop(index, ()):
+        if sample.copies:
+            for copy in sample.copies:
                 if not copy.done():
                     copy.cancel()  # the server drops a request whose client left
-        self.retries.pop(index, None)
-        self.overloads.pop(index, None)
-        if self.faults:
-            self.faults.pop(index, None)
-            self.first_fault_at.pop(index, None)
-            self.avoid.pop(index, None)
+        if sample.avoid is not None:
+            self.avoiding -= 1
         if response.ok:
             self.last_success_at = self.clock.now()
         self.delivered += 1
@@ -118,15 +125,24 @@ class Run:
         return True
 
     def note_fault(self, index: int, server: str) -> int:
-        """Count a server-fault answer to sample ``index`` from ``server``; how many."""
-        self.faults[index] += 1
-        self.first_fault_at.setdefault(index, self.clock.now())
-        self.avoid[index] = server
-        return self.faults[index]
+        """Count a server-fault answer to sample ``index`` from ``server``; how many (0 if
+        the sample is closed)."""
+        sample = self.open.get(index)
+        if sample is None:
+            return 0
+        sample.faults += 1
+        if sample.first_fault_at is None:
+            sample.first_fault_at = self.clock.now()
+        if sample.avoid is None:
+            self.avoiding += 1
+        sample.avoid = server
+        return sample.faults
 
     def answered_since_first_fault(self, index: int) -> bool:
         """Whether any sample succeeded after ``index`` first failed by a server's fault."""
-        return self.last_success_at > self.first_fault_at.get(index, float("inf"))
+        sample = self.open.get(index)
+        first = sample.first_fault_at if sample is not None else None
+        return first is not None and self.last_success_at > first
 
     def requeue(self, indices: list[int]) -> int:
         """Put the samples that are still open back at the front of the queue."""
@@ -155,12 +171,13 @@ class Run:
             size = max(1, min(size, -(-len(self.queue) // max(slots, 1))))
         batch: list[int] = []
         queue, open_ = self.queue, self.open
-        shunned = self.avoid if avoid is not None and self.avoid else None
+        shunned = avoid if self.avoiding else None
         skipped: list[int] = []
         while queue and len(batch) < size:
             index = queue.popleft()
-            if index in open_:
-                if shunned is not None and shunned.get(index) == avoid:
+            sample = open_.get(index)
+            if sample is not None:
+                if shunned is not None and sample.avoid == shunned:
                     skipped.append(index)
                 else:
                     batch.append(index)

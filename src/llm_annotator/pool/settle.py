@@ -23,12 +23,16 @@ from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.member import Member, MemberState
-from llm_annotator.pool.run import Run
+from llm_annotator.pool.run import Run, SampleState
 from llm_annotator.pool.scheduler import Effect, Failure, Limits
 from llm_annotator.pool.state import PoolState
 from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
+
+_CLOSED = SampleState(messages=[])
+"""What is known of a sample already closed when one of its requests fails: nothing
+(it is read, never changed)."""
 
 
 class Settler:
@@ -105,19 +109,23 @@ class Settler:
         """What is known of the member and the sample when its request failed."""
         run, member, index = failed.run, failed.member, failed.sample
         sent_at = failed.sent_at
-        first_fault = run.first_fault_at.get(index, self._state.clock.now())
+        sample = run.open.get(index)
+        known = _CLOSED if sample is None else sample
+        first_fault = known.first_fault_at
+        if first_fault is None:
+            first_fault = self._state.clock.now()
         return Failure(
             kind=failed.error.kind,
             member_working=member.state in (MemberState.HEALTHY, MemberState.DRAINING),
             answered_since_sent=member.last_answer_at > sent_at,
-            overloads=run.overloads[index] + 1,
-            retries=run.retries[index] + 1,
-            sample_faults=run.faults[index] + 1,
+            overloads=known.overloads + 1,
+            retries=known.retries + 1,
+            sample_faults=known.faults + 1,
             pool_answered_since_first_fault=run.last_success_at > first_fault,
             fault_streak=member.streak_with(index),
-            hedged_copy_in_flight=index in run.hedged and self._in_flight_elsewhere(member, index),
+            hedged_copy_in_flight=known.hedged and self._in_flight_elsewhere(member, index),
             fresh_drop=sent_at > member.drop_counted_at,
-            still_open=run.is_open(index),
+            still_open=sample is not None,
         )
 
     def _carry_out(self, effects: tuple[Effect, ...], failed: _Failed) -> None:
@@ -146,7 +154,9 @@ class Settler:
         member = failed.member
         member.back_off(self._state.clock.now(), retry_delay)
         member.last_error = failed.reason
-        failed.run.overloads[failed.sample] += 1
+        sample = failed.run.open.get(failed.sample)
+        if sample is not None:
+            sample.overloads += 1
 
     def _count_sample_fault(self, failed: _Failed) -> None:
         failed.run.note_fault(failed.sample, failed.member.url)
@@ -154,12 +164,13 @@ class Settler:
     def _count_fault(self, failed: _Failed) -> None:
         member = failed.member
         streak = member.note_fault(failed.sample)
+        sample = failed.run.open.get(failed.sample)
         log.debug(
             "server_fault",
             server=member.url,
             kind=failed.error.kind.value,
             streak=streak,
-            sample_faults=failed.run.faults[failed.sample],
+            sample_faults=(_CLOSED if sample is None else sample).faults,
         )
 
     def _evict_for_faults(self, failed: _Failed) -> None:
@@ -180,7 +191,9 @@ class Settler:
         failed.member.drop_counted_at = self._state.clock.now()
 
     def _count_retry(self, failed: _Failed) -> None:
-        failed.run.retries[failed.sample] += 1
+        sample = failed.run.open.get(failed.sample)
+        if sample is not None:
+            sample.retries += 1
 
     def _verify(self, failed: _Failed) -> None:
         failed.member.suspects.add(failed.sample)

@@ -412,6 +412,26 @@ def test_requeued_samples_travel_in_full_batches() -> None:
     asyncio.run(scenario())
 
 
+def test_what_befell_a_sample_lives_while_it_is_open_and_goes_with_it() -> None:
+    """One SampleState per open sample: a fault sends the sample to another member, and
+    once stored nothing of it is left (nothing grows with the samples delivered)."""
+
+    async def scenario() -> None:
+        run = Run(batch_size=4, deliver=lambda index, response: None)
+        for i in range(2):
+            run.admit(i, [{"role": "user", "content": str(i)}])
+        assert run.note_fault(0, "http://a") == 1
+        assert run.avoiding == 1 and run.open[0].avoid == "http://a"
+        assert run.take(avoid="http://a") == [1]  # 0 waits for another member
+        assert run.take(avoid="http://b") == [0]
+        assert run.store(0, Response(text="a"))
+        assert run.avoiding == 0 and list(run.open) == [1]
+        assert run.note_fault(0, "http://a") == 0  # closed: nothing to count
+        assert not run.answered_since_first_fault(0)
+
+    asyncio.run(scenario())
+
+
 def test_run_delivers_each_sample_once_and_ends_when_the_source_is_done() -> None:
     """A sample stored twice is delivered once; the run ends only after the source is
     closed and every admitted sample is delivered; a stopping run hands out no work."""
