@@ -8,14 +8,15 @@ and NumPy, the network client's aiohttp.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
 
 
 def lazy_names(
@@ -70,13 +71,28 @@ def moved_modules(package: str, moves: Mapping[str, str]) -> None:
         >>> str(caught[0].message)
         'json.old_decoder moved to json.decoder; the old path goes in the next release'
         >>> sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "package", 0) != "json"]
-        >>> del sys.modules["json.old_decoder"]
+        >>> del sys.modules["json.old_decoder"], json.old_decoder
     """
     if not any(getattr(f, "package", None) == package for f in sys.meta_path):
         sys.meta_path.append(_MovedFinder(package, dict(moves)))
+    sys.modules[package].__class__ = _KeepsPublicNames
 
 
-class _MovedFinder(importlib.abc.MetaPathFinder):
+class _KeepsPublicNames(ModuleType):
+    """A package whose public names (its ``__all__``) no submodule replaces: importing
+    an old module path spelled like a public name (``jobs.merge``, the module, beside
+    ``jobs.merge``, the function) leaves the name as it is."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, ModuleType) and name in self.__dict__.get("__all__", ()):
+            return  # the import system sets each submodule on its package: not this one
+        super().__setattr__(name, value)
+
+
+class _MovedFinder:
+    """A meta path finder (``sys.meta_path``) for the old paths of ``package``; not an
+    ``importlib.abc`` subclass, whose import loads ``importlib.resources`` and more."""
+
     def __init__(self, package: str, moves: dict[str, str]) -> None:
         self.package = package
         self.moves = moves
@@ -87,12 +103,11 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         parent, _, name = fullname.rpartition(".")
         if parent != self.package or name not in self.moves:
             return None
-        return importlib.util.spec_from_loader(
-            fullname, _Alias(f"{self.package}.{self.moves[name]}")
-        )
+        loader = cast("Loader", _Alias(f"{self.package}.{self.moves[name]}"))
+        return ModuleSpec(fullname, loader)
 
 
-class _Alias(importlib.abc.Loader):
+class _Alias:
     """Gives the module at ``target`` for an old path."""
 
     def __init__(self, target: str) -> None:

@@ -95,6 +95,7 @@ def test_importing_the_package_loads_no_layer() -> None:
         "llm_annotator.response",
     }
     assert "aiohttp" not in loaded
+    assert "importlib.resources" not in loaded  # nor what importlib.abc pulls in
     assert set(llm_annotator.__all__) <= set(dir(llm_annotator))
     with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
         llm_annotator.Nothing  # noqa: B018
@@ -186,6 +187,26 @@ def test_a_module_of_the_flat_layout_still_imports_with_a_warning(old: str, new:
     )
 
 
+def test_an_old_module_path_spelled_like_a_public_name_leaves_the_name() -> None:
+    """``llm_annotator.jobs.merge`` is the function, also after the flat layout's module
+    ``llm_annotator.jobs.merge`` was imported by its old path."""
+    code = "\n".join(
+        [
+            "import warnings",
+            "warnings.simplefilter('ignore', DeprecationWarning)",
+            "import importlib",
+            "old = importlib.import_module('llm_annotator.jobs.merge')",
+            "from llm_annotator.jobs.merge import merge_if_complete",
+            "import llm_annotator.jobs as jobs",
+            "from llm_annotator.jobs import merge",
+            "assert callable(jobs.merge) and merge is jobs.merge, jobs.merge",
+            "assert old is jobs.shards.merge and old.merge is merge",
+            "assert merge_if_complete is jobs.merge_if_complete",
+        ]
+    )
+    subprocess.run([sys.executable, "-c", code], timeout=60, check=True)
+
+
 def test_a_name_that_never_was_a_module_of_the_job_layer_does_not_import() -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("llm_annotator.jobs.nothing_here")
@@ -200,5 +221,7 @@ def test_the_pool_imports_no_job_layer_and_the_annotator_joins_them() -> None:
     assert issubclass(VLLMQueueAnnotator, pool.QueuePool)
     assert not hasattr(pool.QueuePool, "annotate")
     assert hasattr(VLLMQueueAnnotator, "aannotate")
-    with pytest.raises(AttributeError, match=r"now llm_annotator\.VLLMQueueAnnotator"):
+    with pytest.raises(ImportError, match=r"now llm_annotator\.VLLMQueueAnnotator"):
         pool.VLLMQueueAnnotator  # noqa: B018
+    with pytest.raises(ImportError, match=r"from llm_annotator import VLLMQueueAnnotator"):
+        from llm_annotator.pool import VLLMQueueAnnotator as _gone  # noqa: F401

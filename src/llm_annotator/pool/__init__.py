@@ -42,7 +42,9 @@ _getattr, __dir__ = lazy_names(
 
 def __getattr__(name: str) -> Any:
     if name == "VLLMQueueAnnotator":  # here until the pool and the jobs were parted
-        raise AttributeError(
+        # An ImportError, not an AttributeError: ``from llm_annotator.pool import
+        # VLLMQueueAnnotator`` shows this message instead of "cannot import name".
+        raise ImportError(
             "llm_annotator.pool.VLLMQueueAnnotator is now llm_annotator.VLLMQueueAnnotator "
             "(from llm_annotator import VLLMQueueAnnotator); llm_annotator.pool.QueuePool "
             "is the pool without annotate()"

@@ -134,7 +134,7 @@ class Calls:
         """Check the options and claim the pool for one call."""
         state = self._state
         if state.run is not None:
-            raise RuntimeError("VLLMQueueAnnotator runs one call at a time")
+            raise RuntimeError("the pool runs one call at a time")
         state.prototype().encode_params(options, gen_kwargs)  # ValueError before anything
         run = Run(state.config.batch_size, deliver, state.clock)
         state.run, state.loop = run, asyncio.get_running_loop()

@@ -65,8 +65,7 @@ class Membership:
                     state.add(Member(state.new_client(url)))
         elif not state.members:
             raise ConfigurationError(
-                "VLLMQueueAnnotator needs at least one server: give base_urls, clients "
-                "or a discovery"
+                "the pool needs at least one server: give base_urls, clients or a discovery"
             )
 
     @property

@@ -89,9 +89,6 @@ class Run:
     def stopping(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
-    def is_open(self, index: int) -> bool:
-        return index in self.open
-
     def admit(self, index: int, messages: Messages) -> None:
         """Add one sample at the back of the queue."""
         self.open[index] = SampleState(messages)
@@ -137,12 +134,6 @@ class Run:
             self.avoiding += 1
         sample.avoid = server
         return sample.faults
-
-    def answered_since_first_fault(self, index: int) -> bool:
-        """Whether any sample succeeded after ``index`` first failed by a server's fault."""
-        sample = self.open.get(index)
-        first = sample.first_fault_at if sample is not None else None
-        return first is not None and self.last_success_at > first
 
     def requeue(self, indices: list[int]) -> int:
         """Put the samples that are still open back at the front of the queue."""

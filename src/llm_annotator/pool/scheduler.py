@@ -1,11 +1,12 @@
 """What one failed request means for its sample and its member, decided without I/O.
 
-The dispatcher gathers what it knows when a request fails (:class:`Failure`: the kind
-of failure, the member's state, the sample's counts so far) and carries out, in order,
-the :class:`Effect` values that :func:`settle` returns; after the shared health check
-that a :data:`Effect.VERIFY` asks for, it does the same with :func:`after_check`. No
-asyncio, no clock and no member object here: the decisions are tables, tested as such.
-The failure-kind table itself is :func:`~llm_annotator.pool.policy.action_for`.
+The settler (:mod:`~llm_annotator.pool.settle`) gathers what it knows when a request
+fails (:class:`Failure`: the kind of failure, the member's state, the sample's counts
+so far) and carries out, in order, the :class:`Effect` values that :func:`settle`
+returns; after the shared health check that a :data:`Effect.VERIFY` asks for, it does
+the same with :func:`after_check`. No asyncio, no clock and no member object here: the
+decisions are tables, tested as such. The failure-kind table itself is
+:func:`~llm_annotator.pool.policy.action_for`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from llm_annotator.pool.policy import (
 
 
 class Effect(Enum):
-    """One step the dispatcher carries out for a failed request of a sample."""
+    """One step the settler carries out for a failed request of a sample."""
 
     BLAME = "blame"
     """Record the error as the member's last (it is the member's fault)."""
@@ -77,7 +78,7 @@ DEFAULT_LIMITS = Limits()
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """What the dispatcher knows when a request of one sample failed.
+    """What the settler knows when a request of one sample failed.
 
     Counts include this failure, as if it were counted.
 

@@ -30,10 +30,6 @@ from llm_annotator.response import Response
 
 log = structlog.get_logger(__name__)
 
-_CLOSED = SampleState(messages=[])
-"""What is known of a sample already closed when one of its requests fails: nothing
-(it is read, never changed)."""
-
 
 class Settler:
     """Settles each finished request of the members' slots."""
@@ -110,7 +106,7 @@ class Settler:
         run, member, index = failed.run, failed.member, failed.sample
         sent_at = failed.sent_at
         sample = run.open.get(index)
-        known = _CLOSED if sample is None else sample
+        known = SampleState(messages=[]) if sample is None else sample  # closed: nothing
         first_fault = known.first_fault_at
         if first_fault is None:
             first_fault = self._state.clock.now()
@@ -170,7 +166,7 @@ class Settler:
             server=member.url,
             kind=failed.error.kind.value,
             streak=streak,
-            sample_faults=(_CLOSED if sample is None else sample).faults,
+            sample_faults=0 if sample is None else sample.faults,
         )
 
     def _evict_for_faults(self, failed: _Failed) -> None:

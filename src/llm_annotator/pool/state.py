@@ -9,8 +9,9 @@ The pool is composed of small objects that each own one concern and share one
   watches for a pool with no member left;
 - :class:`~llm_annotator.pool.stall.StallWatch` finds members that hold requests and
   answer none;
-- :class:`~llm_annotator.pool.dispatch.Dispatcher` runs the members' batch slots and
-  settles every answer by the pure decisions of :mod:`~llm_annotator.pool.scheduler`;
+- :class:`~llm_annotator.pool.dispatch.Dispatcher` runs the members' batch slots;
+- :class:`~llm_annotator.pool.settle.Settler` settles every answer by the pure
+  decisions of :mod:`~llm_annotator.pool.scheduler`, the one place they are carried out;
 - :class:`~llm_annotator.pool.calls.Calls` runs one call (a batch or a stream);
 - :class:`~llm_annotator.pool.membership.Membership` adds and removes servers, from any
   thread;

@@ -427,7 +427,6 @@ def test_what_befell_a_sample_lives_while_it_is_open_and_goes_with_it() -> None:
         assert run.store(0, Response(text="a"))
         assert run.avoiding == 0 and list(run.open) == [1]
         assert run.note_fault(0, "http://a") == 0  # closed: nothing to count
-        assert not run.answered_since_first_fault(0)
 
     asyncio.run(scenario())
 

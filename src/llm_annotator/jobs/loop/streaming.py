@@ -9,10 +9,12 @@ from collections.abc import AsyncGenerator, AsyncIterable
 from typing import Any, TypeVar
 
 from llm_annotator.clients.base import Client, Messages
-from llm_annotator.jobs.protocols import Streamer
+from llm_annotator.jobs.protocols import ModelSource, Streamer
 from llm_annotator.response import Response
 
 K = TypeVar("K")
+
+__all__ = ["ModelSource", "Streamer", "stream"]  # the protocols, here before protocols.py
 
 
 def stream(

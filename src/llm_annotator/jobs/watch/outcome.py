@@ -1,11 +1,11 @@
-"""How a run ended: one rule for ``status.json``, the timeline and the live metrics.
+"""How a run ended: one rule for ``status.json`` and the timeline.
 
 Examples:
     >>> import asyncio
     >>> outcome(None)
     ('finished', None)
-    >>> outcome(asyncio.CancelledError())
-    ('interrupted', None)
+    >>> outcome(asyncio.CancelledError()), outcome(KeyboardInterrupt())
+    (('interrupted', None), ('interrupted', None))
     >>> outcome(OSError(28, "No space left on device"))
     ('failed', '[Errno 28] No space left on device')
 """
