@@ -12,7 +12,7 @@ import asyncio
 import atexit
 import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -70,8 +70,19 @@ class _LoopThread:
 _RUNNER = _LoopThread()
 
 
-def _close_transports_at_exit() -> None:
-    """Close the connections clients left open on the background loop, then stop it.
+_AT_SHUTDOWN: list[Callable[[], Awaitable[None]]] = []
+
+
+def on_shutdown(callback: Callable[[], Awaitable[None]]) -> None:
+    """Have ``callback`` awaited on the background loop when the interpreter exits (a
+    layer that opens connections registers its closer here; this module imports none).
+    """
+    _AT_SHUTDOWN.append(callback)
+
+
+def _shut_down_at_exit() -> None:
+    """Await what was registered (the clients close the connections they left open on
+    the background loop), then stop the loop.
 
     The loop must not still be running when the interpreter tears down: a TLS
     connection being shut down in that thread then can crash the process (seen once as
@@ -80,11 +91,10 @@ def _close_transports_at_exit() -> None:
     """
     loop, thread = _RUNNER._loop, _RUNNER._thread
     if loop is None or not loop.is_running():
-        return  # before the import: a process that made no client loads none
-    from llm_annotator.clients._transport import live_transports
+        return  # no synchronous call was made: nothing runs on the loop
 
     async def close_all() -> None:
-        await asyncio.gather(*(t.aclose() for t in live_transports()), return_exceptions=True)
+        await asyncio.gather(*(callback() for callback in _AT_SHUTDOWN), return_exceptions=True)
         await asyncio.sleep(0.1)  # let TLS connections finish closing
 
     with contextlib.suppress(Exception):
@@ -94,7 +104,7 @@ def _close_transports_at_exit() -> None:
         thread.join(timeout=3)
 
 
-atexit.register(_close_transports_at_exit)
+atexit.register(_shut_down_at_exit)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

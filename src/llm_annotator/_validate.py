@@ -63,3 +63,42 @@ def one_of(name: str, value: object, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ConfigurationError(f"{name} must be one of {allowed}, got {value!r}")
     return str(value)
+
+
+def check_api_key(api_key: object, where: str = "api_key") -> None:
+    """Reject an API key that is not a string (the message never shows the key).
+
+    Raises:
+        ConfigurationError: If ``api_key`` is not None or a string.
+    """
+    if api_key is not None and not isinstance(api_key, str):
+        raise ConfigurationError(f"{where} must be a string or None, got {type(api_key).__name__}")
+    try:
+        check_key_text(api_key)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{where}: {exc}") from None
+
+
+def check_key_text(api_key: str | None) -> None:
+    r"""Reject a key that cannot be sent in a header (the message never shows it).
+
+    Raises:
+        ConfigurationError: If the key holds whitespace, control or non-ASCII characters
+            (a key file or secret with a trailing newline, say).
+
+    Examples:
+        >>> check_key_text("sk-abc123")
+        >>> check_key_text("sk-abc\n")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.ConfigurationError: the API key holds a space, a control or a non-ASCII character ...
+    """  # noqa: E501
+    if api_key is None:
+        return
+    if not isinstance(api_key, str):
+        raise ConfigurationError(f"the API key must be a string, got {type(api_key).__name__}")
+    if not api_key.isascii() or not api_key.isprintable() or any(c.isspace() for c in api_key):
+        raise ConfigurationError(
+            "the API key holds a space, a control or a non-ASCII character (a trailing "
+            "newline from a file or secret?); give the key alone"
+        )

@@ -18,12 +18,13 @@ import weakref
 import aiohttp
 import structlog
 
+from llm_annotator import _sync
 from llm_annotator._constants import KEEPALIVE_TIMEOUT, MAX_CONNECTIONS, MAX_RESPONSE_BYTES
+from llm_annotator._validate import check_key_text
 from llm_annotator.clients._deadline import Deadlines
 from llm_annotator.clients.tls import Verify, ssl_setting, unverified_context
 from llm_annotator.clients.urls import normalize_base_url, server_root
 from llm_annotator.errors import (
-    ConfigurationError,
     DisconnectedError,
     ErrorKind,
     OversizedResponseError,
@@ -48,31 +49,6 @@ __all__ = [
 ]
 
 REDACTED = "[redacted]"
-
-
-def check_key_text(api_key: str | None) -> None:
-    r"""Reject a key that cannot be sent in a header (the message never shows it).
-
-    Raises:
-        ConfigurationError: If the key holds whitespace, control or non-ASCII characters
-            (a key file or secret with a trailing newline, say).
-
-    Examples:
-        >>> check_key_text("sk-abc123")
-        >>> check_key_text("sk-abc\n")
-        Traceback (most recent call last):
-        ...
-        llm_annotator.errors.ConfigurationError: the API key holds a space, a control or a non-ASCII character ...
-    """  # noqa: E501
-    if api_key is None:
-        return
-    if not isinstance(api_key, str):
-        raise ConfigurationError(f"the API key must be a string, got {type(api_key).__name__}")
-    if not api_key.isascii() or not api_key.isprintable() or any(c.isspace() for c in api_key):
-        raise ConfigurationError(
-            "the API key holds a space, a control or a non-ASCII character (a trailing "
-            "newline from a file or secret?); give the key alone"
-        )
 
 
 def escaped_key_pattern(api_key: str) -> re.Pattern[bytes]:
@@ -104,6 +80,14 @@ _LIVE: weakref.WeakSet[HttpTransport] = weakref.WeakSet()
 def live_transports() -> list[HttpTransport]:
     """Transports that may still hold open sessions (for cleanup at interpreter exit)."""
     return [t for t in _LIVE if t._sessions]
+
+
+async def _close_live_transports() -> None:
+    """Close the sessions clients left open, at interpreter exit (see ``_sync``)."""
+    await asyncio.gather(*(t.aclose() for t in live_transports()), return_exceptions=True)
+
+
+_sync.on_shutdown(_close_live_transports)
 
 
 class HttpTransport:

@@ -20,14 +20,20 @@ from llm_annotator._constants import (
     OPENAI_TIMEOUT,
 )
 from llm_annotator._gc import fewer_full_collections
-from llm_annotator._validate import non_negative_int, one_of, positive_int, positive_seconds
+from llm_annotator._validate import (
+    check_api_key,
+    non_negative_int,
+    one_of,
+    positive_int,
+    positive_seconds,
+)
 from llm_annotator.clients._protocol import (
     parse_completion,
     parse_model_list,
     status_error,
     token_limit,
 )
-from llm_annotator.clients._transport import HttpTransport, Verify, check_key_text
+from llm_annotator.clients._transport import HttpTransport, Verify
 from llm_annotator.clients.base import Client, Messages, OptionsT, settle_failures
 from llm_annotator.clients.retry import retry_delay, should_retry
 from llm_annotator.errors import (
@@ -64,20 +70,6 @@ def check_client_settings(
     if max_workers is not None:
         positive_int("max_workers", max_workers)
     positive_int("max_response_bytes", max_response_bytes)
-
-
-def check_api_key(api_key: object, where: str = "api_key") -> None:
-    """Reject an API key that is not a string (the message never shows the key).
-
-    Raises:
-        ConfigurationError: If ``api_key`` is not None or a string.
-    """
-    if api_key is not None and not isinstance(api_key, str):
-        raise ConfigurationError(f"{where} must be a string or None, got {type(api_key).__name__}")
-    try:
-        check_key_text(api_key)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"{where}: {exc}") from None
 
 
 def check_single_choice(params: dict[str, Any], where: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from llm_annotator.clients.openai_client import check_api_key
+from llm_annotator._validate import check_api_key
 from llm_annotator.clients.tls import Verify, ssl_setting
 from llm_annotator.clients.tls import unverified_context as _unverified_context
 from llm_annotator.clients.urls import normalize_base_url

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -403,3 +405,27 @@ def test_model_discovery_retries_what_may_heal(
 
 async def _no_wait(seconds: float) -> None:
     return None
+
+
+def test_connections_a_client_left_open_are_closed_at_exit(fake_server: FakeServer) -> None:
+    """A script that makes a sync call and never closes its client exits cleanly: the
+    transport's closer, registered with ``_sync.on_shutdown``, closes its session on the
+    background loop (else aiohttp warns of an unclosed session at teardown)."""
+    code = "\n".join(
+        [
+            "from llm_annotator import VLLMOnlineClient",
+            f"client = VLLMOnlineClient(model='m', base_url={fake_server.base_url!r})",
+            "print(client.generate(messages=[{'role': 'user', 'content': 'hi'}]).text)",
+            "from llm_annotator.clients._transport import live_transports",
+            "assert live_transports(), 'the session should still be open here'",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.strip() == "hi"
+    assert "Unclosed" not in done.stderr, done.stderr
