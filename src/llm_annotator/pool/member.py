@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from llm_annotator.pool.pace import Pace
 
 if TYPE_CHECKING:
-    from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
+    from llm_annotator.pool.backend import MemberClient
 
 SERVED_WELL = 20
 """Good answers after an admission that clear a member's record of evictions in a row."""
@@ -97,7 +97,7 @@ class Member:
     may also be disabled. Each method returns whether the state changed.
     """
 
-    def __init__(self, client: VLLMOnlineClient) -> None:
+    def __init__(self, client: MemberClient) -> None:
         self.client = client
         self.url = client.base_url
         self.state = MemberState.JOINING

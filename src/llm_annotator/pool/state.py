@@ -33,6 +33,7 @@ from llm_annotator.clients.tls import unverified_context as _unverified_context
 from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ConfigurationError, DuplicateServerError, ProviderError
+from llm_annotator.pool.backend import MemberClient
 from llm_annotator.pool.clock import Clock
 from llm_annotator.pool.config import PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
@@ -169,7 +170,7 @@ class PoolState:
         """Whether ``member`` is (still) the pool's member for its URL."""
         return self.members.get(member.url) is member
 
-    def prototype(self) -> VLLMOnlineClient:
+    def prototype(self) -> MemberClient:
         """A client to check options with (no connection is made)."""
         for member in self.members.values():
             return member.client

@@ -1,0 +1,64 @@
+"""What the pool needs of a member's client: the consumer's statement of its contract.
+
+:class:`~llm_annotator.clients.vllm_online_client.VLLMOnlineClient` is the one client
+the pool builds and accepts; this protocol names exactly what the pool calls on it, so a
+change inside the client that keeps these is safe for the pool, and a test's fake needs
+these and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from llm_annotator._constants import HEALTH_TIMEOUT
+
+if TYPE_CHECKING:
+    from llm_annotator.clients.base import Messages
+    from llm_annotator.clients.metrics import EngineLoad
+    from llm_annotator.errors import ProviderError
+    from llm_annotator.response import Response
+
+
+class MemberClient(Protocol):
+    """One server's client, as a pool member uses it."""
+
+    base_url: str
+    model: str | None
+    """The model; the pool sets it from ``/v1/models`` when it was not given."""
+    provider: str
+
+    def encode_params(self, options: Any = None, gen_kwargs: dict[str, Any] | None = None) -> bytes:
+        """A call's generation parameters, encoded once for every request."""
+        ...
+
+    async def asend(self, messages: Messages, params: bytes) -> Response | ProviderError:
+        """One request; a failure is returned, never raised."""
+        ...
+
+    async def acheck_health(self, timeout: float = HEALTH_TIMEOUT) -> ProviderError | None:
+        """``/health``: None if healthy, else why not."""
+        ...
+
+    async def ais_healthy(self, timeout: float = HEALTH_TIMEOUT) -> bool:
+        """Whether ``/health`` answers."""
+        ...
+
+    async def alist_models(self) -> list[str]:
+        """The models ``/v1/models`` lists."""
+        ...
+
+    async def aengine_progress(self, timeout: float = HEALTH_TIMEOUT) -> float | None:
+        """A sum of the engine's token counters (it grows while the engine works)."""
+        ...
+
+    async def aengine_load(self, timeout: float = HEALTH_TIMEOUT) -> EngineLoad | None:
+        """The engine's gauges from ``/metrics``."""
+        ...
+
+    def redact(self, error: ProviderError) -> ProviderError:
+        """``error`` with the API key cut out of its message."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        ...
