@@ -17,7 +17,8 @@ if TYPE_CHECKING:
         ServerDiscovery,
         ServerSource,
     )
-    from llm_annotator.pool.member import MemberChange, MemberState, MemberStatistics
+    from llm_annotator.pool.lifecycle import MemberState
+    from llm_annotator.pool.member import MemberChange, MemberStatistics
     from llm_annotator.pool.queue import QueuePool
     from llm_annotator.pool.statistics import PoolStatistics
 
@@ -33,7 +34,7 @@ _getattr, __dir__ = lazy_names(
         "ServerDiscovery": "llm_annotator.pool.discovery",
         "ServerSource": "llm_annotator.pool.discovery",
         "MemberChange": "llm_annotator.pool.member",
-        "MemberState": "llm_annotator.pool.member",
+        "MemberState": "llm_annotator.pool.lifecycle",
         "MemberStatistics": "llm_annotator.pool.member",
         "PoolStatistics": "llm_annotator.pool.statistics",
     },

@@ -25,7 +25,7 @@ from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
 from llm_annotator.pool.discovery import PoolLike
 from llm_annotator.pool.dispatch import Dispatcher
 from llm_annotator.pool.health import HealthMonitor
-from llm_annotator.pool.member import MemberState
+from llm_annotator.pool.lifecycle import MemberState
 from llm_annotator.pool.run import Deliver, Run
 from llm_annotator.pool.state import PoolState
 from llm_annotator.response import Response

@@ -12,7 +12,8 @@ from llm_annotator.errors import ErrorKind, ProviderError
 from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
-from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.member import Member
 from llm_annotator.pool.pace import tail_share
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.scheduler import Holder
@@ -85,7 +86,7 @@ class Dispatcher:
                 # Not healthy: every change of state notifies, so a long wait is fine.
                 # Backing off: wake when the pause ends.
                 backing_off = member.state is MemberState.HEALTHY
-                wait = member.backoff_until - now if backing_off else 1.0
+                wait = member.faults.backoff_until - now if backing_off else 1.0
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
                 continue
             self._windows.restart_if_back(member)
@@ -93,7 +94,7 @@ class Dispatcher:
             if limit <= 0:
                 # Its window is full (a change wakes it), or its share of the end is
                 # (that moves with the others' answers: look again soon).
-                share_full = member.window > len(member.in_flight)
+                share_full = member.window.room(len(member.in_flight)) > 0
                 await run.wait_for_change(SHARE_WAIT if share_full else 1.0)
                 continue
             batch = run.take(1, self._shunned_by(member), limit=limit)
@@ -232,7 +233,9 @@ class Dispatcher:
         :data:`BURST` at a time, and once the source is done within the member's share
         of what is left (:meth:`_share_room`)."""
         room = min(
-            self._state.config.batch_size - holding, BURST, member.window - len(member.in_flight)
+            self._state.config.batch_size - holding,
+            BURST,
+            member.window.room(len(member.in_flight)),
         )
         if room > 0 and run.source_done:
             room = min(room, self._share_room(run, member, holding))
@@ -266,7 +269,7 @@ class Dispatcher:
         if now - self._paces_at >= PACE_EVERY:
             self._paces_at = now
             working = [m for m in self._state.members.values() if m.takes_work(now)]
-            rates = {m: m.pace.rate(now) for m in working}
+            rates = {m: m.window.pace.rate(now) for m in working}
             known = {m: r for m, r in rates.items() if r is not None and r > 0}
             self._paces_now = known if len(known) == len(rates) else {}
             self._total_pace = sum(self._paces_now.values())
@@ -297,7 +300,7 @@ class Dispatcher:
             now = self._state.clock.now()
             member.note_arrival(now)
             if isinstance(outcome, Response):  # errors say nothing of its pace
-                member.pace.note(now)
+                member.window.pace.note(now)
                 if self._windows.answered(member):
                     run.notify()  # its idle slots may take work now
         self._settler.settle(run, member, index, outcome, sent_at)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import structlog
 
-from llm_annotator import _constants as default
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError, ServersUnusableError
-from llm_annotator.pool.member import Member, MemberState
-from llm_annotator.pool.policy import probation
+from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.member import Member
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.state import PoolState
 from llm_annotator.response import Response
@@ -40,7 +39,7 @@ class Effects:
         # Counted as on the member at this eviction (its number is now incremented).
         if cause is not None and not self.note_eviction(run, member, cause):
             self.requeue(run, member, cause)
-        member.probation_until = self._state.clock.now() + self.probation(member)
+        member.health.start_probation(self._state.clock.now(), self._state.config)
         poisoned = self._cancel_in_flight(run, member)
         log.warning(
             "member_evicted",
@@ -63,20 +62,6 @@ class Effects:
             self._state.forget(member)  # it was leaving; it will not finish anything now
         log.error("member_disabled", server=member.url, reason=reason)
         run.notify()
-
-    def probation(self, member: Member) -> float:
-        """The wait before the member's next test completion: doubling with evictions in
-        a row (a member that served well since counts afresh) and failed tests, and at
-        most a quarter of ``all_down_timeout``, so a pool is never given up on while a
-        member that healed still waits out its probation."""
-        config = self._state.config
-        cap = min(default.MAX_PROBATION, config.all_down_timeout / 4)
-        return probation(
-            member.eviction_streak,
-            member.failed_canaries,
-            config.health_check_interval,
-            max(cap, config.health_check_interval),
-        )
 
     def _cancel_in_flight(self, run: Run, member: Member) -> int:
         """Cancel the member's requests; count the eviction for every sample it held,

@@ -3,22 +3,83 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
 from llm_annotator import _constants as default
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError, ServersUnusableError
-from llm_annotator.pool.discovery import PoolLike
-from llm_annotator.pool.effects import Effects
-from llm_annotator.pool.member import Member, MemberState
-from llm_annotator.pool.policy import CONFIGURATION_KINDS
-from llm_annotator.pool.run import Run
-from llm_annotator.pool.state import PoolState
+from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.policy import CONFIGURATION_KINDS, probation
+
+if TYPE_CHECKING:  # the member holds a HealthBook: these import the member
+    from llm_annotator.pool.config import PoolConfig
+    from llm_annotator.pool.discovery import PoolLike
+    from llm_annotator.pool.effects import Effects
+    from llm_annotator.pool.member import Member
+    from llm_annotator.pool.run import Run
+    from llm_annotator.pool.state import PoolState
 
 log = structlog.get_logger(__name__)
 
 CANARY_MESSAGES = [{"role": "user", "content": "Say OK."}]
 """The test completion an evicted member must answer before it takes work again."""
+SERVED_WELL = 20
+"""Good answers after an admission that clear a member's record of evictions in a row."""
+
+
+@dataclass(slots=True)
+class HealthBook:
+    """What the health checks know of one member, as ``member.health``: its probes,
+    its probation and how it served since it was last admitted.
+
+    The member's transitions reset it (:meth:`admitted`, :meth:`evicted`); the
+    :class:`HealthMonitor` counts probes and failed test completions.
+    """
+
+    failed_probes: int = 0
+    """Health checks of a HEALTHY member failed in a row."""
+    was_down: bool = False
+    """It was down when it joined (its first admission is then a rejoin)."""
+    eviction_streak: int = 0
+    """Evictions since it last served well (probation doubles with it)."""
+    served_since_admit: int = 0
+    """Good answers since it was last admitted."""
+    probation_until: float = 0.0
+    """An evicted member gets its next test completion no sooner than this."""
+    failed_canaries: int = 0
+    """Test completions it failed since it was last admitted."""
+
+    def probe(self, healthy: bool) -> int:
+        """Count a probe of a HEALTHY member; the failed probes in a row so far."""
+        self.failed_probes = 0 if healthy else self.failed_probes + 1
+        return self.failed_probes
+
+    def served(self) -> None:
+        """A good answer: after :data:`SERVED_WELL` of them since it was admitted, its
+        evictions count afresh."""
+        self.served_since_admit += 1
+        if self.served_since_admit == SERVED_WELL:
+            self.eviction_streak = 0
+
+    def admitted(self) -> None:
+        self.failed_probes = self.failed_canaries = self.served_since_admit = 0
+        self.was_down = False
+
+    def evicted(self) -> None:
+        self.eviction_streak += 1
+        self.failed_probes = 0
+
+    def start_probation(self, now: float, config: PoolConfig) -> None:
+        """Wait before its next test completion: doubling with evictions in a row (a
+        member that served well since counts afresh) and failed tests, and at most a
+        quarter of ``all_down_timeout``, so a pool is never given up on while a member
+        that healed still waits out its probation."""
+        cap = min(default.MAX_PROBATION, config.all_down_timeout / 4)
+        interval = config.health_check_interval
+        wait = probation(self.eviction_streak, self.failed_canaries, interval, max(cap, interval))
+        self.probation_until = now + wait
 
 
 class HealthMonitor:
@@ -36,11 +97,11 @@ class HealthMonitor:
             started = self._state.clock.now()
             if (
                 member.state is MemberState.EVICTED
-                and started < member.probation_until
+                and started < member.health.probation_until
                 and any(m.state is MemberState.HEALTHY for m in self._state.members.values())
             ):
                 # With no member left healthy, waiting out a probation helps nobody.
-                await self._state.clock.sleep(min(member.probation_until - started, 1.0))
+                await self._state.clock.sleep(min(member.health.probation_until - started, 1.0))
                 continue
             evictions = member.evictions
             problem = await member.client.acheck_health(self._state.config.health_check_timeout)
@@ -64,7 +125,7 @@ class HealthMonitor:
             return  # removed while the probe ran
         state = member.state
         if state is MemberState.HEALTHY:
-            failed = member.note_probe(healthy)
+            failed = member.health.probe(healthy)
             if failed >= self._state.config.max_failed_health_checks:
                 self._effects.evict(
                     run,
@@ -109,9 +170,9 @@ class HealthMonitor:
             if member.state not in (MemberState.JOINING, MemberState.EVICTED):
                 return  # disabled or drained meanwhile
             if problem is not None:
-                member.failed_canaries += 1
+                member.health.failed_canaries += 1
                 member.last_error = f"test completion failed: {problem}"
-                member.probation_until = self._state.clock.now() + self._effects.probation(member)
+                member.health.start_probation(self._state.clock.now(), self._state.config)
                 log.info("canary_failed", server=member.url, reason=str(problem))
                 if problem.kind in CONFIGURATION_KINDS:
                     self._effects.disable(run, member, f"test completion: {problem}")

@@ -21,7 +21,8 @@ from llm_annotator.pool.discovery import ServerDiscovery
 from llm_annotator.pool.dispatch import Dispatcher
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
-from llm_annotator.pool.member import MemberChange, MemberState
+from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.member import MemberChange
 from llm_annotator.pool.membership import Membership
 from llm_annotator.pool.stall import StallWatch
 from llm_annotator.pool.state import ClientFactory, PoolState

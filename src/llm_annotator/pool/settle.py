@@ -22,7 +22,8 @@ from llm_annotator.errors import ErrorKind, ProviderError
 from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
-from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.member import Member
 from llm_annotator.pool.run import Run, SampleState
 from llm_annotator.pool.scheduler import Effect, Failure, Limits
 from llm_annotator.pool.state import PoolState
@@ -113,14 +114,14 @@ class Settler:
         return Failure(
             kind=failed.error.kind,
             member_working=member.state in (MemberState.HEALTHY, MemberState.DRAINING),
-            answered_since_sent=member.last_answer_at > sent_at,
+            answered_since_sent=member.stall.last_answer_at > sent_at,
             overloads=known.overloads + 1,
             retries=known.retries + 1,
             sample_faults=known.faults + 1,
             pool_answered_since_first_fault=run.last_success_at > first_fault,
-            fault_streak=member.streak_with(index),
+            fault_streak=member.faults.streak_with(index),
             hedged_copy_in_flight=known.hedged and self._in_flight_elsewhere(member, index),
-            fresh_drop=sent_at > member.drop_counted_at,
+            fresh_drop=sent_at > member.faults.drop_counted_at,
             still_open=sample is not None,
         )
 
@@ -148,7 +149,7 @@ class Settler:
 
     def _back_off(self, failed: _Failed) -> None:
         member = failed.member
-        member.back_off(self._state.clock.now(), retry_delay)
+        member.faults.back_off(self._state.clock.now(), retry_delay)
         member.last_error = failed.reason
         sample = failed.run.open.get(failed.sample)
         if sample is not None:
@@ -159,7 +160,7 @@ class Settler:
 
     def _count_fault(self, failed: _Failed) -> None:
         member = failed.member
-        streak = member.note_fault(failed.sample)
+        streak = member.faults.note_fault(failed.sample)
         sample = failed.run.open.get(failed.sample)
         log.debug(
             "server_fault",
@@ -171,11 +172,12 @@ class Settler:
 
     def _evict_for_faults(self, failed: _Failed) -> None:
         run, member = failed.run, failed.member
-        broke_on = list(member.fault_samples)
+        faults = member.faults
+        broke_on = list(faults.fault_samples)
         self._effects.evict(
             run,
             member,
-            f"{member.fault_streak} answers in a row were the server's fault; last: {failed.error}",
+            f"{faults.fault_streak} answers in a row were the server's fault; last: {failed.error}",
         )
         for sample in broke_on:
             self._effects.note_eviction(run, member, sample)
@@ -184,7 +186,7 @@ class Settler:
         self._effects.note_eviction_or_requeue(failed.run, failed.member, failed.sample)
 
     def _count_drop(self, failed: _Failed) -> None:
-        failed.member.drop_counted_at = self._state.clock.now()
+        failed.member.faults.drop_counted_at = self._state.clock.now()
 
     def _count_retry(self, failed: _Failed) -> None:
         sample = failed.run.open.get(failed.sample)
@@ -239,7 +241,7 @@ class Settler:
         )
         if problem is None:
             failed.run.last_success_at = self._state.clock.now()  # a server answers
-            member.end_fault_streak()  # and this one works
+            member.faults.end_streak()  # and this one works
         effects = scheduler.after_proof(self._failure(failed), works=problem is None)
         reason = f"{failed.error}, and then its test completion failed: {problem}"
         self._carry_out(effects, failed._replace(reason=reason))

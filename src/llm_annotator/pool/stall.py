@@ -3,17 +3,75 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
 from llm_annotator import _constants as default
-from llm_annotator.pool.effects import Effects
-from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.lifecycle import MemberState
 from llm_annotator.pool.policy import hung, stall_window
-from llm_annotator.pool.run import Run
-from llm_annotator.pool.state import PoolState
+
+if TYPE_CHECKING:  # the member holds a StallBook: these import the member
+    from llm_annotator.pool.effects import Effects
+    from llm_annotator.pool.member import Member
+    from llm_annotator.pool.run import Run
+    from llm_annotator.pool.state import PoolState
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class StallBook:
+    """What stall detection knows of one member's timing, as ``member.stall``.
+
+    The member writes the times through :meth:`~llm_annotator.pool.member.Member.note_sent`
+    and :meth:`~llm_annotator.pool.member.Member.note_arrival` (it knows whether it holds
+    requests); :class:`StallWatch` writes the progress reads and ``watch_from``. Nothing
+    else writes it.
+    """
+
+    busy_since: float = 0.0
+    """When the member last went from holding no request to holding some."""
+    last_answer_at: float = 0.0
+    """When it last answered anything (a success or an error of any kind)."""
+    longest_gap: float | None = None
+    """The longest it went without an answer while holding requests, this call."""
+    progress_read: bool = False
+    """Whether its engine's progress was read since it went quiet."""
+    progress_seen: float | None = None
+    """Its engine's progress counters at that read (None: unreadable)."""
+    watch_from: float = 0.0
+    """The hung-check looks at quiet time from here (moved on when a check found the
+    engine busy)."""
+
+    def sent(self, now: float, *, was_idle: bool) -> None:
+        """Requests are about to be sent; a member that held none is busy from ``now``."""
+        if was_idle:
+            self.busy_since = now
+            self.progress_read = False
+
+    def arrived(self, now: float) -> None:
+        """An answer of any kind arrived at ``now``."""
+        gap = now - max(self.busy_since, self.last_answer_at)
+        if self.longest_gap is None or gap > self.longest_gap:
+            self.longest_gap = gap
+        self.last_answer_at = now
+        self.progress_read = False
+
+    def quiet_for(self, now: float) -> float:
+        """Seconds since it was last busy, answered or was found working."""
+        return now - max(self.busy_since, self.last_answer_at, self.watch_from)
+
+    def epoch(self) -> tuple[float, float, float]:
+        """What changes when it answers or goes busy (a read compares it before and after)."""
+        return (self.busy_since, self.last_answer_at, self.watch_from)
+
+    def new_call(self) -> None:
+        """A call starts: its timing in earlier calls no longer counts."""
+        self.longest_gap = None
+        self.busy_since = self.last_answer_at = self.watch_from = 0.0
+        self.progress_read = False
 
 
 class StallWatch:
@@ -28,6 +86,7 @@ class StallWatch:
         """Evict a member that holds requests and answers none for its stall window,
         unless its engine's own counters show it working."""
         member.new_call()
+        book = member.stall
         while not run.finished:
             if not self._state.is_member(member):
                 return
@@ -39,12 +98,12 @@ class StallWatch:
                 continue
             window, timing_decides = stall_window(
                 floor,
-                own_gap=member.longest_gap,
+                own_gap=book.longest_gap,
                 pool_gap=self._pool_gap(member),
                 factor=default.STALL_FACTOR,
             )
             quiet = member.quiet_for(self._state.clock.now())
-            due = not member.progress_read or quiet >= window  # the first read, or the last
+            due = not book.progress_read or quiet >= window  # the first read, or the last
             if member.state is MemberState.HEALTHY and quiet >= window / 2 and due:
                 await self._check_stall(run, member, window, timing_decides)
             await self._state.clock.sleep(max(0.05, min(1.0, window / 8)))
@@ -54,22 +113,23 @@ class StallWatch:
     ) -> None:
         """Read the member's progress counters at half its stall window, and again once
         the window has passed: then decide (:func:`~llm_annotator.pool.policy.hung`)."""
-        epoch = (member.busy_since, member.last_answer_at, member.watch_from)
+        book = member.stall
+        epoch = book.epoch()
         progress = await member.client.aengine_progress(self._state.config.health_check_timeout)
-        if epoch != (member.busy_since, member.last_answer_at, member.watch_from):
+        if epoch != book.epoch():
             return  # an answer came meanwhile
         if not member.in_flight or member.state is not MemberState.HEALTHY:
             return
-        if not member.progress_read:
-            member.progress_read, member.progress_seen = True, progress
+        if not book.progress_read:
+            book.progress_read, book.progress_seen = True, progress
             return
-        before = member.progress_seen
+        before = book.progress_seen
         if (before is None) != (progress is None):
             # One of the two reads failed (a busy server may be slow to render its
             # metrics): take this one as the new baseline and look again, rather than
             # letting a single failed read evict a working server.
-            member.progress_seen = progress
-            member.watch_from = self._state.clock.now() - window / 2
+            book.progress_seen = progress
+            book.watch_from = self._state.clock.now() - window / 2
             return
         quiet = member.quiet_for(self._state.clock.now())
         verdict = hung(
@@ -89,8 +149,8 @@ class StallWatch:
                 in_flight=len(member.in_flight),
                 engine_progress=progress,
             )
-            member.watch_from = self._state.clock.now()  # watch it again from now
-            member.progress_read = False
+            book.watch_from = self._state.clock.now()  # watch it again from now
+            book.progress_read = False
             return
         metrics = (
             "its engine's counters on /metrics stood still"
@@ -106,8 +166,8 @@ class StallWatch:
 
     def _pool_gap(self, member: Member) -> float | None:
         gaps = [
-            m.longest_gap
+            m.stall.longest_gap
             for m in self._state.members.values()
-            if m is not member and m.longest_gap is not None
+            if m is not member and m.stall.longest_gap is not None
         ]
         return max(gaps, default=None)

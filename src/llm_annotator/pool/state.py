@@ -37,7 +37,8 @@ from llm_annotator.pool.backend import MemberClient
 from llm_annotator.pool.clock import Clock
 from llm_annotator.pool.config import PoolConfig
 from llm_annotator.pool.discovery import ServerDiscovery
-from llm_annotator.pool.member import Member, MemberChange, MemberState
+from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.member import Member, MemberChange
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.statistics import PoolStatistics
 

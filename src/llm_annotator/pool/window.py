@@ -16,13 +16,19 @@ cannot be read gets the full window. The decision is a pure function, tested as 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
 from llm_annotator.clients.metrics import EngineLoad
-from llm_annotator.pool.member import Member, MemberState
-from llm_annotator.pool.run import Run
-from llm_annotator.pool.state import PoolState
+from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.pace import Pace
+
+if TYPE_CHECKING:  # the member holds a WindowBook: these import the member
+    from llm_annotator.pool.member import Member
+    from llm_annotator.pool.run import Run
+    from llm_annotator.pool.state import PoolState
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +50,27 @@ client takes a while to send more, and at the end of a call its queue is done in
 about this long."""
 PREEMPTED_SHARE = 0.9
 """After preemptions, the window shrinks to this share of what the server ran."""
+
+
+@dataclass(slots=True)
+class WindowBook:
+    """How much one member may hold, and how fast it answers, as ``member.window``.
+
+    :class:`WindowTuner` writes ``size`` and ``started_at``; the dispatcher notes each
+    good answer in ``pace`` (see :mod:`llm_annotator.pool.pace`), which the member
+    starts afresh on a new call or a rejoin.
+    """
+
+    size: int = 0
+    """The most requests it may hold now (set for each call)."""
+    started_at: int = 0
+    """Its evictions when its window was last started (a rejoin starts it again)."""
+    pace: Pace = field(default_factory=Pace)
+    """Its good answers a second this call."""
+
+    def room(self, holding: int) -> int:
+        """Requests it may take on top of the ``holding`` it has."""
+        return self.size - holding
 
 
 def waiting_target(running: float, rate: float = 0.0) -> int:
@@ -123,25 +150,26 @@ class WindowTuner:
         the whole window, so that at the start of a call every server gets its first
         requests at once instead of behind thousands of others."""
         adaptive = self._state.config.adaptive
-        member.window = min(START_WINDOW, self.ceiling)
-        member.window_evictions = member.evictions
+        member.window.size = min(START_WINDOW, self.ceiling)
+        member.window.started_at = member.evictions
         self._grow_to = 0 if adaptive else self.ceiling
 
     def restart_if_back(self, member: Member) -> None:
         """Start the member's window again if it was evicted since it was last started:
         the server that rejoined may be a restarted one, or another GPU."""
-        if member.window_evictions != member.evictions:
+        if member.window.started_at != member.evictions:
             self.start(member)
-            log.debug("window_changed", server=member.url, window=member.window)
+            log.debug("window_changed", server=member.url, window=member.window.size)
 
     def answered(self, member: Member) -> bool:
         """A good answer arrived from ``member``: without ``adaptive``, its window grows
         by one up to the whole window (doubling with each round of answers). True when
         it grew to a multiple of :data:`WAKE_STEP`, for the caller to wake idle slots."""
-        if member.window >= self._grow_to:
+        book = member.window
+        if book.size >= self._grow_to:
             return False
-        member.window += 1
-        return member.window % WAKE_STEP == 0
+        book.size += 1
+        return book.size % WAKE_STEP == 0
 
     async def watch(self, run: Run, member: Member) -> None:
         """Tune the member's window until the call ends or the member leaves."""
@@ -171,8 +199,9 @@ class WindowTuner:
             if load is not None and load.preemptions is not None:
                 preempted = preemptions is not None and load.preemptions > preemptions
                 preemptions = load.preemptions
-            was = member.window
-            member.window = next_window(
+            book = member.window
+            was = book.size
+            book.size = next_window(
                 was,
                 load,
                 holding=len(member.in_flight),
@@ -180,16 +209,16 @@ class WindowTuner:
                 ceiling=self.ceiling,
                 rate=rate,
             )
-            if member.window != was:
+            if book.size != was:
                 log.debug(
                     "window_changed",
                     server=member.url,
-                    window=member.window,
+                    window=book.size,
                     was=was,
                     running=None if load is None else load.running,
                     waiting=None if load is None else load.waiting,
                     rate=round(rate, 1),
                     preempted=preempted,
                 )
-                if member.window > was:
+                if book.size > was:
                     run.notify()  # idle slots may take work now

@@ -7,7 +7,9 @@ import re
 import pytest
 
 from llm_annotator import VLLMOnlineClient
-from llm_annotator.pool.member import Member, MemberState
+from llm_annotator.pool.health import SERVED_WELL
+from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.member import Member
 
 S = MemberState
 # method -> the states it may start from, and where it leads. A method from any other
@@ -58,14 +60,15 @@ def test_counters_follow_the_transitions() -> None:
     streaks; a first admission is a join, not a readmission."""
     member = member_in(S.JOINING)
     assert member.admit() is False and member.readmissions == 0
-    member.note_fault()
-    member.back_off(100.0, lambda attempt: 2.0)
+    member.faults.note_fault()
+    member.faults.back_off(100.0, lambda attempt: 2.0)
     assert not member.takes_work(101.0) and member.takes_work(102.0)
     assert member.evict("gone") and member.evictions == 1 and member.last_error == "gone"
     assert member.admit() is True and member.readmissions == 1
-    assert (member.fault_streak, member.overload_streak, member.backoff_until) == (0, 0, 0.0)
-    assert member.note_probe(False) == 1 and member.note_probe(False) == 2
-    assert member.note_probe(True) == 0
+    faults = member.faults
+    assert (faults.fault_streak, faults.overload_streak, faults.backoff_until) == (0, 0, 0.0)
+    assert member.health.probe(False) == 1 and member.health.probe(False) == 2
+    assert member.health.probe(True) == 0
 
 
 def test_a_fault_streak_counts_samples_not_answers() -> None:
@@ -73,11 +76,47 @@ def test_a_fault_streak_counts_samples_not_answers() -> None:
     evidence against itself as against the server); a good answer ends the streak."""
     member = member_in(S.JOINING)
     member.admit()
-    assert member.streak_with(5) == 1
-    assert member.note_fault(5) == 1
-    assert member.note_fault(5) == 1  # the same sample again
-    assert member.streak_with(5) == 1 and member.streak_with(6) == 2
-    assert member.note_fault(6) == 2
-    assert member.fault_samples == [5, 6]
+    faults = member.faults
+    assert faults.streak_with(5) == 1
+    assert faults.note_fault(5) == 1
+    assert faults.note_fault(5) == 1  # the same sample again
+    assert faults.streak_with(5) == 1 and faults.streak_with(6) == 2
+    assert faults.note_fault(6) == 2
+    assert faults.fault_samples == [5, 6]
     member.note_answer()
-    assert (member.fault_streak, member.fault_samples, member.streak_with(5)) == (0, [], 1)
+    assert (faults.fault_streak, faults.fault_samples, faults.streak_with(5)) == (0, [], 1)
+
+
+def test_a_member_keeps_each_concern_in_a_book_that_concern_defines() -> None:
+    """A member holds its identity, its state, what it holds and its public counters;
+    what stall detection, the window, the health checks and the failure rules count
+    of it lives in one book each, defined (and written) by that concern's module."""
+    member = member_in(S.JOINING)
+    books = {
+        "stall": "llm_annotator.pool.stall",
+        "window": "llm_annotator.pool.window",
+        "health": "llm_annotator.pool.health",
+        "faults": "llm_annotator.pool.policy",
+    }
+    for name, module in books.items():
+        assert type(getattr(member, name)).__module__ == module
+    fields = set(vars(member))
+    assert fields - set(books) == {
+        *("client", "url", "state", "in_flight", "suspects", "on_move", "last_error"),
+        *("completed", "errors", "evictions", "readmissions", "requeued", "hedged"),
+    }
+
+
+def test_an_admission_starts_the_books_afresh_and_an_eviction_is_on_the_health_record() -> None:
+    member = member_in(S.JOINING)
+    member.admit()
+    member.faults.note_fault(3)
+    member.health.probe(False)
+    member.health.failed_canaries = 2
+    assert member.evict("gone") and member.health.eviction_streak == 1
+    assert member.health.failed_probes == 0
+    member.admit()
+    assert (member.faults.fault_streak, member.health.failed_canaries) == (0, 0)
+    for _ in range(SERVED_WELL):  # good answers clear the record of evictions
+        member.note_answer()
+    assert member.health.eviction_streak == 0
