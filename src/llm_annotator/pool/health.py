@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,7 @@ import structlog
 from llm_annotator import _constants as default
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError, ServersUnusableError
 from llm_annotator.pool.lifecycle import MemberState
-from llm_annotator.pool.policy import CONFIGURATION_KINDS, probation
+from llm_annotator.pool.policy import CONFIGURATION_KINDS
 
 if TYPE_CHECKING:  # the member holds a HealthBook: these import the member
     from llm_annotator.pool.config import PoolConfig
@@ -27,6 +28,22 @@ CANARY_MESSAGES = [{"role": "user", "content": "Say OK."}]
 """The test completion an evicted member must answer before it takes work again."""
 SERVED_WELL = 20
 """Good answers after an admission that clear a member's record of evictions in a row."""
+
+
+def probation(evictions: int, failed_canaries: int, interval: float, cap: float) -> float:
+    """Seconds an evicted member waits before its next test completion: the probe
+    interval, doubled for every eviction after the first and every failed test.
+
+    Examples:
+        >>> [probation(n, 0, 3.0, 300.0) for n in (1, 2, 3)]
+        [3.0, 6.0, 12.0]
+        >>> probation(2, 10, 3.0, 300.0)
+        300.0
+    """
+    exponent = max(evictions - 1, 0) + failed_canaries
+    if exponent > 60:
+        return cap
+    return min(cap, interval * math.pow(2.0, exponent))
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""What the pool does with a failed request, and when a member is hung or fit again.
+"""What the pool does with a failed request, and what a member's failures count up to.
 
 Pure functions: the failure taxonomy and the pool's thresholds, decided from numbers the
 pool hands in, tested with tables. The pool does the I/O; what a member's failures count
@@ -7,7 +7,6 @@ up to is kept in its :class:`FaultBook`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -148,90 +147,6 @@ def gives_up_on_sample(faults: int, max_resends: int, *, pool_answered_since: bo
         False
     """
     return faults > max_resends and pool_answered_since
-
-
-def stall_window(
-    floor: float, *, own_gap: float | None, pool_gap: float | None, factor: float
-) -> tuple[float, bool]:
-    """How long a member may hold requests and answer none, and whether timing alone
-    may call it hung.
-
-    The window is ``factor`` times the longest gap between answers seen on the member
-    (``own_gap``), or on the pool before the member answered anything (``pool_gap``),
-    and never under ``floor``. With neither there is no evidence of how long an answer
-    takes here (the first answers of a call with long generations may take minutes), so
-    only the server's own metrics may call it hung.
-
-    Returns:
-        The window in seconds, and True if timing alone decides.
-
-    Examples:
-        >>> stall_window(30.0, own_gap=2.0, pool_gap=None, factor=3.0)
-        (30.0, True)
-        >>> stall_window(30.0, own_gap=20.0, pool_gap=1.0, factor=3.0)
-        (60.0, True)
-        >>> stall_window(30.0, own_gap=None, pool_gap=15.0, factor=3.0)
-        (45.0, True)
-        >>> stall_window(30.0, own_gap=None, pool_gap=None, factor=3.0)
-        (30.0, False)
-    """
-    basis = own_gap if own_gap is not None else pool_gap
-    if basis is None:
-        return floor, False
-    return max(floor, factor * basis), True
-
-
-def hung(
-    quiet: float,
-    window: float,
-    *,
-    timing_decides: bool,
-    progress_before: float | None,
-    progress_now: float | None,
-) -> bool | None:
-    """Whether a member quiet for ``quiet`` seconds while holding requests is hung.
-
-    ``progress_before`` and ``progress_now`` are the server's own progress counters
-    (tokens generated and requests finished, from ``/metrics``) read at half the window
-    and now; None where they could not be read.
-
-    Returns:
-        None while the window has not passed; False if the counters grew (a busy
-        server, slow for us, is never evicted) or nothing can tell; True if the
-        counters stood still, or if they cannot be read and timing decides.
-
-    Examples:
-        >>> hung(5.0, 30.0, timing_decides=True, progress_before=None, progress_now=None)
-        >>> hung(31.0, 30.0, timing_decides=True, progress_before=10.0, progress_now=10.0)
-        True
-        >>> hung(31.0, 30.0, timing_decides=True, progress_before=10.0, progress_now=12.0)
-        False
-        >>> hung(31.0, 30.0, timing_decides=True, progress_before=None, progress_now=None)
-        True
-        >>> hung(31.0, 30.0, timing_decides=False, progress_before=None, progress_now=None)
-        False
-    """
-    if quiet < window:
-        return None
-    if progress_before is not None and progress_now is not None:
-        return progress_now <= progress_before
-    return timing_decides
-
-
-def probation(evictions: int, failed_canaries: int, interval: float, cap: float) -> float:
-    """Seconds an evicted member waits before its next test completion: the probe
-    interval, doubled for every eviction after the first and every failed test.
-
-    Examples:
-        >>> [probation(n, 0, 3.0, 300.0) for n in (1, 2, 3)]
-        [3.0, 6.0, 12.0]
-        >>> probation(2, 10, 3.0, 300.0)
-        300.0
-    """
-    exponent = max(evictions - 1, 0) + failed_canaries
-    if exponent > 60:
-        return cap
-    return min(cap, interval * math.pow(2.0, exponent))
 
 
 @dataclass(slots=True)

@@ -10,7 +10,6 @@ import structlog
 
 from llm_annotator import _constants as default
 from llm_annotator.pool.lifecycle import MemberState
-from llm_annotator.pool.policy import hung, stall_window
 
 if TYPE_CHECKING:  # the member holds a StallBook: these import the member
     from llm_annotator.pool.effects import Effects
@@ -19,6 +18,74 @@ if TYPE_CHECKING:  # the member holds a StallBook: these import the member
     from llm_annotator.pool.state import PoolState
 
 log = structlog.get_logger(__name__)
+
+
+def stall_window(
+    floor: float, *, own_gap: float | None, pool_gap: float | None, factor: float
+) -> tuple[float, bool]:
+    """How long a member may hold requests and answer none, and whether timing alone
+    may call it hung.
+
+    The window is ``factor`` times the longest gap between answers seen on the member
+    (``own_gap``), or on the pool before the member answered anything (``pool_gap``),
+    and never under ``floor``. With neither there is no evidence of how long an answer
+    takes here (the first answers of a call with long generations may take minutes), so
+    only the server's own metrics may call it hung.
+
+    Returns:
+        The window in seconds, and True if timing alone decides.
+
+    Examples:
+        >>> stall_window(30.0, own_gap=2.0, pool_gap=None, factor=3.0)
+        (30.0, True)
+        >>> stall_window(30.0, own_gap=20.0, pool_gap=1.0, factor=3.0)
+        (60.0, True)
+        >>> stall_window(30.0, own_gap=None, pool_gap=15.0, factor=3.0)
+        (45.0, True)
+        >>> stall_window(30.0, own_gap=None, pool_gap=None, factor=3.0)
+        (30.0, False)
+    """
+    basis = own_gap if own_gap is not None else pool_gap
+    if basis is None:
+        return floor, False
+    return max(floor, factor * basis), True
+
+
+def hung(
+    quiet: float,
+    window: float,
+    *,
+    timing_decides: bool,
+    progress_before: float | None,
+    progress_now: float | None,
+) -> bool | None:
+    """Whether a member quiet for ``quiet`` seconds while holding requests is hung.
+
+    ``progress_before`` and ``progress_now`` are the server's own progress counters
+    (tokens generated and requests finished, from ``/metrics``) read at half the window
+    and now; None where they could not be read.
+
+    Returns:
+        None while the window has not passed; False if the counters grew (a busy
+        server, slow for us, is never evicted) or nothing can tell; True if the
+        counters stood still, or if they cannot be read and timing decides.
+
+    Examples:
+        >>> hung(5.0, 30.0, timing_decides=True, progress_before=None, progress_now=None)
+        >>> hung(31.0, 30.0, timing_decides=True, progress_before=10.0, progress_now=10.0)
+        True
+        >>> hung(31.0, 30.0, timing_decides=True, progress_before=10.0, progress_now=12.0)
+        False
+        >>> hung(31.0, 30.0, timing_decides=True, progress_before=None, progress_now=None)
+        True
+        >>> hung(31.0, 30.0, timing_decides=False, progress_before=None, progress_now=None)
+        False
+    """
+    if quiet < window:
+        return None
+    if progress_before is not None and progress_now is not None:
+        return progress_now <= progress_before
+    return timing_decides
 
 
 @dataclass(slots=True)
@@ -112,7 +179,7 @@ class StallWatch:
         self, run: Run, member: Member, window: float, timing_decides: bool
     ) -> None:
         """Read the member's progress counters at half its stall window, and again once
-        the window has passed: then decide (:func:`~llm_annotator.pool.policy.hung`)."""
+        the window has passed: then decide (:func:`hung`)."""
         book = member.stall
         epoch = book.epoch()
         progress = await member.client.aengine_progress(self._state.config.health_check_timeout)

@@ -14,17 +14,16 @@ from llm_annotator.clients._protocol import (
 from llm_annotator.clients.metrics import engine_progress
 from llm_annotator.clients.retry import retry_delay, should_retry
 from llm_annotator.errors import MalformedResponseError
+from llm_annotator.pool.health import probation
 from llm_annotator.pool.policy import (
     Action,
     action_for,
     evicts,
     fault_once_healthy,
     gives_up_on_sample,
-    hung,
-    probation,
-    stall_window,
     timeout_action,
 )
+from llm_annotator.pool.stall import hung, stall_window
 
 
 @pytest.mark.parametrize(
