@@ -101,7 +101,7 @@ def running_fake_server(host: str = "127.0.0.1", port: int = 0) -> Iterator[Fake
         server.max_in_flight = max(server.max_in_flight, server.in_flight)
         try:
             if server.raw_handler is not None:
-                return await server.raw_handler(body, request)
+                return within_limit(await server.raw_handler(body, request), body)
             return within_limit(await server.handler(body), body)
         finally:
             server.in_flight -= 1

@@ -67,6 +67,7 @@ from llm_annotator.jobs.shards.merge import merge_if_complete
 from llm_annotator.jobs.shards.shard import SHARDING_FILE, Shard, claim, read_sharding
 from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_name
 from llm_annotator.jobs.watch.live_metrics import LiveMetrics
+from llm_annotator.jobs.watch.observer import Observer
 from llm_annotator.jobs.watch.progress import Progress
 from llm_annotator.jobs.watch.status import STATUS_FILE, StatusFile
 from llm_annotator.jobs.watch.timeline import TIMELINE_FILE, RunWatch
@@ -397,7 +398,7 @@ class Annotator:
             timeline=self.timeline,
             publish=metrics.publish if metrics is not None else None,
         )
-        async with status.kept(job.progress), watch.kept():
+        async with Observer(status, watch, job.progress.figures).kept():
             result = await self._run(spec, job, interrupt, status, resumed, started, keep)
         if shard is not None:  # the last shard to finish merges them all
             merged = await asyncio.to_thread(merge_if_complete, run_dir, jsonl=spec.write_jsonl)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from llm_annotator.pool.health import HealthBook
@@ -48,6 +48,15 @@ class MemberStatistics:
     hedged: int
     in_flight: int
     last_error: str | None
+
+
+COUNTERS = tuple(
+    f.name
+    for f in fields(MemberStatistics)
+    if f.name not in ("server", "state", "in_flight", "last_error")
+)
+"""A member's counters (``completed`` to ``hedged``): what the run's report, timeline
+and metrics count per server, in :class:`MemberStatistics`' order."""
 
 
 @dataclass(frozen=True, slots=True)

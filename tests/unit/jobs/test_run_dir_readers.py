@@ -526,20 +526,6 @@ def test_the_status_writer_uses_no_fixed_temporary_name_and_no_planted_link(
         assert warnings_of(logs, "status_not_written")
 
 
-class _Figures:
-    def figures(self) -> dict[str, Any]:
-        return {"done": 0}
-
-
-async def test_a_job_does_not_start_over_a_planted_status_file(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    os.mkfifo(run / "status.json")
-    with pytest.raises(RunDirectoryError, match=r"status\.json is a FIFO"):
-        async with StatusFile(run, 1).kept(_Figures()):
-            pytest.fail("the block ran")
-
-
 # -- timeline.jsonl --------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from llm_annotator.jobs.annotate import Annotator
 from llm_annotator.jobs.run_report import run_series, write_html_report
 from llm_annotator.jobs.watch.status import run_status
 from llm_annotator.jobs.watch.timeline import (
+    SERVER_FIELDS,
     TIMELINE_FILE,
     RunRecord,
     read_timeline,
@@ -519,3 +520,12 @@ def test_a_cancelled_job_is_interrupted_in_status_and_timeline_alike(
     status = orjson.loads((out / "status.json").read_bytes())
     assert (run.ended, status["state"]) == ("interrupted", "interrupted")
     assert status.get("error") is None
+
+
+def test_a_ticks_server_list_keeps_its_order_for_the_timelines_already_written() -> None:
+    """Each server's list in a tick is positional: the counters derive from the pool's
+    statistics, and a new one may only come last."""
+    assert SERVER_FIELDS[:9] == (
+        *("state", "rows", "in_flight", "completed", "errors", "evictions"),
+        *("readmissions", "requeued", "hedged"),
+    )

@@ -18,6 +18,7 @@ from llm_annotator.clients.base import Client
 from llm_annotator.errors import RunDirectoryError
 from llm_annotator.jobs.files import atomic_write, read_run_file
 from llm_annotator.jobs.protocols import Streamer
+from llm_annotator.pool.member import COUNTERS
 
 if TYPE_CHECKING:
     from llm_annotator.jobs.loop.runner import JobRun
@@ -42,12 +43,7 @@ def job_report(
         for member in client.statistics().members:
             per_server[member.server] = {
                 "state": member.state,
-                "completed": member.completed,
-                "errors": member.errors,
-                "evictions": member.evictions,
-                "readmissions": member.readmissions,
-                "requeued": member.requeued,
-                "hedged": member.hedged,
+                **{name: getattr(member, name) for name in COUNTERS},
             }
     elapsed = max(seconds, 1e-9)
     return {

@@ -48,10 +48,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.jobs.watch.timeline import Snapshot
+from llm_annotator.pool.lifecycle import MemberState
 
 log = structlog.get_logger(__name__)
 
-STATES = ("joining", "healthy", "evicted", "disabled", "draining")
+STATES = tuple(state.value for state in MemberState)
 """A server's states, each one a series of ``llm_annotator_server_state``."""
 
 
@@ -179,12 +180,13 @@ def _server_metrics(snapshot: Snapshot) -> Iterator[Metric]:
         for name, (doc, _) in counters.items()
     }
     for server in snapshot.servers:
-        up.add_metric([server.url], 1.0 if server.state == "healthy" else 0.0)
+        now = server.stats.state
+        up.add_metric([server.url], 1.0 if now == MemberState.HEALTHY.value else 0.0)
         for name in STATES:
-            state.add_metric([server.url, name], 1.0 if server.state == name else 0.0)
-        in_flight.add_metric([server.url], server.in_flight)
-        for name, (_, attribute) in counters.items():
-            families[name].add_metric([server.url], getattr(server, attribute))
+            state.add_metric([server.url, name], 1.0 if now == name else 0.0)
+        in_flight.add_metric([server.url], server.stats.in_flight)
+        for name, (_, field) in counters.items():
+            families[name].add_metric([server.url], server.value(field))
     yield up
     yield state
     yield in_flight

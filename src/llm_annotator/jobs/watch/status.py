@@ -15,13 +15,11 @@ counts as no status at all).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import socket
 import stat
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,7 +39,7 @@ from llm_annotator.jobs.rundir.store import (
     read_shard,
     shard_paths,
 )
-from llm_annotator.jobs.watch.outcome import ENDINGS, outcome
+from llm_annotator.jobs.watch.outcome import ENDINGS
 from llm_annotator.jobs.watch.timeline import last_servers
 
 log = structlog.get_logger(__name__)
@@ -58,20 +56,19 @@ STATES = ("running", "consolidating", "finished", "interrupted", "failed")
 
 
 class StatusFile:
-    """Writes ``status.json`` for a running job: every ``interval`` seconds from a task
-    of its own (in a thread, so a slow file system never holds up the job), and once
-    more when the job ends, with its final state.
+    """Writes ``status.json`` for a running job: every :data:`STATUS_INTERVAL` seconds
+    as the job's :class:`~llm_annotator.jobs.watch.observer.Observer` says (in a
+    thread, so a slow file system never holds up the job), and once more when the job
+    ends, with its final state.
 
     Args:
         directory: The run directory.
         total: Rows the job takes (a sample's size with ``limit``).
-        interval: Seconds between two writes.
     """
 
-    def __init__(self, directory: Path, total: int, *, interval: float = STATUS_INTERVAL) -> None:
+    def __init__(self, directory: Path, total: int) -> None:
         self.path = directory / STATUS_FILE
         self.total = total
-        self.interval = interval
         self.state = "running"
         """What the periodic writes say: ``running``, then ``consolidating``."""
         self.started = _now()
@@ -107,35 +104,23 @@ class StatusFile:
                 self._refused = True
                 log.warning("status_not_written", path=str(self.path), error=str(error))
 
-    @contextlib.asynccontextmanager
-    async def kept(self, progress: Any) -> AsyncIterator[None]:
-        """Keep ``status.json`` up to date while the block runs, then write how it ended:
-        ``finished``, ``interrupted`` (a signal, a cancelled task) or ``failed`` (with
-        the error), by the rule of :func:`~llm_annotator.jobs.watch.outcome.outcome`.
+    async def begin(self) -> None:
+        """Check that ``status.json`` may be written, before the job starts.
 
         Raises:
-            RunDirectoryError: ``status.json`` is a link or not a regular file (before
-                the block runs).
+            RunDirectoryError: It is a link or not a regular file.
         """
-        check_entry(self.path)
-        task = asyncio.ensure_future(self._keep_writing(progress))
-        state, error = outcome(None)
-        try:
-            yield
-        except BaseException as failure:
-            state, error = outcome(failure)
-            raise
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            if self._still_ours():
-                await asyncio.to_thread(self.write, progress.figures(), state, error)
+        await asyncio.to_thread(check_entry, self.path)
 
-    async def _keep_writing(self, progress: Any) -> None:
-        while True:
-            await asyncio.to_thread(self.write, progress.figures())
-            await asyncio.sleep(self.interval)
+    async def observe(self, figures: dict[str, Any]) -> None:
+        """Rewrite it with the job's ``figures`` now (in a thread)."""
+        await asyncio.to_thread(self.write, figures)
+
+    async def end(self, figures: dict[str, Any], state: str, error: str | None) -> None:
+        """Write how the job ended (one of ``ENDINGS``), unless a job started in the
+        directory since this one let go of it."""
+        if await asyncio.to_thread(self._still_ours):
+            await asyncio.to_thread(self.write, figures, state, error)
 
     def _still_ours(self) -> bool:
         """Whether ``status.json`` is this job's (a job started in the directory since

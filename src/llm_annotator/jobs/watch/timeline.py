@@ -1,7 +1,7 @@
 """The run timeline: what a job did over time, kept in the run directory to be drawn later.
 
-A running job takes a :class:`Snapshot` of itself every second (:class:`RunWatch`, a
-task of its own, never on the path of a request): rows done, errors by type, tokens,
+A running job takes a :class:`Snapshot` of itself every second (:class:`RunWatch`, fed
+by the job's one observer loop, never on the path of a request): rows done, errors by type, tokens,
 and per server its state, rows, requests in flight, evictions, re-admissions,
 requeues and hedges. The live metrics (``--metrics-port``) serve the latest snapshot;
 ``timeline.jsonl`` keeps some of them, and every change of a server's state as it
@@ -42,7 +42,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,9 +54,9 @@ from llm_annotator.clients.base import Client
 from llm_annotator.errors import RunDirectoryError
 from llm_annotator.jobs.files import open_binary, open_file, read_run_file
 from llm_annotator.jobs.protocols import MemberWatchable, Streamer
-from llm_annotator.jobs.watch.outcome import ENDINGS, outcome
+from llm_annotator.jobs.watch.outcome import ENDINGS
 from llm_annotator.jobs.watch.progress import Progress
-from llm_annotator.pool.member import MemberChange
+from llm_annotator.pool.member import COUNTERS, MemberChange, MemberStatistics
 
 log = structlog.get_logger(__name__)
 
@@ -75,18 +75,10 @@ URLS_EVERY = 256
 """A tick names its servers when they change, and at least every this many ticks (so
 that the end of the file alone tells the servers: ``llm-annotator status`` reads only
 that)."""
-SERVER_FIELDS = (
-    "state",
-    "rows",
-    "in_flight",
-    "completed",
-    "errors",
-    "evictions",
-    "readmissions",
-    "requeued",
-    "hedged",
-)
-"""The order of each server's list in a tick."""
+SERVER_FIELDS = ("state", "rows", "in_flight", *COUNTERS)
+"""The order of each server's list in a tick: a member's state, this run's rows it
+answered, what it holds, and its counters (:data:`~llm_annotator.pool.member.COUNTERS`;
+a new counter goes at the end, so that older timelines still read)."""
 
 
 def tick_interval(elapsed: float, base: float = TICK_BASE, scale: int = TICK_SCALE) -> float:
@@ -114,21 +106,22 @@ def ticks_within(seconds: float, base: float = TICK_BASE, scale: int = TICK_SCAL
 
 @dataclass(frozen=True, slots=True)
 class ServerPoint:
-    """One server in a :class:`Snapshot` (rows: this run's rows it answered)."""
+    """One server in a :class:`Snapshot`: the pool's statistics of it, and this run's
+    rows it answered."""
 
-    url: str
-    state: str
+    stats: MemberStatistics
     rows: int
-    in_flight: int
-    completed: int
-    errors: int
-    evictions: int
-    readmissions: int
-    requeued: int
-    hedged: int
+
+    @property
+    def url(self) -> str:
+        return self.stats.server
+
+    def value(self, name: str) -> Any:
+        """One of :data:`SERVER_FIELDS`."""
+        return self.rows if name == "rows" else getattr(self.stats, name)
 
     def values(self) -> list[Any]:
-        return [getattr(self, name) for name in SERVER_FIELDS]
+        return [self.value(name) for name in SERVER_FIELDS]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,21 +180,7 @@ def take_snapshot(
     if isinstance(client, Streamer):
         stats = client.statistics()
         queued, in_flight = stats.queued, stats.in_flight
-        servers = tuple(
-            ServerPoint(
-                url=m.server,
-                state=m.state,
-                rows=progress.by_server.get(m.server, 0),
-                in_flight=m.in_flight,
-                completed=m.completed,
-                errors=m.errors,
-                evictions=m.evictions,
-                readmissions=m.readmissions,
-                requeued=m.requeued,
-                hedged=m.hedged,
-            )
-            for m in stats.members
-        )
+        servers = tuple(ServerPoint(m, progress.by_server.get(m.server, 0)) for m in stats.members)
     return Snapshot(
         t=t,
         wall=wall,
@@ -350,8 +329,10 @@ class TimelineFile:
 
 
 class RunWatch:
-    """Watches a running job: a snapshot every :data:`SAMPLE_INTERVAL` seconds for the
-    live metrics, ticks and server changes into the timeline.
+    """What a running job shows of itself over time: snapshots for the live metrics,
+    ticks and server changes into the timeline. The job's
+    :class:`~llm_annotator.jobs.watch.observer.Observer` calls :meth:`observe` every
+    :data:`SAMPLE_INTERVAL` seconds.
 
     Args:
         directory: The run directory.
@@ -389,6 +370,7 @@ class RunWatch:
         self.changes = 0
         self._recent: list[tuple[float, int]] = []
         self._next_tick = 0.0
+        self._stop_watching: Callable[[], None] | None = None
 
     def snapshot(self) -> Snapshot:
         """The job now, with its rate over the last half minute."""
@@ -411,54 +393,46 @@ class RunWatch:
             self.file.change(self.clock() - self.started, self.wall(), change)
             self._next_tick = 0.0  # and the next snapshot is a tick: the pool after it
 
-    @contextlib.asynccontextmanager
-    async def kept(self) -> AsyncIterator[None]:
-        """Watch while the block runs; then a last tick and how the run ended."""
-        stop_watching: Callable[[], None] | None = None
+    async def begin(self) -> None:
+        """Open the timeline, write the run's start, and hear every server change."""
         if self.file is not None:
             await asyncio.to_thread(self.file.open)
             self.file.start(self.snapshot(), self.done_before)
         if isinstance(self.client, MemberWatchable):
-            stop_watching = self.client.watch_members(self.on_change)
-        task = asyncio.ensure_future(self._sample())
-        state, _ = outcome(None)
-        try:
-            yield
-        except BaseException as failure:
-            state, _ = outcome(failure)
-            raise
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            if stop_watching is not None:
-                stop_watching()
-            try:
-                last = self.snapshot()
-                if self.publish is not None:
-                    self.publish(last)
-                if self.file is not None:
-                    self.file.tick(last)
-                    self.file.end(last.t, last.wall, state)
-            except Exception as error:  # never over the job's own result or error
-                log.warning("run_watch_failed", error=repr(error))
-            if self.file is not None:
-                await asyncio.to_thread(self.file.close)
+            self._stop_watching = self.client.watch_members(self.on_change)
 
-    async def _sample(self) -> None:
-        while True:
-            try:
-                snapshot = self.snapshot()
-                if self.publish is not None:
-                    self.publish(snapshot)
-                if self.file is not None and snapshot.t >= self._next_tick:
-                    self.file.tick(snapshot)
-                    self._next_tick = snapshot.t + tick_interval(snapshot.t)
-                if self.file is not None and self.file.sync_due():
-                    await asyncio.to_thread(self.file.sync)
-            except Exception as error:  # watching must never stop the job
-                log.warning("run_watch_failed", error=repr(error))
-            await asyncio.sleep(self.interval)
+    async def observe(self) -> None:
+        """One look at the run: the metrics get the snapshot, the timeline a tick
+        when one is due (and its fsync every minute). Never raises: watching must never
+        stop the job."""
+        try:
+            snapshot = self.snapshot()
+            if self.publish is not None:
+                self.publish(snapshot)
+            if self.file is not None and snapshot.t >= self._next_tick:
+                self.file.tick(snapshot)
+                self._next_tick = snapshot.t + tick_interval(snapshot.t)
+            if self.file is not None and self.file.sync_due():
+                await asyncio.to_thread(self.file.sync)
+        except Exception as error:
+            log.warning("run_watch_failed", error=repr(error))
+
+    async def end(self, state: str) -> None:
+        """A last tick, and how the run ended (``state``, one of ``ENDINGS``)."""
+        if self._stop_watching is not None:
+            self._stop_watching()
+            self._stop_watching = None
+        try:
+            last = self.snapshot()
+            if self.publish is not None:
+                self.publish(last)
+            if self.file is not None:
+                self.file.tick(last)
+                self.file.end(last.t, last.wall, state)
+        except Exception as error:  # never over the job's own result or error
+            log.warning("run_watch_failed", error=repr(error))
+        if self.file is not None:
+            await asyncio.to_thread(self.file.close)
 
 
 # -- reading ---------------------------------------------------------------------------------
