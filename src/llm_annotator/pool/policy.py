@@ -155,7 +155,8 @@ class FaultBook:
     rules above count towards an eviction, and the overloads it backs off from.
 
     The settler (``pool.settle``) writes it as it carries out the failure rules; a good
-    answer ends both streaks, and an admission starts the book afresh.
+    answer ends both streaks, and an admission ends them and the back-off (a dropped
+    connection counted before still is: the next one counts only if sent after it).
     """
 
     fault_streak: int = 0

@@ -94,8 +94,9 @@ class StallBook:
 
     The member writes the times through :meth:`~llm_annotator.pool.member.Member.note_sent`
     and :meth:`~llm_annotator.pool.member.Member.note_arrival` (it knows whether it holds
-    requests); :class:`StallWatch` writes the progress reads and ``watch_from``. Nothing
-    else writes it.
+    requests), and forgets the last progress read when it is admitted;
+    :class:`StallWatch` writes the progress reads and ``watch_from``. Nothing else
+    writes it.
     """
 
     busy_since: float = 0.0

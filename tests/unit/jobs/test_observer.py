@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ def paced(observer: Observer, progress: Progress, clock: Clock, looks: int) -> a
 
     async def sleep(seconds: float) -> None:
         assert seconds == SAMPLE_INTERVAL
+        if observer.writing is not None:
+            await observer.writing  # as a second's sleep would let it land
         clock.now += seconds
         progress.add(rows=1)
         if observer.looks == looks:
@@ -112,6 +115,8 @@ async def test_a_planted_timeline_stops_the_job_and_status_json_says_it_failed(
     tmp_path: Path,
 ) -> None:
     (tmp_path / TIMELINE_FILE).symlink_to(tmp_path / "elsewhere")
+    earlier = {"state": "interrupted", "pid": os.getpid() + 1, "host": socket.gethostname()}
+    (tmp_path / STATUS_FILE).write_bytes(orjson.dumps(earlier))  # an earlier job's
     observer, _ = observer_of(tmp_path, Clock())
     with pytest.raises(RunDirectoryError, match=r"timeline\.jsonl is a symbolic link"):
         async with observer.kept():
@@ -119,3 +124,19 @@ async def test_a_planted_timeline_stops_the_job_and_status_json_says_it_failed(
     status = orjson.loads((tmp_path / STATUS_FILE).read_bytes())
     assert status["state"] == "failed" and "timeline.jsonl" in status["error"]
     assert not (tmp_path / "elsewhere").exists()
+
+
+async def test_a_timeline_that_fails_to_close_still_leaves_status_json_saying_how_it_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    observer, _ = observer_of(tmp_path, Clock())
+    assert observer.watch.file is not None
+
+    def broken_close() -> None:
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(OSError, match="Input/output error"):
+        async with observer.kept():
+            monkeypatch.setattr(observer.watch.file, "close", broken_close)
+    status = orjson.loads((tmp_path / STATUS_FILE).read_bytes())
+    assert status["state"] == "failed" and "Input/output error" in status["error"]

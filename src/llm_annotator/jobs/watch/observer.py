@@ -55,6 +55,9 @@ class Observer:
         """``status.json`` is rewritten on every this many looks (the first included)."""
         self._sleep = sleep
         self.looks = 0
+        self.writing: asyncio.Future[None] | None = None
+        """The write of ``status.json`` under way, if any (a look while it runs skips its
+        own: the next due look writes)."""
 
     @contextlib.asynccontextmanager
     async def kept(self) -> AsyncIterator[None]:
@@ -68,7 +71,8 @@ class Observer:
         try:
             await self.watch.begin()
         except BaseException as failure:  # a planted timeline: the job never starts
-            await self.status.end(self.figures(), *outcome(failure))
+            # This job holds the run directory: its account replaces any earlier one.
+            await asyncio.to_thread(self.status.write, self.figures(), *outcome(failure))
             raise
         task = asyncio.ensure_future(self._loop())
         state, error = outcome(None)
@@ -81,8 +85,17 @@ class Observer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await self.watch.end(state)
-            await self.status.end(self.figures(), state, error)
+            if self.writing is not None:  # let it land, or it could land after the last
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.writing)
+            try:
+                await self.watch.end(state)
+            except BaseException as failure:
+                if state == "finished":
+                    state, error = outcome(failure)
+                raise
+            finally:
+                await self.status.end(self.figures(), state, error)
 
     async def _loop(self) -> None:
         while True:
@@ -90,11 +103,15 @@ class Observer:
             await self._sleep(self.interval)
 
     async def look(self) -> None:
-        """One look: the watch always, ``status.json`` when it is due."""
-        if self.looks % self.status_every == 0:
-            try:
-                await self.status.observe(self.figures())
-            except Exception as error:  # watching must never stop the job
-                log.warning("status_not_written", path=str(self.status.path), error=repr(error))
+        """One look: the watch always, ``status.json`` when it is due (written beside,
+        so that a slow disk under one never holds up the other)."""
+        if self.looks % self.status_every == 0 and (self.writing is None or self.writing.done()):
+            self.writing = asyncio.ensure_future(self._write_status(self.figures()))
         self.looks += 1
         await self.watch.observe()
+
+    async def _write_status(self, figures: dict[str, Any]) -> None:
+        try:
+            await self.status.observe(figures)
+        except Exception as error:  # watching must never stop the job
+            log.warning("status_not_written", path=str(self.status.path), error=repr(error))

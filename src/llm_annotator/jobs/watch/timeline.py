@@ -354,7 +354,6 @@ class RunWatch:
         *,
         timeline: bool = True,
         publish: Callable[[Snapshot], None] | None = None,
-        interval: float = SAMPLE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -363,7 +362,6 @@ class RunWatch:
         self.done_before = done_before
         self.file = TimelineFile(directory) if timeline else None
         self.publish = publish
-        self.interval = interval
         self.clock = clock
         self.wall = wall
         self.started = clock()
