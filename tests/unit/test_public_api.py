@@ -163,6 +163,8 @@ def test_the_job_layer_names_its_documented_api() -> None:
         ("llm_annotator.jobs.status", "llm_annotator.jobs.watch.status"),
         ("llm_annotator.jobs.report", "llm_annotator.jobs.loop.summary"),
         ("llm_annotator.jobs.inputs", "llm_annotator.jobs.rows.inputs"),
+        ("llm_annotator.pool.pace", "llm_annotator.pool.tail"),
+        ("llm_annotator.pool.scheduler", "llm_annotator.pool.failures"),
     ],
 )
 def test_a_module_of_the_flat_layout_still_imports_with_a_warning(old: str, new: str) -> None:

@@ -145,7 +145,11 @@ _SETTINGS: tuple[_Setting, ...] = (
         _number(integer=False, low=0, high=1, low_open=True),
         "with --offline-model: share of each GPU's memory the engine may take",
     ),
-    _Setting("input", _text, "the dataset: .jsonl, .parquet or .csv"),
+    _Setting(
+        "input",
+        _text,
+        "the dataset: .jsonl, .parquet or .csv (also .jsonl.zst, .csv.gz, .bz2, .xz)",
+    ),
     _Setting("prompt_template", _text, "the user message, with {column} fields"),
     _Setting("output_dir", _text, "the run directory; run again to resume"),
     _Setting("id_column", _text, "column with each row's id (default: the row's position)"),

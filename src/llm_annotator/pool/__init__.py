@@ -7,7 +7,7 @@ The pool knows nothing of annotation jobs: :class:`QueuePool` is the pool alone,
 
 from typing import TYPE_CHECKING, Any
 
-from llm_annotator._lazy import lazy_names
+from llm_annotator._lazy import lazy_names, moved_modules
 
 if TYPE_CHECKING:
     from llm_annotator.pool.discovery import (
@@ -39,6 +39,9 @@ _getattr, __dir__ = lazy_names(
         "PoolStatistics": "llm_annotator.pool.statistics",
     },
 )
+
+# Modules renamed for what they hold (one release): the end of a call, the failure rules.
+moved_modules(__name__, {"pace": "tail", "scheduler": "failures"})
 
 
 def __getattr__(name: str) -> Any:

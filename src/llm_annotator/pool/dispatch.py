@@ -9,17 +9,15 @@ import structlog
 
 from llm_annotator.clients.base import Messages
 from llm_annotator.errors import ErrorKind, ProviderError
-from llm_annotator.pool import scheduler
 from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.lifecycle import MemberState
 from llm_annotator.pool.member import Member
-from llm_annotator.pool.pace import tail_share
 from llm_annotator.pool.run import Run
-from llm_annotator.pool.scheduler import Holder
 from llm_annotator.pool.settle import Settler
 from llm_annotator.pool.stall import StallWatch
 from llm_annotator.pool.state import PoolState
+from llm_annotator.pool.tail import Holder, pick_hedges, tail_share
 from llm_annotator.pool.window import WindowTuner
 from llm_annotator.response import Response
 
@@ -127,7 +125,7 @@ class Dispatcher:
         yet hedged (the last sent first: a server's line serves them last)."""
         others = [m for m in self._state.members.values() if m is not member and m.in_flight]
         holders = [Holder(m.completed, list(m.in_flight.values())) for m in others]
-        batch = scheduler.pick_hedges(
+        batch = pick_hedges(
             holders,
             elapsed=self._state.clock.now() - run.started,
             limit=limit,

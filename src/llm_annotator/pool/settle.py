@@ -1,8 +1,8 @@
 """Settling an answer: what one finished request means for its sample and its member.
 
 A :class:`~llm_annotator.response.Response` is stored. A failure is described as a
-:class:`~llm_annotator.pool.scheduler.Failure` (facts only), the pure functions of
-:mod:`~llm_annotator.pool.scheduler` decide the steps (:class:`Effect`), and this
+:class:`~llm_annotator.pool.failures.Failure` (facts only), the pure functions of
+:mod:`~llm_annotator.pool.failures` decide the steps (:class:`Effect`), and this
 module carries them out, in their order, each step in one small method: the one place
 where the pool's decisions about a failure become changes of state. A step that needs
 to know more first (a health check of the member, a test completion) holds the sample
@@ -19,13 +19,13 @@ import structlog
 
 from llm_annotator.clients.retry import retry_delay
 from llm_annotator.errors import ErrorKind, ProviderError
-from llm_annotator.pool import scheduler
+from llm_annotator.pool import failures
 from llm_annotator.pool.effects import Effects
+from llm_annotator.pool.failures import Effect, Failure, Limits
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.lifecycle import MemberState
 from llm_annotator.pool.member import Member
 from llm_annotator.pool.run import Run, SampleState
-from llm_annotator.pool.scheduler import Effect, Failure, Limits
 from llm_annotator.pool.state import PoolState
 from llm_annotator.response import Response
 
@@ -77,7 +77,7 @@ class Settler:
             member.note_answer()
             return
         failed = _Failed(run, member, index, result, sent_at, str(result))
-        self._carry_out(scheduler.settle(self._failure(failed), self._limits), failed)
+        self._carry_out(failures.settle(self._failure(failed), self._limits), failed)
 
     @staticmethod
     def outcome(
@@ -126,7 +126,7 @@ class Settler:
         )
 
     def _carry_out(self, effects: tuple[Effect, ...], failed: _Failed) -> None:
-        """Do what the scheduler decided, in its order."""
+        """Do what the failure rules decided, in its order."""
         for effect in effects:
             self._steps[effect](failed)
 
@@ -218,7 +218,7 @@ class Settler:
         member.suspects.discard(index)
         if self._evicted_since(failed, evictions):
             return
-        effects = scheduler.after_check(self._failure(failed), healthy, self._limits)
+        effects = failures.after_check(self._failure(failed), healthy, self._limits)
         reason = f"{failed.error} and then failed a health check"
         self._carry_out(effects, failed._replace(reason=reason))
 
@@ -242,7 +242,7 @@ class Settler:
         if problem is None:
             failed.run.last_success_at = self._state.clock.now()  # a server answers
             member.faults.end_streak()  # and this one works
-        effects = scheduler.after_proof(self._failure(failed), works=problem is None)
+        effects = failures.after_proof(self._failure(failed), works=problem is None)
         reason = f"{failed.error}, and then its test completion failed: {problem}"
         self._carry_out(effects, failed._replace(reason=reason))
 

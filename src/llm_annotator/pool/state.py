@@ -11,7 +11,7 @@ The pool is composed of small objects that each own one concern and share one
   answer none;
 - :class:`~llm_annotator.pool.dispatch.Dispatcher` runs the members' batch slots;
 - :class:`~llm_annotator.pool.settle.Settler` settles every answer by the pure
-  decisions of :mod:`~llm_annotator.pool.scheduler`, the one place they are carried out;
+  decisions of :mod:`~llm_annotator.pool.failures`, the one place they are carried out;
 - :class:`~llm_annotator.pool.calls.Calls` runs one call (a batch or a stream);
 - :class:`~llm_annotator.pool.membership.Membership` adds and removes servers, from any
   thread;

@@ -23,7 +23,7 @@ import structlog
 
 from llm_annotator.clients.metrics import EngineLoad
 from llm_annotator.pool.lifecycle import MemberState
-from llm_annotator.pool.pace import Pace
+from llm_annotator.pool.tail import Pace
 
 if TYPE_CHECKING:  # the member holds a WindowBook: these import the member
     from llm_annotator.pool.member import Member
@@ -57,7 +57,7 @@ class WindowBook:
     """How much one member may hold, and how fast it answers, as ``member.window``.
 
     :class:`WindowTuner` writes ``size`` and ``started_at``; the dispatcher notes each
-    good answer in ``pace`` (see :mod:`llm_annotator.pool.pace`), which the member
+    good answer in ``pace`` (see :mod:`llm_annotator.pool.tail`), which the member
     starts afresh on a new call or a rejoin.
     """
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bz2
 import csv
 import dataclasses
 import gzip
+import lzma
 import os
 import re
 import threading
@@ -18,6 +20,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from llm_annotator.errors import ConfigurationError, InputError
 from llm_annotator.jobs.rows import inputs
@@ -145,6 +148,61 @@ def test_gzipped_jsonl_and_csv_are_read(tmp_path: Path) -> None:
     table.write_bytes(gzip.compress(b"t\nx\ny\n"))
     assert [row.values for row in open_input(jsonl)] == [{"t": 1}, {"t": 2}]
     assert [row.values for row in open_input(table)] == [{"t": "x"}, {"t": "y"}]
+
+
+def _compress(suffix: str, data: bytes) -> bytes:
+    if suffix == ".gz":
+        return gzip.compress(data)
+    if suffix == ".bz2":
+        return bz2.compress(data)
+    if suffix == ".xz":
+        return lzma.compress(data)
+    return zstandard.ZstdCompressor().compress(data)
+
+
+@pytest.mark.parametrize("suffix", inputs.COMPRESSIONS)
+def test_each_compression_of_jsonl_and_csv_reads_the_same_rows(tmp_path: Path, suffix: str) -> None:
+    """gzip, Zstandard, bzip2 and xz: the rows, their ids and the count are those of the
+    same file uncompressed (read in blocks larger than one, so streaming is used)."""
+    lines = b"".join(b'{"id": %d, "t": "row %d"}\n' % (i, i) for i in range(20_000))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_bytes(lines)
+    packed = tmp_path / f"d.JSONL{suffix.upper()}"  # suffixes in any case
+    packed.write_bytes(_compress(suffix, lines))
+    expected = [(row.id, row.values) for row in open_input(plain, id_column="id")]
+    source = open_input(packed, id_column="id")
+    assert [(row.id, row.values) for row in source] == expected
+    assert source.scan() == 20_000
+    table = tmp_path / f"d.csv{suffix}"
+    table.write_bytes(_compress(suffix, b"t\nx\ny\n"))
+    assert [row.values for row in open_input(table)] == [{"t": "x"}, {"t": "y"}]
+
+
+@pytest.mark.parametrize("suffix", inputs.COMPRESSIONS)
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+def test_a_damaged_compressed_file_is_an_input_error_naming_it(
+    tmp_path: Path, suffix: str, damage: str
+) -> None:
+    """A compressed file cut off or with garbage inside is one InputError with its path,
+    never the decompressor's own error."""
+    whole = _compress(suffix, b"".join(b'{"t": %d}\n' % i for i in range(50_000)))
+    if damage == "cut":
+        broken = whole[: len(whole) // 2]
+    else:
+        middle = len(whole) // 2
+        broken = whole[:middle] + bytes(range(256)) * 64 + whole[middle:]
+    for name in (f"d.jsonl{suffix}", f"d.csv{suffix}"):
+        path = tmp_path / name
+        path.write_bytes(broken)
+        with pytest.raises(InputError, match=re.escape(str(path))):
+            open_input(path).scan()
+
+
+def test_a_compressed_parquet_name_is_refused_with_the_forms_known(tmp_path: Path) -> None:
+    path = tmp_path / "d.parquet.zst"
+    path.write_bytes(b"x")
+    with pytest.raises(InputError, match=r"unknown input format.*\.zst"):
+        open_input(path)
 
 
 def test_cut_off_gzip_is_an_input_error(tmp_path: Path) -> None:
@@ -595,3 +653,11 @@ def test_the_identity_follows_the_ids_or_the_content(tmp_path: Path) -> None:
     assert identity(tmp_path / "a.parquet", None) != identity(tmp_path / "b.parquet", None)
     with pytest.raises(InputError, match="scan"):
         _ = open_input(first).identity
+
+
+def test_a_zstd_file_of_several_frames_is_read_whole(tmp_path: Path) -> None:
+    """zstd and pzstd may write a file as frames in a row: every frame's rows are read."""
+    frames = [b"".join(b'{"t": %d}\n' % i for i in range(k, k + 1000)) for k in (0, 1000, 2000)]
+    path = tmp_path / "d.jsonl.zst"
+    path.write_bytes(b"".join(zstandard.ZstdCompressor().compress(frame) for frame in frames))
+    assert [row.values["t"] for row in open_input(path)] == list(range(3000))

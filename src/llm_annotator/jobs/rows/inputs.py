@@ -15,12 +15,16 @@ into Python objects for the selected rows only.
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import csv
 import gzip
 import hashlib
 import io
+import lzma
 import os
+import sys
+import zlib
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
@@ -45,6 +49,9 @@ _BLOCK_BYTES = 1 << 20
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
+COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
+"""The compressions a JSONL or CSV input may have, by suffix (``data.jsonl.zst``): gzip,
+Zstandard (the ``zstandard`` package), bzip2 and xz; read as a stream, never whole."""
 
 _CSV_FIELD_LIMIT = 2**31 - 1
 _UTF8_CHECK = "\x1f"
@@ -402,8 +409,9 @@ def open_input(
 
     Args:
         data: A path to a ``.jsonl`` (also ``.ndjson``, ``.jsonlines``), ``.parquet`` or
-            ``.csv`` file (JSONL and CSV may be gzipped: ``.jsonl.gz``); a list of dicts;
-            or a ``datasets.Dataset`` (anything with ``column_names`` and ``__len__`` that
+            ``.csv`` file (JSONL and CSV may be compressed, :data:`COMPRESSIONS`:
+            ``data.jsonl.gz``, ``data.csv.zst``); a list of dicts; or a
+            ``datasets.Dataset`` (anything with ``column_names`` and ``__len__`` that
             iterates as dicts), or a ``pyarrow.Table``. CSV values are strings.
         id_column: The column holding each row's id; None numbers rows by position.
 
@@ -447,13 +455,13 @@ def open_input(
 
 def _open_file(path: str, id_column: str | None) -> RowSource:
     name = path.lower()
-    compressed = name.endswith(".gz")
-    base = name.removesuffix(".gz")
+    compressed = next((suffix for suffix in COMPRESSIONS if name.endswith(suffix)), None)
+    base = name.removesuffix(compressed) if compressed else name
     if base.endswith(JSONL_SUFFIXES):
         kind = "jsonl"
     elif base.endswith(CSV_SUFFIXES):
         kind = "csv"
-    elif base.endswith(PARQUET_SUFFIXES) and not compressed:
+    elif base.endswith(PARQUET_SUFFIXES) and compressed is None:
         kind = "parquet"
     else:
         hint = " (a .json file: write one JSON object per line and name it .jsonl)" * (
@@ -461,7 +469,8 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
         )
         raise InputError(
             f"{shown_path(path)}: unknown input format{hint}; use .jsonl/.ndjson (one JSON "
-            "object per line), .parquet or .csv; JSONL and CSV may be gzipped (.jsonl.gz, .csv.gz)"
+            "object per line), .parquet or .csv; JSONL and CSV may be compressed "
+            f"({', '.join(COMPRESSIONS)}: data.jsonl.zst, data.csv.gz)"
         )
     open_input_file(path).close()  # a regular file, readable: refused now otherwise
     if kind == "jsonl":
@@ -472,18 +481,87 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
 
 
 @contextlib.contextmanager
-def _binary(path: str, compressed: bool) -> Iterator[IO[bytes]]:
-    """An input file's bytes, gunzipped if ``compressed`` (see :func:`open_input_file`)."""
+def _binary(path: str, compressed: str | None) -> Iterator[IO[bytes]]:
+    """An input file's bytes, decompressed by its suffix ``compressed`` (one of
+    :data:`COMPRESSIONS`; see :func:`open_input_file`)."""
     with open_input_file(path) as raw:
-        if not compressed:
+        if compressed is None:
             yield raw
-            return
-        with gzip.GzipFile(fileobj=raw, mode="rb") as file:
-            yield cast(IO[bytes], file)
+        elif compressed == ".gz":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as file:
+                yield cast(IO[bytes], file)
+        elif compressed == ".bz2":
+            with bz2.BZ2File(raw, mode="rb") as file:
+                yield cast(IO[bytes], file)
+        elif compressed == ".xz":
+            with lzma.LZMAFile(raw, mode="rb") as file:
+                yield cast(IO[bytes], file)
+        else:
+            with io.BufferedReader(_ZstdReader(raw), _ZSTD_CHUNK) as file:
+                yield cast(IO[bytes], file)
+
+
+_ZSTD_CHUNK = 1 << 17
+"""Bytes of a ``.zst`` input read (and decompressed) at a time."""
+
+
+class _ZstdReader(io.RawIOBase):
+    """A ``.zst`` stream's content, one or more frames in a row (as ``zstd`` and
+    ``pzstd`` write them); a stream that ends inside a frame raises :class:`EOFError`,
+    as gzip, bzip2 and xz do (the ``zstandard`` package's own reader would stop there
+    silently, losing the rows after the cut)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        import zstandard  # only for .zst inputs
+
+        self._raw = raw
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._in_frame = False
+        self._out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        while not self._out:
+            chunk = self._raw.read(_ZSTD_CHUNK)
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError(
+                        "Compressed file ended before the end-of-stream marker was reached"
+                    )
+                return 0
+            self._out = memoryview(self._decompress(chunk))
+        count = min(len(target), len(self._out))
+        target[:count] = self._out[:count]
+        self._out = self._out[count:]
+        return count
+
+    def _decompress(self, chunk: bytes) -> bytes:
+        out = []
+        while chunk:
+            if self._frame.eof:  # the next frame begins
+                self._frame = self._decompressor.decompressobj()
+            out.append(self._frame.decompress(chunk))
+            self._in_frame = not self._frame.eof
+            chunk = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
+
+
+def _unreadable(*also: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """What reading a damaged or cut-off input raises: :class:`OSError` (gzip, bz2),
+    :class:`EOFError` (a stream that ends early), zlib's, LZMA's and zstd's own errors,
+    and ``also``."""
+    errors: list[type[BaseException]] = [OSError, EOFError, zlib.error, lzma.LZMAError, *also]
+    zstandard = sys.modules.get("zstandard")
+    if zstandard is not None:
+        errors.append(zstandard.ZstdError)
+    return tuple(errors)
 
 
 class _JsonlSource(RowSource):
-    def __init__(self, path: str, id_column: str | None, compressed: bool) -> None:
+    def __init__(self, path: str, id_column: str | None, compressed: str | None) -> None:
         self._path = path
         self.description = shown_path(path)
         self.id_column = id_column
@@ -497,7 +575,7 @@ class _JsonlSource(RowSource):
         try:
             with _binary(self._path, self._compressed) as file:
                 yield file
-        except OSError as exc:
+        except _unreadable() as exc:
             raise InputError(f"cannot read {self.description}: {exc}") from exc
 
     def _blocks(self) -> Generator[tuple[int, list[bytes]], None, None]:
@@ -513,7 +591,7 @@ class _JsonlSource(RowSource):
                     yield number, block
                     number += len(block)
                     block = file.readlines(_BLOCK_BYTES)
-            except (OSError, EOFError) as exc:
+            except _unreadable() as exc:
                 raise InputError(f"cannot read {self.description}: {exc}") from exc
 
     def _lines(self, chosen: Selection | None) -> Iterator[tuple[int, int, bytes]]:
@@ -608,7 +686,7 @@ def _json_problem(line: bytes, exc: orjson.JSONDecodeError) -> str:
 
 
 class _CsvSource(RowSource):
-    def __init__(self, path: str, id_column: str | None, compressed: bool) -> None:
+    def __init__(self, path: str, id_column: str | None, compressed: str | None) -> None:
         self._path = path
         self.description = shown_path(path)
         self.id_column = id_column
@@ -636,7 +714,7 @@ class _CsvSource(RowSource):
                 ) as file,
             ):
                 yield file
-        except OSError as exc:
+        except _unreadable() as exc:
             raise InputError(f"cannot read {self.description}: {exc}") from exc
 
     def _lines(self, file: IO[str]) -> Iterator[tuple[int, list[str]]]:
@@ -650,7 +728,7 @@ class _CsvSource(RowSource):
                 start, end = end + 1, reader.line_num
                 if fields:
                     yield start, fields
-        except (csv.Error, OSError, EOFError) as exc:
+        except _unreadable(csv.Error) as exc:
             raise InputError(f"{self.description} line {reader.line_num + 1}: {exc}") from exc
 
     def _records(self, chosen: Selection | None = None) -> Iterator[_Record]:
@@ -709,7 +787,7 @@ class _ParquetSource(RowSource):
     def _count_and_digest(self) -> tuple[int, str]:
         """The rows from the metadata, and a digest of the file's footer (the schema and
         each row group's sizes, offsets and statistics): no pass over the data."""
-        with _binary(self._path, False) as file:
+        with _binary(self._path, None) as file:
             size = file.seek(0, os.SEEK_END)
             file.seek(max(0, size - 8))
             tail = file.read(8)

@@ -1,14 +1,18 @@
-"""A member's pace: how many answers a second it gives, measured as they arrive.
+"""The end of a call: each member's pace, its share of what is left, and the hedges.
 
-The pool reads it to share out the end of a call (see :func:`tail_share`): a slow
-server should hold no more than it can finish while the others finish theirs. The
-count decays exponentially over :data:`TAU` seconds, so the pace follows a server
-that slows down or speeds up, costs O(1) per answer and needs no timer.
+A member's pace is how many answers a second it gives, measured as they arrive. The
+pool reads it to share out the end of a call (see :func:`tail_share`): a slow server
+should hold no more than it can finish while the others finish theirs. The count decays
+exponentially over :data:`TAU` seconds, so the pace follows a server that slows down or
+speeds up, costs O(1) per answer and needs no timer. When nothing is left to send, an
+idle member sends again what the slowest others hold (:func:`pick_hedges`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Container, Iterable, Sequence
+from dataclasses import dataclass
 
 TAU = 3.0
 """Seconds over which past answers fade (by a factor e)."""
@@ -85,3 +89,53 @@ def tail_share(remaining: int, rate: float, total_rate: float) -> int:
     if total_rate <= 0:
         return remaining
     return max(1, math.ceil(remaining * rate / total_rate))
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Another member, as the tail hedge sees it.
+
+    Attributes:
+        completed: Answers it has given this call.
+        in_flight: The samples it holds, in the order they were sent.
+    """
+
+    completed: int
+    in_flight: Sequence[int]
+
+
+def pick_hedges(
+    holders: Iterable[Holder],
+    *,
+    elapsed: float,
+    limit: int,
+    skip: Container[int],
+) -> list[int]:
+    """Up to ``limit`` samples an idle member sends again near the end of a call.
+
+    The samples come first from the members expected to finish last (what they hold,
+    over the rate at which they have answered in ``elapsed`` seconds), each one's last
+    sent first: a server serves its line in order, so those are the ones it would
+    answer last. A sample in
+    ``skip`` is never hedged: one closed or hedged already, one that was on an evicted
+    member (it may be what kills servers), or one that failed on the idle member.
+
+    Examples:
+        >>> slow, fast = Holder(completed=1, in_flight=[1, 2, 3]), Holder(10, [4])
+        >>> pick_hedges([fast, slow], elapsed=10.0, limit=3, skip={2})
+        [3, 1, 4]
+    """
+    rate_floor = 1e-3
+    elapsed = max(elapsed, rate_floor)
+
+    def expected_end(holder: Holder) -> float:
+        return len(holder.in_flight) / max(holder.completed / elapsed, rate_floor)
+
+    picked: list[int] = []
+    for holder in sorted(holders, key=expected_end, reverse=True):
+        for index in reversed(holder.in_flight):
+            if index not in skip:
+                picked.append(index)
+                if len(picked) == limit:
+                    return picked
+    return picked

@@ -1,4 +1,5 @@
-"""A member's pace (answers a second, decayed) and the end-of-call share it sets."""
+"""The end of a call: a member's pace (answers a second, decayed), the share it sets,
+and the hedges an idle member sends."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import math
 
 import pytest
 
-from llm_annotator.pool import pace
-from llm_annotator.pool.pace import Pace, tail_share
+from llm_annotator.pool import tail
+from llm_annotator.pool.tail import Holder, Pace, pick_hedges, tail_share
 
 
 def steady(rate: float, seconds: float, start: float = 0.0, meter: Pace | None = None) -> Pace:
@@ -29,7 +30,7 @@ def test_a_steady_pace_reads_as_its_rate_however_long_it_was_measured(
     up to about one answer over TAU."""
     measured = steady(rate, seconds).rate(seconds)
     assert measured is not None
-    assert measured == pytest.approx(rate, rel=0.05 + 1 / (rate * pace.TAU))
+    assert measured == pytest.approx(rate, rel=0.05 + 1 / (rate * tail.TAU))
 
 
 def test_a_pace_is_unknown_until_measured_long_enough_and_often_enough() -> None:
@@ -37,10 +38,10 @@ def test_a_pace_is_unknown_until_measured_long_enough_and_often_enough() -> None
     assert meter.rate(10.0) is None  # nothing answered
     meter.note(5.0)
     assert meter.rate(10.0) is None  # one answer only starts the measure
-    for i in range(pace.MIN_ANSWERS):
+    for i in range(tail.MIN_ANSWERS):
         meter.note(5.0 + 0.1 * (i + 1))
-    assert meter.rate(5.0 + pace.MIN_SPAN / 2) is None  # too short a span
-    assert meter.rate(5.0 + pace.MIN_SPAN) is not None
+    assert meter.rate(5.0 + tail.MIN_SPAN / 2) is None  # too short a span
+    assert meter.rate(5.0 + tail.MIN_SPAN) is not None
 
 
 def test_the_wait_for_a_servers_first_answers_does_not_count_against_its_pace() -> None:
@@ -56,15 +57,15 @@ def test_the_wait_for_a_servers_first_answers_does_not_count_against_its_pace() 
 def test_a_pace_follows_a_server_that_slows_down() -> None:
     """100/s for 10 s then 10/s: within a few TAU the pace reads close to 10."""
     meter = steady(100.0, 10.0)
-    steady(10.0, 5 * pace.TAU, start=10.0, meter=meter)
-    measured = meter.rate(10.0 + 5 * pace.TAU)
+    steady(10.0, 5 * tail.TAU, start=10.0, meter=meter)
+    measured = meter.rate(10.0 + 5 * tail.TAU)
     assert measured is not None
     assert 9.0 < measured < 12.0
 
 
 def test_a_server_that_stopped_answering_fades_to_nothing() -> None:
     meter = steady(100.0, 10.0)
-    measured = meter.rate(10.0 + 10 * pace.TAU)
+    measured = meter.rate(10.0 + 10 * tail.TAU)
     assert measured is not None
     assert measured < 100.0 * math.exp(-9)
 
@@ -100,3 +101,26 @@ def test_the_shares_add_up_to_at_least_what_is_left() -> None:
         for remaining in range(200):
             shares = [tail_share(remaining, r, sum(rates)) for r in rates]
             assert sum(shares) >= remaining
+
+
+@pytest.mark.parametrize(
+    ("holders", "limit", "skip", "picked"),
+    [
+        # The member expected to finish last gives first (4 held at 1 answer per 10 s),
+        # the last sent first: its server would answer those last.
+        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 3, set(), [5, 4, 3]),
+        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 9, set(), [5, 4, 3, 2, 1]),
+        # Suspects, hedged ones and closed ones are skipped, wherever they are.
+        ([Holder(10, [1]), Holder(1, [2, 3])], 9, {2, 1}, [3]),
+        # A member that has answered nothing yet is expected to finish last.
+        ([Holder(50, [1, 2]), Holder(0, [3])], 1, set(), [3]),
+        ([Holder(50, [1, 2]), Holder(0, [3])], 2, set(), [3, 2]),
+        # Nothing to hedge.
+        ([], 4, set(), []),
+        ([Holder(1, [1])], 4, {1}, []),
+    ],
+)
+def test_what_an_idle_member_hedges(
+    holders: list[Holder], limit: int, skip: set[int], picked: list[int]
+) -> None:
+    assert pick_hedges(holders, elapsed=10.0, limit=limit, skip=skip) == picked

@@ -11,7 +11,6 @@ decisions are tables, tested as such. The failure-kind table itself is
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -233,53 +232,3 @@ def after_proof(failure: Failure, works: bool) -> tuple[Effect, ...]:
     if not works and failure.member_working:
         return (Effect.EVICT,)
     return (Effect.REQUEUE,)
-
-
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """Another member, as the tail hedge sees it.
-
-    Attributes:
-        completed: Answers it has given this call.
-        in_flight: The samples it holds, in the order they were sent.
-    """
-
-    completed: int
-    in_flight: Sequence[int]
-
-
-def pick_hedges(
-    holders: Iterable[Holder],
-    *,
-    elapsed: float,
-    limit: int,
-    skip: Container[int],
-) -> list[int]:
-    """Up to ``limit`` samples an idle member sends again near the end of a call.
-
-    The samples come first from the members expected to finish last (what they hold,
-    over the rate at which they have answered in ``elapsed`` seconds), each one's last
-    sent first: a server serves its line in order, so those are the ones it would
-    answer last. A sample in
-    ``skip`` is never hedged: one closed or hedged already, one that was on an evicted
-    member (it may be what kills servers), or one that failed on the idle member.
-
-    Examples:
-        >>> slow, fast = Holder(completed=1, in_flight=[1, 2, 3]), Holder(10, [4])
-        >>> pick_hedges([fast, slow], elapsed=10.0, limit=3, skip={2})
-        [3, 1, 4]
-    """
-    rate_floor = 1e-3
-    elapsed = max(elapsed, rate_floor)
-
-    def expected_end(holder: Holder) -> float:
-        return len(holder.in_flight) / max(holder.completed / elapsed, rate_floor)
-
-    picked: list[int] = []
-    for holder in sorted(holders, key=expected_end, reverse=True):
-        for index in reversed(holder.in_flight):
-            if index not in skip:
-                picked.append(index)
-                if len(picked) == limit:
-                    return picked
-    return picked

@@ -12,14 +12,12 @@ from dataclasses import replace
 import pytest
 
 from llm_annotator import ErrorKind
-from llm_annotator.pool.scheduler import (
+from llm_annotator.pool.failures import (
     Effect,
     Failure,
-    Holder,
     Limits,
     after_check,
     after_proof,
-    pick_hedges,
     settle,
 )
 
@@ -163,31 +161,8 @@ def test_after_a_test_completion(
     assert after_proof(failure, works) == effects
 
 
-@pytest.mark.parametrize(
-    ("holders", "limit", "skip", "picked"),
-    [
-        # The member expected to finish last gives first (4 held at 1 answer per 10 s),
-        # the last sent first: its server would answer those last.
-        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 3, set(), [5, 4, 3]),
-        ([Holder(10, [1]), Holder(1, [2, 3, 4, 5])], 9, set(), [5, 4, 3, 2, 1]),
-        # Suspects, hedged ones and closed ones are skipped, wherever they are.
-        ([Holder(10, [1]), Holder(1, [2, 3])], 9, {2, 1}, [3]),
-        # A member that has answered nothing yet is expected to finish last.
-        ([Holder(50, [1, 2]), Holder(0, [3])], 1, set(), [3]),
-        ([Holder(50, [1, 2]), Holder(0, [3])], 2, set(), [3, 2]),
-        # Nothing to hedge.
-        ([], 4, set(), []),
-        ([Holder(1, [1])], 4, {1}, []),
-    ],
-)
-def test_what_an_idle_member_hedges(
-    holders: list[Holder], limit: int, skip: set[int], picked: list[int]
-) -> None:
-    assert pick_hedges(holders, elapsed=10.0, limit=limit, skip=skip) == picked
-
-
 def test_every_effect_has_one_step_that_carries_it_out() -> None:
-    """The settler carries out each Effect the scheduler may decide; a new Effect with
+    """The settler carries out each Effect the failure rules may decide; a new Effect with
     no step would be skipped silently."""
     from llm_annotator.pool.effects import Effects
     from llm_annotator.pool.health import HealthMonitor
