@@ -200,7 +200,8 @@ class Annotator:
         """Annotate ``data`` into ``output_dir``; resume it if it holds this job already.
 
         Args:
-            data: A ``.jsonl``/``.parquet``/``.csv`` path, a list of dicts, or a
+            data: A ``.jsonl``/``.parquet``/``.csv`` path (JSONL and CSV may be
+                compressed: ``.gz``, ``.zst``, ``.bz2``, ``.xz``), a list of dicts, or a
                 ``datasets.Dataset``.
             prompt_template: The user message, with ``{column}`` fields.
             output_dir: The run directory (created if needed).

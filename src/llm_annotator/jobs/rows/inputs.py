@@ -466,6 +466,8 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
     else:
         hint = " (a .json file: write one JSON object per line and name it .jsonl)" * (
             base.endswith(".json")
+        ) or " (Parquet compresses inside the file: give it uncompressed)" * (
+            base.endswith(PARQUET_SUFFIXES)
         )
         raise InputError(
             f"{shown_path(path)}: unknown input format{hint}; use .jsonl/.ndjson (one JSON "
@@ -490,34 +492,50 @@ def _binary(path: str, compressed: str | None) -> Iterator[IO[bytes]]:
         elif compressed == ".gz":
             with gzip.GzipFile(fileobj=raw, mode="rb") as file:
                 yield cast(IO[bytes], file)
-        elif compressed == ".bz2":
-            with bz2.BZ2File(raw, mode="rb") as file:
-                yield cast(IO[bytes], file)
-        elif compressed == ".xz":
-            with lzma.LZMAFile(raw, mode="rb") as file:
-                yield cast(IO[bytes], file)
         else:
-            with io.BufferedReader(_ZstdReader(raw), _ZSTD_CHUNK) as file:
+            with io.BufferedReader(_Streams(raw, compressed), _READ) as file:
                 yield cast(IO[bytes], file)
 
 
-_ZSTD_CHUNK = 1 << 17
-"""Bytes of a ``.zst`` input read (and decompressed) at a time."""
+_READ = 1 << 17
+"""Bytes of a compressed input read from the file at a time."""
+_ZSTD_FEED = 1 << 12
+"""Bytes of a ``.zst`` input decompressed at a time: zstd's decompressor takes no bound
+on its output, so a small input bounds it (text expands ~5-10x; the worst case, a
+run of one byte, about 32,000x: 128 MiB)."""
+_ZSTD_WINDOW = 1 << 31
+"""The largest window a ``.zst`` frame may need (``zstd --long`` writes up to 2 GiB)."""
 
 
-class _ZstdReader(io.RawIOBase):
-    """A ``.zst`` stream's content, one or more frames in a row (as ``zstd`` and
-    ``pzstd`` write them); a stream that ends inside a frame raises :class:`EOFError`,
-    as gzip, bzip2 and xz do (the ``zstandard`` package's own reader would stop there
-    silently, losing the rows after the cut)."""
+class _Streams(io.RawIOBase):
+    """A bzip2, xz or zstd file's content, one or more streams (frames) in a row as
+    ``pbzip2``, ``pixz`` or ``pzstd`` write them, decompressed a bounded piece at a time.
 
-    def __init__(self, raw: IO[bytes]) -> None:
-        import zstandard  # only for .zst inputs
+    Stricter than the standard library's readers, which stop quietly at a damaged
+    second stream (and the ``zstandard`` package's, which stops quietly at a cut): a
+    file that ends inside a stream raises :class:`EOFError`, and anything after a stream
+    that is not another one raises the decompressor's error. Either way no row is lost
+    without a word.
+    """
 
+    def __init__(self, raw: IO[bytes], compressed: str) -> None:
         self._raw = raw
-        self._decompressor = zstandard.ZstdDecompressor()
-        self._frame = self._decompressor.decompressobj()
-        self._in_frame = False
+        self._new: Any
+        if compressed == ".bz2":
+            self._new = bz2.BZ2Decompressor
+        elif compressed == ".xz":
+            self._new = lzma.LZMADecompressor
+        else:
+            import zstandard  # only for .zst inputs
+
+            self._new = zstandard.ZstdDecompressor(max_window_size=_ZSTD_WINDOW).decompressobj
+        self._zstd = compressed == ".zst"
+        self._unit = self._new()
+        self._fed = False
+        """Whether the current stream was given any input (a file may end only between
+        streams)."""
+        self._input = memoryview(b"")
+        """Input read from the file and not yet given to a decompressor."""
         self._out = memoryview(b"")
 
     def readable(self) -> bool:
@@ -525,28 +543,36 @@ class _ZstdReader(io.RawIOBase):
 
     def readinto(self, target: Any) -> int:
         while not self._out:
-            chunk = self._raw.read(_ZSTD_CHUNK)
-            if not chunk:
-                if self._in_frame:
-                    raise EOFError(
-                        "Compressed file ended before the end-of-stream marker was reached"
-                    )
-                return 0
-            self._out = memoryview(self._decompress(chunk))
+            if self._unit.eof:  # the next stream begins with what this one left
+                self._input = memoryview(self._unit.unused_data + self._input.tobytes())
+                self._unit, self._fed = self._new(), False
+                continue
+            if not self._input and (self._zstd or self._unit.needs_input):
+                self._input = memoryview(self._raw.read(_READ))
+                if not self._input:
+                    if self._fed:
+                        raise EOFError(
+                            "Compressed file ended before the end-of-stream marker was reached"
+                        )
+                    return 0
+                continue
+            self._out = memoryview(self._step(max(len(target), io.DEFAULT_BUFFER_SIZE)))
         count = min(len(target), len(self._out))
         target[:count] = self._out[:count]
         self._out = self._out[count:]
         return count
 
-    def _decompress(self, chunk: bytes) -> bytes:
-        out = []
-        while chunk:
-            if self._frame.eof:  # the next frame begins
-                self._frame = self._decompressor.decompressobj()
-            out.append(self._frame.decompress(chunk))
-            self._in_frame = not self._frame.eof
-            chunk = self._frame.unused_data if self._frame.eof else b""
-        return b"".join(out)
+    def _step(self, at_most: int) -> bytes:
+        """Decompress a bounded piece (``at_most`` bytes out, for bzip2 and xz)."""
+        if self._zstd:
+            piece, self._input = self._input[:_ZSTD_FEED], self._input[_ZSTD_FEED:]
+            self._fed = True
+            return bytes(self._unit.decompress(piece))
+        data = memoryview(b"")
+        if self._unit.needs_input:
+            data, self._input = self._input, memoryview(b"")
+            self._fed = self._fed or bool(data)
+        return bytes(self._unit.decompress(data, at_most))
 
 
 def _unreadable(*also: type[BaseException]) -> tuple[type[BaseException], ...]:
