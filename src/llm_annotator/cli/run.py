@@ -61,6 +61,13 @@ def _text(value: Any) -> str:
     raise _BadValue(f"expected a non-empty string, got {value!r}")
 
 
+def _paths(value: Any) -> list[str]:
+    paths = _strings(value)
+    if not paths or not all(paths):
+        raise _BadValue(f"expected one or more paths, got {value!r}")
+    return paths
+
+
 def _strings(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
@@ -147,8 +154,17 @@ _SETTINGS: tuple[_Setting, ...] = (
     ),
     _Setting(
         "input",
-        _text,
-        "the dataset: .jsonl, .parquet or .csv (also .jsonl.zst, .csv.gz, .bz2, .xz)",
+        _paths,
+        "the dataset: a .jsonl, .parquet, .csv or .arrow file (JSONL and CSV also .gz, "
+        ".zst, .bz2, .xz); or a corpus: a directory, a quoted glob ('crawl/*.parquet'), "
+        "several paths, or a datasets save_to_disk folder",
+        nargs="+",
+    ),
+    _Setting(
+        "skip_bad_files",
+        _bool,
+        "in a corpus, leave out a file that cannot be read, listed in the manifest",
+        False,
     ),
     _Setting("prompt_template", _text, "the user message, with {column} fields"),
     _Setting("output_dir", _text, "the run directory; run again to resume"),
@@ -434,6 +450,7 @@ def run_command(args: argparse.Namespace) -> int:
     from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
     from llm_annotator.jobs.annotate import Annotator
     from llm_annotator.jobs.answers.schema import OutputSchema
+    from llm_annotator.jobs.rows.corpus import is_corpus, list_corpus
     from llm_annotator.jobs.rows.inputs import open_input
     from llm_annotator.jobs.shards.shard import Shard
 
@@ -452,9 +469,15 @@ def run_command(args: argparse.Namespace) -> int:
         seed=settings["seed"],
         output_schema=schema,
     )
+    data: str | list[str] = (
+        settings["input"][0] if len(settings["input"]) == 1 else settings["input"]
+    )
     if settings["offline_model"]:
         # The input's path and format first: loading a model takes minutes on GPUs.
-        open_input(settings["input"], id_column=settings["id_column"])
+        if is_corpus(data):
+            list_corpus(data, skip_bad_files=settings["skip_bad_files"])
+        else:
+            open_input(data, id_column=settings["id_column"])
         client: Client[Any] = offline_client(settings)
         batch_size = settings["batch_size"]
         batches = settings["max_concurrent_batches_per_client"]
@@ -471,7 +494,7 @@ def run_command(args: argparse.Namespace) -> int:
             metrics_host=settings["metrics_host"] or "127.0.0.1",
         )
         result = annotator.annotate(
-            settings["input"],
+            data,
             settings["prompt_template"],
             settings["output_dir"],
             system_message=settings["system_message"],
@@ -486,6 +509,7 @@ def run_command(args: argparse.Namespace) -> int:
             shuffle_seed=settings["shuffle_seed"],
             validate=validate,
             shard=Shard.parse(settings["shard"]) if settings["shard"] else None,
+            skip_bad_files=settings["skip_bad_files"],
         )
     except RunInterruptedError as stopped:
         print(f"llm-annotator run: {stopped}", file=sys.stderr, flush=True)
@@ -509,7 +533,7 @@ def run_command(args: argparse.Namespace) -> int:
     finally:
         client.close()
     print(f"annotations: {result.output_path}")
-    if result.merged_path is not None:
+    if result.merged_path is not None and result.merged_path != result.output_path:
         print(f"all shards merged: {result.merged_path}")
     if result.jsonl_path is not None:
         print(f"annotations (JSONL): {result.jsonl_path}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from llm_annotator.jobs.watch.status import RunStatus
@@ -88,6 +88,57 @@ def show_status(status: RunStatus, out: TextIO) -> None:
         print(f"  error: {status.error}", file=out)
 
 
+def show_corpus_status(status: dict[str, Any], out: TextIO) -> None:
+    """Print a corpus job's status for people.
+
+    Examples:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> show_corpus_status({"output_dir": "runs/c", "files": 30, "skipped_files": 1,
+        ...     "units": 32, "units_done": 12, "rows": 1200, "succeeded": 1190, "failed": 10,
+        ...     "by_error_type": {"read_timeout": 10}, "complete": False, "model": "small",
+        ...     "processes": [{"where": "shard-0000-of-0002", "state": "running", "pid": 7,
+        ...     "host": "n1", "total": 2000, "done": 700, "rows_per_second": 5.0,
+        ...     "eta_seconds": 260.0}]}, out)
+        >>> print(out.getvalue())
+        runs/c: a corpus job of 30 files (1 skipped) in 32 units: 12 finished
+          rows in finished units: 1200: 1190 answered, 10 failed
+          failed by type: read_timeout 10
+          shard-0000-of-0002: running (pid 7 on n1), 700 of 2000 rows, 5.0 rows/s, ETA 4m20s
+          model: small
+        <BLANKLINE>
+    """
+    from llm_annotator.jobs.watch.progress import duration
+
+    skipped = f" ({status['skipped_files']} skipped)" if status["skipped_files"] else ""
+    done = "all finished" if status["complete"] else f"{status['units_done']} finished"
+    print(
+        f"{status['output_dir']}: a corpus job of {status['files']} files{skipped} in "
+        f"{status['units']} units: {done}",
+        file=out,
+    )
+    print(
+        f"  rows in finished units: {status['rows']}: {status['succeeded']} answered, "
+        f"{status['failed']} failed",
+        file=out,
+    )
+    if status["by_error_type"]:
+        kinds = ", ".join(f"{kind} {n}" for kind, n in status["by_error_type"].items())
+        print(f"  failed by type: {kinds}", file=out)
+    for process in status["processes"]:
+        who = f" (pid {process['pid']} on {process['host']})" if process["pid"] else ""
+        line = f"  {process['where']}: {process['state']}{who}"
+        if process["total"] is not None and process["done"] is not None:
+            line += f", {process['done']} of {process['total']} rows"
+        if process["rows_per_second"] is not None:
+            line += f", {process['rows_per_second']:,.1f} rows/s"
+        if process["eta_seconds"] is not None:
+            line += f", ETA {duration(process['eta_seconds'])}"
+        print(line, file=out)
+    if status["model"]:
+        print(f"  model: {status['model']}", file=out)
+
+
 def _sharded_status(run_dir: Path, as_json: bool) -> None:
     """Each shard's status, and whether the shards were merged (for people, the first
     :data:`~llm_annotator.jobs.shards.merge.LISTED_SHARDS` shards not started, and how many
@@ -137,10 +188,17 @@ def _status(args: argparse.Namespace) -> int:
     import structlog
 
     from llm_annotator.jobs.shards.shard import read_sharding
-    from llm_annotator.jobs.watch.status import run_status
+    from llm_annotator.jobs.watch.status import corpus_status, run_status
 
     # Reading a shard that a job is writing may meet a half-written last line: no warning.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    corpus = corpus_status(args.run_dir) if Path(args.run_dir).is_dir() else None
+    if corpus is not None:
+        if args.json:
+            sys.stdout.write(orjson.dumps(corpus, option=orjson.OPT_INDENT_2).decode() + "\n")
+        else:
+            show_corpus_status(corpus, sys.stdout)
+        return 0
     if read_sharding(Path(args.run_dir)) is not None:
         _sharded_status(Path(args.run_dir), args.json)
         return 0

@@ -9,7 +9,6 @@ import os
 import time
 from array import array
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -34,6 +33,7 @@ from llm_annotator.errors import (
 )
 from llm_annotator.jobs.answers.records import RecordBuilder
 from llm_annotator.jobs.answers.schema import OutputSchema
+from llm_annotator.jobs.corpus import Runner, annotate_corpus
 from llm_annotator.jobs.files import check_entry
 from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.loop.interrupt import Interrupt, handling_signals
@@ -46,6 +46,8 @@ from llm_annotator.jobs.loop.summary import (
     write_json,
 )
 from llm_annotator.jobs.protocols import ModelSource
+from llm_annotator.jobs.result import AnnotationResult
+from llm_annotator.jobs.rows.corpus import is_corpus
 from llm_annotator.jobs.rows.inputs import RowSource, open_input
 from llm_annotator.jobs.rows.prompts import PromptTemplate
 from llm_annotator.jobs.rows.sample import Sample
@@ -56,6 +58,7 @@ from llm_annotator.jobs.rundir.consolidate import (
     consolidate,
 )
 from llm_annotator.jobs.rundir.fingerprint import make_fingerprint
+from llm_annotator.jobs.rundir.partitions import CORPUS_FILE
 from llm_annotator.jobs.rundir.store import (
     JOB_FILE,
     LOCK_FILE,
@@ -75,43 +78,6 @@ from llm_annotator.jobs.watch.timeline import TIMELINE_FILE, RunWatch
 log = structlog.get_logger(__name__)
 
 __all__ = ["REPORT_NAME", "AnnotationResult", "Annotator", "JobArgs", "JobSpec"]
-
-
-@dataclass(frozen=True, slots=True)
-class AnnotationResult:
-    """What an annotation job produced.
-
-    Attributes:
-        output_dir: The run directory.
-        output_path: ``annotations.parquet``: one row per input id, sorted by id.
-        jsonl_path: ``annotations.jsonl`` when asked for, else None.
-        report_path: ``report.json``: counts, token rates, per-server statistics.
-        num_rows: Rows in the consolidated output.
-        num_succeeded: Rows with an answer.
-        num_failed: Error rows (their ``error`` and ``error_type`` say why).
-        num_resumed: Rows already done by an earlier run of the same job.
-        num_sent: Rows sent to the model by this run (regenerations not counted).
-        seconds: Wall time of this run.
-        merged_path: For a shard (``shard=``): the whole job's ``annotations.parquet``
-            in the run directory if this shard was the last to finish and merged them
-            all, else None.
-        num_left_out: Results in the run directory of rows that are not in this
-            input (kept from a run over another input, resumed with ``force``), left
-            out of the output.
-    """
-
-    output_dir: Path
-    output_path: Path
-    jsonl_path: Path | None
-    report_path: Path
-    num_rows: int
-    num_succeeded: int
-    num_failed: int
-    num_resumed: int
-    num_sent: int
-    seconds: float
-    merged_path: Path | None = None
-    num_left_out: int = 0
 
 
 class Annotator:
@@ -307,6 +273,13 @@ class Annotator:
     async def _annotate_bound(
         self, spec: JobSpec, interrupt: Interrupt, metrics: LiveMetrics | None
     ) -> AnnotationResult:
+        if await asyncio.to_thread(is_corpus, spec.data):
+            return await annotate_corpus(self._runner(metrics), spec, interrupt)
+        if spec.skip_bad_files:
+            raise ConfigurationError(
+                "skip_bad_files (--skip-bad-files) is for a corpus (a directory, a glob or "
+                "several files); a single input file that cannot be read is an error"
+            )
         started = time.monotonic()
         template = PromptTemplate(spec.prompt_template)
         raw_schema = getattr(spec.options, "output_schema", None)
@@ -407,6 +380,22 @@ class Annotator:
                 result = dataclasses.replace(result, merged_path=merged.output_path)
         return result
 
+    def _runner(self, metrics: LiveMetrics | None) -> Runner:
+        """How this annotator runs a corpus job."""
+        return Runner(
+            client=self.client,
+            cadence=Cadence(
+                batch_size=self.batch_size,
+                max_concurrent_batches=self.max_concurrent_batches,
+                flush_interval=self.flush_interval,
+                sync_interval=self.sync_interval,
+            ),
+            bar=self.progress,
+            timeline=self.timeline,
+            metrics=metrics,
+            model=lambda: _model_of(self.client),
+        )
+
     async def _run(
         self,
         spec: JobSpec,
@@ -420,6 +409,7 @@ class Annotator:
         """Run the job, consolidate its results (only the ids to ``keep``, if given)
         and write its report."""
         store, total = job.store, status.total
+        assert isinstance(store, ResultStore)  # a one-file job's
         hedged_before = hedged_requests(self.client)
         interrupt.sending = True
         try:
@@ -592,6 +582,11 @@ def check_run_directory(directory: Path) -> None:
     for name in RUN_FILES:
         check_entry(directory / name)
     check_entry(directory / SHARDS_DIR, directory=True)
+    if check_entry(directory / CORPUS_FILE):
+        raise ConfigurationError(
+            f"{directory} holds a corpus job (many input files): give this job another "
+            "--output-dir, or the corpus as its input"
+        )
 
 
 def _input_ids(

@@ -33,6 +33,7 @@ class JobArgs(TypedDict, total=False):
     shuffle_seed: int | None
     validate: Validate | None
     shard: Any
+    skip_bad_files: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,7 @@ class JobSpec:
     shuffle_seed: int | None = None
     validate: Validate | None = None
     shard: Any = None
+    skip_bad_files: bool = False
 
     @classmethod
     def of(

@@ -46,6 +46,8 @@ class RecordBuilder:
         schema: The output schema whose fields become columns, or None.
         columns: The input columns to keep, or None for all.
         validate: Whether the answers are checked by a ``validate`` callable.
+        reserved: Further output columns that input columns must not take (a corpus
+            job's ``input_file``).
 
     Examples:
         >>> builder = RecordBuilder(None, columns=None)
@@ -55,12 +57,17 @@ class RecordBuilder:
     """
 
     def __init__(
-        self, schema: OutputSchema | None, columns: Sequence[str] | None, *, validate: bool = False
+        self,
+        schema: OutputSchema | None,
+        columns: Sequence[str] | None,
+        *,
+        validate: bool = False,
+        reserved: Collection[str] = (),
     ) -> None:
         self.schema = schema
         self.columns = tuple(columns) if columns is not None else None
         self.checked = schema is not None or validate
-        taken = {"id", *ANSWER_COLUMNS}
+        taken = {"id", *ANSWER_COLUMNS, *reserved}
         if schema is not None:
             taken.update(schema.columns)
         if self.checked:
@@ -68,7 +75,7 @@ class RecordBuilder:
         if validate:
             taken.add(VALIDATED_COLUMN)
         self.taken: Collection[str] = frozenset(taken)
-        self._reserved = frozenset({"id", *ANSWER_COLUMNS, VALID_COLUMN})
+        self._reserved = frozenset({"id", *ANSWER_COLUMNS, VALID_COLUMN, *reserved})
 
     def output_columns(self) -> list[str]:
         """The output columns known up front, in the order records list them."""

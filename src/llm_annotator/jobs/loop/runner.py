@@ -8,8 +8,8 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from typing import Any, Protocol
 
 import orjson
 
@@ -31,15 +31,57 @@ from llm_annotator.response import Response
 class _Item:
     """One row on its way through the model (the key of the stream)."""
 
-    __slots__ = ("attempt", "id", "messages", "values")
+    __slots__ = ("attempt", "id", "messages", "unit", "values")
 
     def __init__(
-        self, row_id: RowId, values: dict[str, Any], messages: Messages, attempt: int
+        self,
+        row_id: RowId,
+        values: dict[str, Any],
+        messages: Messages,
+        attempt: int,
+        unit: int | None = None,
     ) -> None:
         self.id = row_id
         self.values = values
         self.messages = messages
         self.attempt = attempt
+        self.unit = unit
+
+
+class Sink(Protocol):
+    """Where a run's records go: a store that keeps the rows of a corpus's units apart
+    (:class:`~llm_annotator.jobs.rundir.partitions.PartitionedStore`), or one store."""
+
+    def take(self, row: Row) -> bool:
+        """Whether ``row`` is still to be done (it has no result yet)."""
+
+    def append(self, record: Mapping[str, Any], unit: int | None) -> None:
+        """Write the record of a row of ``unit``."""
+
+    def flush(self) -> None: ...
+
+    def sync(self) -> None: ...
+
+
+class OneStore:
+    """One :class:`ResultStore` as a run's :class:`Sink`."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: ResultStore) -> None:
+        self.store = store
+
+    def take(self, row: Row) -> bool:
+        return not self.store.is_done(row.id)
+
+    def append(self, record: Mapping[str, Any], unit: int | None) -> None:
+        self.store.append(record)
+
+    def flush(self) -> None:
+        self.store.flush()
+
+    def sync(self) -> None:
+        self.store.sync()
 
 
 _READY_LIMIT = 4096
@@ -88,7 +130,7 @@ class JobRun:
         system_message: str | None,
         builder: RecordBuilder,
         schema: OutputSchema | None,
-        store: ResultStore,
+        store: ResultStore | Sink,
         validate: Validate | None = None,
         regenerate: int,
         progress: Progress,
@@ -102,12 +144,13 @@ class JobRun:
         self.schema = schema
         self.validate = validate
         self.store = store
+        self.sink: Sink = OneStore(store) if isinstance(store, ResultStore) else store
         self.regenerate = regenerate
         self.progress = progress
         self.retries: deque[_Item] = deque()
         """Regenerations, owned by the job: the requests send them first."""
         self.retry_ready = asyncio.Event()
-        self.ready: deque[dict[str, Any]] = deque()
+        self.ready: deque[tuple[dict[str, Any], int | None]] = deque()
         """Error records of rows that were never sent, for the consumer to write."""
         self.answers: deque[tuple[_Item, Response]] = deque()
         self._wake = asyncio.Event()
@@ -171,7 +214,7 @@ class JobRun:
         a job has written is on disk for ``status`` and ``report`` to read, and is not
         redone after a crash, however long the servers then stay quiet.
         """
-        cadence, store = self.cadence, self.store
+        cadence, store = self.cadence, self.sink
         answers, ready = self.answers, self.ready
         flushed = synced = time.monotonic()
         dirty = unsynced = False
@@ -188,7 +231,8 @@ class JobRun:
             while True:
                 while ready or answers:
                     while ready:
-                        self._write(ready.popleft(), failed=True)
+                        record, unit = ready.popleft()
+                        self._write(record, unit, failed=True)
                     self._drained.set()
                     while answers:
                         item, response = answers.popleft()
@@ -231,7 +275,7 @@ class JobRun:
     async def _requests(self) -> AsyncIterator[tuple[_Item, Messages]]:
         """Rows not done yet, as prompts; regenerations go first. Rows that need no
         request become records for the consumer (never written here)."""
-        store, retries = self.store, self.retries
+        sink, retries = self.sink, self.retries
         scanned = 0
         for row in self.rows:
             scanned += 1
@@ -240,25 +284,25 @@ class JobRun:
             while retries:
                 item = retries.popleft()
                 yield item, item.messages
-            if store.is_done(row.id):
+            if not sink.take(row):
                 continue
             if row.error is not None:
-                await self._put_ready(self.builder.error_record(row.id, {}, row.error))
+                await self._put_ready(self.builder.error_record(row.id, {}, row.error), row)
                 continue
             try:
                 prompt = self.template.render(row.values, row.where)
             except PromptError as exc:
-                await self._put_ready(self.builder.error_record(row.id, row.values, str(exc)))
+                await self._put_ready(self.builder.error_record(row.id, row.values, str(exc)), row)
                 continue
             problem = self._unsendable(row, prompt)
             if problem is not None:  # found before sending: this row's error, not the job's
                 values = {k: v for k, v in row.values.items() if k not in problem[1]}
-                await self._put_ready(self.builder.error_record(row.id, values, problem[0]))
+                await self._put_ready(self.builder.error_record(row.id, values, problem[0]), row)
                 continue
             messages = build_messages(prompt, self.system_message)
             self.out += 1
             self.sent += 1
-            yield _Item(row.id, row.values, messages, 0), messages
+            yield _Item(row.id, row.values, messages, 0, row.unit), messages
         while True:
             while retries:
                 item = retries.popleft()
@@ -292,9 +336,9 @@ class JobRun:
             )
         return None
 
-    async def _put_ready(self, record: dict[str, Any]) -> None:
-        """Hand a record to the consumer; wait while it has many to write."""
-        self.ready.append(record)
+    async def _put_ready(self, record: dict[str, Any], row: Row) -> None:
+        """Hand a row's record to the consumer; wait while it has many to write."""
+        self.ready.append((record, row.unit))
         self._wake.set()
         if len(self.ready) >= _READY_LIMIT:
             self._drained.clear()
@@ -323,7 +367,7 @@ class JobRun:
         if self.out == 0:
             self.retry_ready.set()  # the stream of items may end now
         record = self.builder.build(item.id, item.values, response, parsed)
-        self._write(record, failed=not response.ok)
+        self._write(record, item.unit, failed=not response.ok)
 
     def _validated(self, item: _Item, response: Response, parsed: Parsed | None) -> Parsed:
         """The user's check of one answer, as a :class:`Parsed` (its values joined to the
@@ -373,8 +417,8 @@ class JobRun:
                 "same command again: the rows written are kept."
             ) from error
 
-    def _write(self, record: dict[str, Any], *, failed: bool) -> None:
-        self.store.append(record)
+    def _write(self, record: dict[str, Any], unit: int | None, *, failed: bool) -> None:
+        self.sink.append(record, unit)
         self.progress.add(
             failed=int(failed),
             server=record.get("server"),

@@ -49,6 +49,8 @@ _BLOCK_BYTES = 1 << 20
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_SUFFIXES = (".arrow",)
+"""Arrow IPC files (stream or file format), as ``datasets.Dataset.save_to_disk`` writes."""
 COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 """The compressions a JSONL or CSV input may have, by suffix (``data.jsonl.zst``): gzip,
 Zstandard (the ``zstandard`` package), bzip2 and xz; read as a stream, never whole."""
@@ -72,12 +74,15 @@ class Row:
             ``"data.parquet row 17"``, ``"data.csv line 19"``, ``"list item 17"``,
             ``"dataset row 17"``.
         error: Why the row could not be read (the message names where and what), or None.
+        unit: In a corpus, the index of the unit (a file, or part of one) the row
+            belongs to; None for a single input.
     """
 
     id: RowId
     values: dict[str, Any]
     where: str
     error: str | None = None
+    unit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,21 +172,27 @@ class RowSource(ABC):
         """Stream the rows (:meth:`rows`)."""
         return self.rows()
 
-    def rows(self, chosen: Selection | None = None) -> Iterator[Row]:
+    def rows(self, chosen: Selection | None = None, *, unit: int | None = None) -> Iterator[Row]:
         """Stream the rows, or only those ``chosen`` (from :meth:`select` of this input).
+
+        Args:
+            chosen: The rows to stream, or None for all.
+            unit: The corpus unit the rows are marked with (:attr:`Row.unit`).
 
         Raises:
             InputError: With an id column, a row has no valid id (:meth:`scan` finds
                 these, and duplicates, before any row is used).
         """
-        records = self._records(chosen)
+        return self._rows(self._records(chosen), unit)
+
+    def _rows(self, records: Iterator[_Record], unit: int | None) -> Iterator[Row]:
         if self.id_column is None:
             for position, where, values, error in records:
-                yield Row(position, values if values is not None else {}, where, error)
+                yield Row(position, values if values is not None else {}, where, error, unit)
             return
         for _, where, values, error in records:
             row_id = self._checked_id(where, values, error)
-            yield Row(row_id, values if values is not None else {}, where)
+            yield Row(row_id, values if values is not None else {}, where, None, unit)
 
     def ids(self) -> Iterator[RowId]:
         """Every row's id, in order (positions without an id column), checked as by
@@ -444,7 +455,7 @@ def open_input(
             ".parquet or .csv file, a list of dicts, a datasets.Dataset or a pyarrow.Table "
             "(for a pandas DataFrame: df.to_dict('records'), or df.to_parquet(path) first)"
         )
-    known = isinstance(source, _CsvSource | _ParquetSource | _DatasetSource)
+    known = isinstance(source, _CsvSource | _ParquetSource | _ArrowSource | _DatasetSource)
     if known and id_column is not None and id_column not in (source.columns or ()):
         raise InputError(
             f"{source.description} has no column {id_column!r} (id_column); its columns: "
@@ -463,6 +474,8 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
         kind = "csv"
     elif base.endswith(PARQUET_SUFFIXES) and compressed is None:
         kind = "parquet"
+    elif base.endswith(ARROW_SUFFIXES) and compressed is None:
+        kind = "arrow"
     else:
         hint = " (a .json file: write one JSON object per line and name it .jsonl)" * (
             base.endswith(".json")
@@ -471,7 +484,7 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
         )
         raise InputError(
             f"{shown_path(path)}: unknown input format{hint}; use .jsonl/.ndjson (one JSON "
-            "object per line), .parquet or .csv; JSONL and CSV may be compressed "
+            "object per line), .parquet, .csv or .arrow; JSONL and CSV may be compressed "
             f"({', '.join(COMPRESSIONS)}: data.jsonl.zst, data.csv.gz)"
         )
     open_input_file(path).close()  # a regular file, readable: refused now otherwise
@@ -479,6 +492,8 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
         return _JsonlSource(path, id_column, compressed)
     if kind == "csv":
         return _CsvSource(path, id_column, compressed)
+    if kind == "arrow":
+        return _ArrowSource(path, id_column)
     return _ParquetSource(path, id_column)
 
 
@@ -831,13 +846,67 @@ class _ParquetSource(RowSource):
         assert self.id_column is not None
         return self._read([self.id_column], None)
 
-    def _read(self, columns: list[str] | None, chosen: Selection | None) -> Iterator[_Record]:
+    def _read(
+        self,
+        columns: list[str] | None,
+        chosen: Selection | None,
+        groups: tuple[int, int] | None = None,
+        first: int = 0,
+    ) -> Iterator[_Record]:
         try:
             with self._file() as file:
-                batches = file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
-                yield from _batch_records(batches, f"{self.description} row", chosen)
+                batches = file.iter_batches(
+                    batch_size=PARQUET_BATCH_ROWS,
+                    columns=columns,
+                    row_groups=range(*groups) if groups is not None else None,
+                )
+                yield from _batch_records(batches, f"{self.description} row", chosen, first)
         except (OSError, ValueError, pa.ArrowException) as exc:
             raise InputError(f"cannot read {self.description} as Parquet: {exc}") from exc
+
+    def group_rows(self, groups: tuple[int, int], first: int, unit: int | None) -> Iterator[Row]:
+        """The rows of the row groups ``groups`` (from, to: a half-open range), the first
+        of them at position ``first`` of the file."""
+        return self._rows(self._read(None, None, groups, first), unit)
+
+
+class _ArrowSource(RowSource):
+    """An Arrow IPC file, in the stream format (``datasets``' ``save_to_disk``) or the
+    file format, memory-mapped: a batch is copied only as its rows are read."""
+
+    def __init__(self, path: str, id_column: str | None) -> None:
+        self._path = path
+        self.description = shown_path(path)
+        self.id_column = id_column
+        with self._reader() as reader:
+            self.columns = tuple(reader.schema.names)
+
+    @contextlib.contextmanager
+    def _reader(self) -> Iterator[Any]:
+        check_input_file(self._path)
+        try:
+            with pa.memory_map(self._path) as source:
+                try:
+                    reader: Any = pa.ipc.open_stream(source)
+                except pa.ArrowInvalid:
+                    source.seek(0)
+                    reader = pa.ipc.open_file(source)
+                yield reader
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise InputError(f"cannot read {self.description} as Arrow: {exc}") from exc
+
+    def _batches(self, reader: Any) -> Iterator[pa.RecordBatch]:
+        if isinstance(reader, pa.ipc.RecordBatchFileReader):
+            return (reader.get_batch(i) for i in range(reader.num_record_batches))
+        return iter(reader)
+
+    def _count(self) -> int:
+        with self._reader() as reader:
+            return sum(batch.num_rows for batch in self._batches(reader))
+
+    def _records(self, chosen: Selection | None = None) -> Iterator[_Record]:
+        with self._reader() as reader:
+            yield from _batch_records(self._batches(reader), f"{self.description} row", chosen)
 
 
 class _ListSource(RowSource):
@@ -900,11 +969,10 @@ def _items(data: Any, label: str, chosen: Selection | None) -> Iterator[_Record]
 
 
 def _batch_records(
-    batches: Iterable[pa.RecordBatch], label: str, chosen: Selection | None = None
+    batches: Iterable[pa.RecordBatch], label: str, chosen: Selection | None = None, start: int = 0
 ) -> Iterator[_Record]:
-    """The rows of Arrow record batches; with ``chosen``, only its rows are turned into
-    Python objects."""
-    start = 0
+    """The rows of Arrow record batches, numbered from ``start``; with ``chosen``, only
+    its rows are turned into Python objects."""
     for batch in batches:
         size = batch.num_rows
         positions: Iterable[int] = range(start, start + size)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,9 @@ def consolidate(
     jsonl: bool = False,
     column_order: Sequence[str] | None = None,
     keep: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
+    target: Path | None = None,
+    constants: Mapping[str, str] | None = None,
+    types: Mapping[str, pa.DataType] | None = None,
 ) -> Consolidated:
     """Merge a run directory's shards into ``annotations.parquet``, one row per id.
 
@@ -118,6 +121,12 @@ def consolidate(
             this sorted array (the current input's ids, when the directory may hold
             results of another input); the others are counted in ``left_out``. The
             array is also written to :data:`INPUT_IDS_FILE`.
+        target: Where the Parquet file goes instead of ``annotations.parquet`` in the
+            directory (a corpus job's unit goes to its file in ``annotations/``).
+        constants: Columns of one value on every row, added last (a corpus unit's
+            file name).
+        types: The type of a column that no record gives a value (all null), so that
+            the files of a corpus job agree: an answer column, say.
 
     Returns:
         Where the files are, and counts over the rows.
@@ -133,7 +142,15 @@ def consolidate(
         if keep is not None:
             with atomic_write(directory / INPUT_IDS_FILE) as file:
                 file.write(keep.astype("<u8", copy=False).tobytes())
-        return _consolidate(directory, jsonl=jsonl, column_order=column_order or (), keep=keep)
+        return _consolidate(
+            directory,
+            jsonl=jsonl,
+            column_order=column_order or (),
+            keep=keep,
+            target=target,
+            constants=constants or {},
+            types=types or {},
+        )
     finally:
         lock.release()
 
@@ -173,6 +190,9 @@ def _consolidate(
     shards: list[Path] | None = None,
     keep: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
     kept_in: frozenset[int] | None = None,
+    target: Path | None = None,
+    constants: Mapping[str, str] | None = None,
+    types: Mapping[str, pa.DataType] | None = None,
 ) -> Consolidated:
     """Consolidate ``shards`` (the directory's own by default) into ``directory``;
     ``keep`` applies to the records of the shards at the indexes ``kept_in`` (all by
@@ -195,12 +215,15 @@ def _consolidate(
         keys, left_out = _kept(keys, keep, kept_in)
         if left_out:
             log.warning("results_left_out", output_dir=str(directory), rows=left_out)
+    constants = constants or {}
+    names = [name for name in names if name not in constants] + list(constants)
     ids = _id_column(keys)
-    fields = loaded.fields()
+    fields = loaded.fields(types or {})
     fields["id"] = pa.field("id", ids.type)
+    fields.update({name: pa.field(name, pa.string()) for name in constants})
     schema = pa.schema([fields[name] for name in names])
     summary = _Summary()
-    parquet_path = directory / PARQUET_FILE
+    parquet_path = target if target is not None else directory / PARQUET_FILE
     with (
         atomic_write(parquet_path) as file,
         pq.ParquetWriter(file, schema) as writer,
@@ -215,6 +238,8 @@ def _consolidate(
                 columns = {
                     name: ids.slice(at, size)
                     if name == "id"
+                    else pa.repeat(constants[name], size)
+                    if name in constants
                     else _column(records, name, schema.field(name).type, name in loaded.stringified)
                     for name in names
                 }
@@ -407,13 +432,16 @@ class _Loader:
         chunks, self._keys = self._keys, []  # the caller holds the only reference
         return pa.concat_tables(chunks)
 
-    def fields(self) -> dict[str, pa.Field]:
-        """One Parquet field per data column: the chunks' types unified, or string."""
+    def fields(self, types: Mapping[str, pa.DataType]) -> dict[str, pa.Field]:
+        """One Parquet field per data column: the chunks' types unified, or string; a
+        column of nulls only takes its type from ``types`` when it names one."""
         fields: dict[str, pa.Field] = {}
         for name in self.names:
             if name == "id":
                 continue
             data_type = None if name in self.stringified else self._unified(name)
+            if data_type is not None and pa.types.is_null(data_type) and name in types:
+                data_type = types[name]
             if data_type is None:
                 self.stringified.add(name)
                 log.warning("column_stored_as_strings", column=name)

@@ -40,6 +40,14 @@ from llm_annotator.jobs.rundir.consolidate import (
     read_input_ids,
 )
 from llm_annotator.jobs.rundir.fingerprint import read_job_record
+from llm_annotator.jobs.rundir.partitions import (
+    ANNOTATIONS_DIR,
+    MANIFEST_FILE,
+    UnitCounts,
+    read_corpus_record,
+    read_unit_records,
+    write_manifest,
+)
 from llm_annotator.jobs.rundir.store import JOB_FILE, DirectoryLock, shard_paths
 from llm_annotator.jobs.shards.shard import Shard, read_sharding, shard_folders
 from llm_annotator.jobs.watch.status import run_state, run_status
@@ -190,6 +198,8 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
             regular file, or not of the shape the job writes (the message names it).
     """
     directory = Path(run_dir)
+    if read_corpus_record(directory) is not None:
+        return merge_corpus(directory)
     count, states = shard_states(directory)
     waiting = [s for s in states if not s.complete]
     if waiting:
@@ -224,6 +234,42 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
         write_json(report_path, report)
     log.info("shards_merged", output_dir=str(directory), shards=count, rows=result.num_rows)
     return Merged(result.parquet_path, report_path, count, result)
+
+
+def merge_corpus(run_dir: Path) -> Merged:
+    """A corpus job's merge: check that every unit is finished and write the manifest
+    (``annotations/_manifest.json``); the units' files are never rewritten.
+
+    Raises:
+        JobError: Units are not finished (the message names the first
+            :data:`LISTED_SHARDS`, and how many more).
+        RunDirectoryError: ``corpus.json`` or a unit's record is not the job's own.
+    """
+    record = read_corpus_record(run_dir)
+    if record is None:
+        raise JobError(f"{run_dir} holds no corpus job")
+    manifest = write_manifest(run_dir, record["corpus"])
+    if not manifest["complete"]:
+        waiting = manifest["waiting"]
+        listed = ", ".join(waiting[:LISTED_SHARDS])
+        more = f" and {len(waiting) - LISTED_SHARDS} more" if len(waiting) > LISTED_SHARDS else ""
+        raise JobError(
+            f"cannot merge {run_dir}: {len(waiting)} of its {manifest['units']} units are not "
+            f"finished ({listed}{more}). Run the job (each shard, or more workers) until they "
+            f"are; the manifest {run_dir / ANNOTATIONS_DIR / MANIFEST_FILE} says which."
+        )
+    outputs = set(record["corpus"].get("units", ()))
+    totals = UnitCounts()
+    for unit in read_unit_records(run_dir).values():
+        if unit["output"] in outputs:
+            totals.add(unit)
+    result = totals.consolidated(run_dir / ANNOTATIONS_DIR)
+    report_path = run_dir / REPORT_NAME
+    sharding = read_sharding(run_dir)
+    if sharding is not None:  # one job's own report.json is left as it wrote it
+        write_json(report_path, {**result_summary(result), "units": manifest["units"]})
+    log.info("corpus_merged", output_dir=str(run_dir), units=manifest["units"])
+    return Merged(result.parquet_path, report_path, sharding["count"] if sharding else 1, result)
 
 
 def _one_input(states: list[ShardState], count: int) -> None:

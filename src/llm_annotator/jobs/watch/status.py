@@ -32,6 +32,7 @@ from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.files import atomic_write, check_entry, read_bytes
 from llm_annotator.jobs.ids import IdSet
 from llm_annotator.jobs.rundir.fingerprint import read_job_record
+from llm_annotator.jobs.rundir.partitions import UnitCounts, read_corpus_record, read_unit_records
 from llm_annotator.jobs.rundir.store import (
     JOB_FILE,
     LOCK_FILE,
@@ -245,6 +246,66 @@ def run_status(output_dir: str | os.PathLike[str]) -> RunStatus:
         mixed_inputs=mixed,
         stored=stored,
     )
+
+
+def corpus_status(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """How a corpus job's run directory stands, from its records (``corpus.json``, a
+    record per finished unit) and each process's ``status.json``; never from the
+    results themselves. None if the directory holds no corpus job.
+
+    Raises:
+        RunDirectoryError: ``corpus.json`` or a unit's record is not the job's own.
+    """
+    directory = Path(output_dir)
+    record = read_corpus_record(directory)
+    if record is None:
+        return None
+    listing = record["corpus"]
+    outputs = set(listing.get("units") or ())
+    counts = UnitCounts()
+    for unit in read_unit_records(directory).values():
+        if unit.get("output") in outputs:
+            counts.add(unit)
+    places = [directory]
+    with os.scandir(directory) as entries:
+        places += sorted(
+            directory / e.name
+            for e in entries
+            if e.name.startswith("shard-") and e.is_dir(follow_symlinks=False)
+        )
+    processes = []
+    for place in places:
+        said = _read_status(place)
+        if not said and lock_holder(place) is None:
+            continue
+        state, pid, host = _state(place, said)
+        live = state in ("running", "consolidating")
+        processes.append(
+            {
+                "where": place.name if place != directory else ".",
+                "state": state,
+                "pid": pid,
+                "host": host,
+                "total": said.get("total"),
+                "done": said.get("done"),
+                "rows_per_second": said.get("rows_per_second") if live else None,
+                "eta_seconds": said.get("eta_seconds") if live else None,
+            }
+        )
+    model = record["fingerprint"].get("model")
+    return {
+        "output_dir": str(directory),
+        "kind": "corpus",
+        "files": len(listing.get("files") or ()),
+        "skipped_files": len(listing.get("skipped") or ()),
+        "units": len(outputs),
+        "units_done": counts.units,
+        **counts.counts,
+        "by_error_type": counts.by_error_type,
+        "complete": counts.units == len(outputs),
+        "model": model if isinstance(model, str) else None,
+        "processes": processes,
+    }
 
 
 def run_state(output_dir: str | os.PathLike[str]) -> str:

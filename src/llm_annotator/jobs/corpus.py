@@ -1,0 +1,475 @@
+"""A corpus job: many input files, read unit by unit, into a partitioned output.
+
+:func:`annotate_corpus` is what :meth:`~llm_annotator.jobs.annotate.Annotator.annotate`
+runs when ``data`` names a corpus (a directory, a glob, several paths, a
+``save_to_disk`` folder; :func:`~llm_annotator.jobs.rows.corpus.is_corpus`). One job
+loop streams the rows of the process's units one after the other, so the servers never
+wait at a unit's end; each row's record goes to its unit's store, and each unit, once
+all its rows are written, becomes ``RUN_DIR/annotations/<unit>.parquet``
+(:mod:`llm_annotator.jobs.rundir.partitions`). Nothing is read before the first
+request but the listing, and the footers of this process's Parquet units (their row
+counts, for the progress); a finished unit is skipped on resume without being read.
+
+With ``shard=(i, n)`` the process takes the units the split rule gives shard ``i``
+(:mod:`llm_annotator.jobs.shards.split`), keeping its status, timeline and report in
+``RUN_DIR/shard-IIII-of-NNNN``; whichever shard finishes the last unit writes the
+manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from llm_annotator.clients.base import Client
+from llm_annotator.errors import (
+    ConfigurationError,
+    FingerprintMismatchError,
+    InputError,
+    RunInterruptedError,
+)
+from llm_annotator.jobs.answers.records import RecordBuilder
+from llm_annotator.jobs.answers.schema import OutputSchema
+from llm_annotator.jobs.files import check_entry
+from llm_annotator.jobs.loop.interrupt import Interrupt
+from llm_annotator.jobs.loop.runner import Cadence, JobRun, varies
+from llm_annotator.jobs.loop.summary import (
+    REPORT_NAME,
+    healthy_servers,
+    hedged_requests,
+    job_report,
+    write_json,
+)
+from llm_annotator.jobs.result import AnnotationResult
+from llm_annotator.jobs.rows.corpus import FILE_COLUMN, UNIT_BYTES, Corpus, Unit, list_corpus
+from llm_annotator.jobs.rows.inputs import Row
+from llm_annotator.jobs.rows.prompts import PromptTemplate
+from llm_annotator.jobs.rundir.fingerprint import describe_changes, make_fingerprint
+from llm_annotator.jobs.rundir.partitions import (
+    ANNOTATIONS_DIR,
+    CORPUS_FILE,
+    PartitionedStore,
+    UnitCounts,
+    read_corpus_record,
+    write_corpus_record,
+    write_manifest,
+)
+from llm_annotator.jobs.rundir.store import JOB_FILE, DirectoryLock, output_write_error
+from llm_annotator.jobs.shards.shard import Shard, claim, read_sharding
+from llm_annotator.jobs.shards.split import SPLIT_RULE, units_of_shard
+from llm_annotator.jobs.spec import JobSpec, retry_choice, validator_name
+from llm_annotator.jobs.watch.live_metrics import LiveMetrics
+from llm_annotator.jobs.watch.observer import Observer
+from llm_annotator.jobs.watch.progress import Progress
+from llm_annotator.jobs.watch.status import StatusFile
+from llm_annotator.jobs.watch.timeline import RunWatch
+
+log = structlog.get_logger(__name__)
+
+_LISTED_CHANGES = 10
+"""Changed files named one by one when a corpus is refused on resume."""
+
+
+@dataclass(frozen=True, slots=True)
+class Runner:
+    """How the annotator runs a job: its client and its cadence, and what it shows."""
+
+    client: Client[Any]
+    cadence: Cadence
+    bar: bool | None
+    timeline: bool
+    metrics: LiveMetrics | None
+    model: Callable[[], Any]
+    """Awaitable factory: the model the job runs on, for the fingerprint."""
+
+
+async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -> AnnotationResult:
+    """Annotate the corpus ``spec.data`` into ``spec.output_dir`` (see the module).
+
+    Raises:
+        InputError: The corpus cannot be listed, a file of it is unreadable (without
+            ``skip_bad_files``), a file changed since the run began, or the template
+            names a column the first unit lacks.
+        ConfigurationError: An option a corpus job does not take (``limit``,
+            ``write_jsonl``), or the directory holds another kind of job.
+        FingerprintMismatchError: The directory holds the corpus job with other settings.
+        RunInterruptedError: A signal stopped the job; every row written is kept.
+    """
+    started = time.monotonic()
+    _refuse_options(spec)
+    template = PromptTemplate(spec.prompt_template)
+    raw_schema = getattr(spec.options, "output_schema", None)
+    schema = OutputSchema(raw_schema) if raw_schema is not None else None
+    retry = retry_choice(spec.retry_errors)
+    if spec.validate is not None and not callable(spec.validate):
+        raise ConfigurationError(f"validate must be a callable, got {spec.validate!r}")
+    shard = Shard.of(spec.shard)
+    run_dir = spec.output_dir
+    recorded = await asyncio.to_thread(_recorded, run_dir)
+    unit_bytes = int(recorded["corpus"].get("unit_bytes", UNIT_BYTES)) if recorded else UNIT_BYTES
+    corpus = await asyncio.to_thread(
+        list_corpus, spec.data, skip_bad_files=spec.skip_bad_files, unit_bytes=unit_bytes
+    )
+    log.info(
+        "corpus_listed",
+        corpus=corpus.description,
+        files=len(corpus.files),
+        units=len(corpus.units),
+        bytes=corpus.size,
+        skipped=len(corpus.skipped),
+    )
+    if recorded is not None:
+        _check_unchanged(corpus, recorded["corpus"], run_dir)
+    units = list(corpus.units) if shard is None else units_of_shard(corpus.units, *_pair(shard))
+    builder = RecordBuilder(
+        schema, spec.columns, validate=spec.validate is not None, reserved=(FILE_COLUMN,)
+    )
+    model = await runner.model()
+    fingerprint = make_fingerprint(
+        prompt_template=spec.prompt_template,
+        system_message=spec.system_message,
+        model=model,
+        options=spec.options.to_payload() if spec.options is not None else {},
+        gen_kwargs=spec.gen_kwargs or {},
+        output_schema=raw_schema,
+        id_column=spec.id_column,
+        columns=list(spec.columns) if spec.columns is not None else None,
+        **({"validate": validator_name(spec.validate)} if spec.validate is not None else {}),
+    )
+    await asyncio.to_thread(_record, run_dir, recorded, fingerprint, corpus, spec.force)
+    if shard is None:
+        status_dir = run_dir
+        await asyncio.to_thread(_not_sharded, run_dir)
+    else:
+        await asyncio.to_thread(
+            claim, run_dir, shard, {**fingerprint, "corpus": corpus.digest()}, force=spec.force
+        )
+        status_dir = shard.directory(run_dir)
+        status_dir.mkdir(exist_ok=True)
+    lock = await asyncio.to_thread(DirectoryLock.acquire, status_dir, "annotate")
+    try:
+        return await _run(
+            runner, spec, interrupt, corpus, units, builder, template, schema, fingerprint,
+            retry, status_dir, started,
+        )  # fmt: skip
+    finally:
+        lock.release()
+
+
+def _pair(shard: Shard) -> tuple[int, int]:
+    return shard.index, shard.count
+
+
+async def _run(
+    runner: Runner,
+    spec: JobSpec,
+    interrupt: Interrupt,
+    corpus: Corpus,
+    units: list[Unit],
+    builder: RecordBuilder,
+    template: PromptTemplate,
+    schema: OutputSchema | None,
+    fingerprint: dict[str, Any],
+    retry: bool | frozenset[str],
+    status_dir: Path,
+    started: float,
+) -> AnnotationResult:
+    run_dir = spec.output_dir
+    store = await asyncio.to_thread(
+        PartitionedStore,
+        run_dir,
+        fingerprint,
+        retry_errors=retry,
+        force=spec.force,
+        column_order=builder.output_columns(),
+    )
+    todo = [unit for unit in units if not store.is_finished(unit)]
+    todo, known = await asyncio.to_thread(_survey, todo, store, spec)
+    if todo:
+        await asyncio.to_thread(_check_columns, todo[0], template, spec)
+    before = UnitCounts()
+    for unit in units:
+        if store.is_finished(unit) and unit not in todo:
+            before.add(store.records[unit.output_name])
+    resumed = before.counts["rows"]
+    total = resumed + sum(count for count in known if count is not None)
+    progress = Progress(
+        total, resumed, healthy=lambda: healthy_servers(runner.client), bar=runner.bar
+    )
+    status = StatusFile(status_dir, total)
+    estimate = _Estimate(todo, known, progress, status, base=resumed)
+    log.info(
+        "job_started",
+        input=corpus.description,
+        files=len(corpus.files),
+        units=len(units),
+        units_done=len(units) - len(todo),
+        rows=total if estimate.exact else None,
+        done_before=resumed,
+        output_dir=str(run_dir),
+    )
+    job = JobRun(
+        client=runner.client,
+        cadence=runner.cadence,
+        rows=_rows(todo, store, spec, estimate),
+        template=template,
+        system_message=spec.system_message,
+        builder=builder,
+        schema=schema,
+        validate=spec.validate,
+        store=store,
+        regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
+        progress=progress,
+    )
+    watch = RunWatch(
+        status_dir,
+        progress,
+        runner.client,
+        resumed,
+        timeline=runner.timeline,
+        publish=runner.metrics.publish if runner.metrics is not None else None,
+    )
+    hedged_before = hedged_requests(runner.client)
+    async with Observer(status, watch, progress.figures).kept():
+        interrupt.sending = True
+        try:
+            await job.run(spec.options, spec.gen_kwargs, interrupt)
+            await store.drain()
+        except asyncio.CancelledError:
+            if not interrupt.hard:
+                raise
+            interrupt.uncancel()
+        finally:
+            progress.close()
+            await asyncio.to_thread(store.close)
+        if interrupt.triggered:
+            done = progress.done
+            log.warning("job_interrupted", done=done, output_dir=str(run_dir))
+            raise RunInterruptedError(
+                f"stopped by {interrupt.reason}: the rows written are kept in {run_dir} "
+                f"({done} rows done). Run the same job again to resume; finished units are "
+                "not read again, rows already written are not sent again.",
+                output_dir=str(run_dir),
+                num_done=done,
+                signum=interrupt.signals[0] if interrupt.signals else None,
+            )
+    status.total = progress.total
+    this = UnitCounts()
+    for unit in units:
+        record = store.records.get(unit.output_name)
+        if record is not None:
+            this.add(record)
+    manifest = await asyncio.to_thread(write_manifest, run_dir, corpus.listing())
+    output = run_dir / ANNOTATIONS_DIR
+    result = this.consolidated(output)
+    seconds = time.monotonic() - started
+    report = job_report(job, result, progress.total, resumed, seconds, runner.client)
+    report["this_run"]["hedged_requests"] = hedged_requests(runner.client) - hedged_before
+    report["units"] = {"total": len(units), "done": this.units, "done_before": before.units}
+    report_path = status_dir / REPORT_NAME
+    try:
+        await asyncio.to_thread(write_json, report_path, report)
+    except OSError as error:
+        raise output_write_error(error, report_path, status_dir) from None
+    log.info(
+        "job_finished",
+        rows=result.num_rows,
+        succeeded=result.num_succeeded,
+        failed=result.num_failed,
+        sent=job.sent,
+        units=this.units,
+        seconds=round(seconds, 2),
+        output=str(output),
+        corpus_complete=manifest["complete"],
+    )
+    return AnnotationResult(
+        output_dir=status_dir,
+        output_path=output,
+        jsonl_path=None,
+        report_path=report_path,
+        num_rows=result.num_rows,
+        num_succeeded=result.num_succeeded,
+        num_failed=result.num_failed,
+        num_resumed=resumed,
+        num_sent=job.sent,
+        seconds=seconds,
+        merged_path=output if manifest["complete"] else None,
+    )
+
+
+def _rows(
+    units: list[Unit], store: PartitionedStore, spec: JobSpec, estimate: _Estimate
+) -> Iterator[Row]:
+    """The rows of the units, one unit after the other, each opened in the store as it
+    begins and marked read at its end."""
+    for unit in units:
+        estimate.progress.done += store.begin(unit)
+        read, bad = 0, None
+        try:
+            for row in unit.read(spec.id_column):
+                read += 1
+                yield row
+        except InputError as error:
+            if not spec.skip_bad_files:
+                raise InputError(
+                    f"{error}. The rows of {unit.name} written so far are kept: fix the "
+                    "file and run again, or pass --skip-bad-files to leave the rest of it out"
+                ) from None
+            bad = str(error)
+            log.warning("unit_cut_short", unit=unit.name, rows=read, reason=bad)
+        store.end_of(unit, bad=bad)
+        estimate.unit_read(unit, read)
+
+
+class _Estimate:
+    """The rows the job takes: counted from metadata where the files say so, and for
+    the others (JSONL, CSV) estimated from the rows per byte of the units read so far,
+    exact once every unit is read."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        known: list[int | None],
+        progress: Progress,
+        status: StatusFile,
+        base: int,
+    ) -> None:
+        self.progress = progress
+        self.status = status
+        self._known = {u.index: k for u, k in zip(units, known, strict=True) if k is not None}
+        self._unknown_bytes = sum(u.size for u, k in zip(units, known, strict=True) if k is None)
+        self._base = base + sum(self._known.values())
+        self._read_rows = 0
+        self._read_bytes = 0
+        self.exact = not self._unknown_bytes
+
+    def unit_read(self, unit: Unit, rows: int) -> None:
+        if unit.index in self._known:
+            return
+        self._read_rows += rows
+        self._read_bytes += unit.size
+        self._unknown_bytes -= unit.size
+        per_byte = self._read_rows / max(self._read_bytes, 1)
+        total = self._base + self._read_rows + round(per_byte * self._unknown_bytes)
+        self.progress.total = self.status.total = max(total, self.progress.done)
+
+
+def _survey(
+    units: list[Unit], store: PartitionedStore, spec: JobSpec
+) -> tuple[list[Unit], list[int | None]]:
+    """Open each unit's file before the first request (a Parquet footer, an Arrow
+    file's schema, a CSV header, a JSONL file's first line), so that one that cannot be
+    read is refused now, or with ``skip_bad_files`` recorded as skipped; and each
+    unit's rows where its file says so without being read (else None)."""
+    kept, known = [], []
+    for unit in units:
+        try:
+            known.append(unit.known_rows(unit.source(spec.id_column)))
+        except InputError as error:
+            if not spec.skip_bad_files:
+                raise InputError(
+                    f"{error}; fix or remove the file, or pass --skip-bad-files "
+                    "(skip_bad_files=True) to leave it out and list it in the manifest"
+                ) from None
+            store.skip(unit, str(error))
+            continue
+        kept.append(unit)
+    return kept, known
+
+
+def _refuse_options(spec: JobSpec) -> None:
+    if spec.limit is not None or spec.shuffle_seed is not None:
+        raise ConfigurationError(
+            "a trial run (limit) takes one input file, not a corpus: give one of the "
+            "corpus's files as the input, in a run directory of its own"
+        )
+    if spec.write_jsonl:
+        raise ConfigurationError(
+            "a corpus job writes Parquet only (annotations/, one file per unit): leave "
+            "out write_jsonl (--jsonl)"
+        )
+
+
+def _check_columns(unit: Unit, template: PromptTemplate, spec: JobSpec) -> None:
+    """The template's fields and the columns to keep, against the first unit's columns
+    (where its format says them up front)."""
+    source = unit.source(spec.id_column)
+    if source.columns is None:
+        return
+    template.check_columns(source.columns, source.description)
+    if spec.columns is not None:
+        unknown = [c for c in spec.columns if c not in source.columns]
+        if unknown:
+            raise InputError(
+                f"{source.description}: columns to keep {unknown} are not in the input; "
+                f"its columns are {list(source.columns)}"
+            )
+
+
+def _recorded(run_dir: Path) -> dict[str, Any] | None:
+    """The corpus record of the run directory, refusing a directory of a one-file job."""
+    if run_dir.exists() and check_entry(run_dir / JOB_FILE):
+        raise ConfigurationError(
+            f"{run_dir} holds a job over one input file; give the corpus job another --output-dir"
+        )
+    return read_corpus_record(run_dir) if run_dir.exists() else None
+
+
+def _check_unchanged(corpus: Corpus, recorded: dict[str, Any], run_dir: Path) -> None:
+    changes = corpus.changes_since(recorded)
+    if not changes:
+        return
+    listed = "; ".join(changes[:_LISTED_CHANGES])
+    more = f"; and {len(changes) - _LISTED_CHANGES} more" if len(changes) > _LISTED_CHANGES else ""
+    raise InputError(
+        f"the corpus changed since the job in {run_dir} began: {listed}{more}. Its rows "
+        "would no longer match what is done; restore the files, or start the changed "
+        "corpus in another --output-dir"
+    )
+
+
+def _record(
+    run_dir: Path,
+    recorded: dict[str, Any] | None,
+    fingerprint: dict[str, Any],
+    corpus: Corpus,
+    force: bool,
+) -> None:
+    """Write ``corpus.json`` for a new run, or check the settings of the one there."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise output_write_error(error, run_dir, run_dir) from None
+    if recorded is not None:
+        old = recorded["fingerprint"]
+        if old == fingerprint:
+            return
+        if not force:
+            changes = "; ".join(describe_changes(old, fingerprint)) or "the settings"
+            raise FingerprintMismatchError(
+                f"{run_dir} holds this corpus's job with other settings: {changes}. Give "
+                "the same settings, another --output-dir, or --force to go on with these "
+                "(rows already written keep their answers)"
+            )
+    write_corpus_record(
+        run_dir,
+        {"fingerprint": fingerprint, "corpus": corpus.listing(), "split": SPLIT_RULE},
+    )
+
+
+def _not_sharded(run_dir: Path) -> None:
+    said = read_sharding(run_dir)
+    if said is not None:
+        raise ConfigurationError(
+            f"{run_dir} is split into {said['count']} shards: run each with --shard "
+            f"INDEX/{said['count']} (shard=(index, {said['count']}))"
+        )
+
+
+__all__ = ["CORPUS_FILE", "Runner", "annotate_corpus"]

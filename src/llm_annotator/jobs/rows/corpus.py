@@ -1,0 +1,499 @@
+"""A corpus: many input files read as one job, unit by unit.
+
+:func:`list_corpus` turns what a user names (a directory, a glob, several paths, or a
+folder written by ``datasets.Dataset.save_to_disk``) into a :class:`Corpus`: its files
+in a stable order, each with its identity (size and modification time), cut into
+:class:`Unit` s, the pieces a job hands out. A unit is a file, or, for a Parquet file
+larger than ``unit_bytes``, a run of its row groups, so that a few huge files still
+split over many processes. Listing reads no rows: a directory is walked, each file is
+looked at (``stat``), and only a Parquet file large enough to be cut has its footer
+read.
+
+Row identity in a corpus is ``(file, id)``: the file's name in the corpus (its path
+relative to the corpus's root, with ``/``) and the row's id within it, the id column's
+value or the row's position in the file (0-based, counting rows, not blank lines; a
+Parquet file cut into units keeps its positions). Ids need not be unique across files,
+only within one (checked as each unit is read); the output carries the file's name in
+the column :data:`FILE_COLUMN`.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import stat
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from llm_annotator.errors import InputError
+from llm_annotator.jobs.files import read_bytes, shown_path
+from llm_annotator.jobs.ids import hash_id
+from llm_annotator.jobs.rows.inputs import (
+    ARROW_SUFFIXES,
+    COMPRESSIONS,
+    CSV_SUFFIXES,
+    JSONL_SUFFIXES,
+    PARQUET_SUFFIXES,
+    Row,
+    RowSource,
+    open_input,
+)
+
+log = structlog.get_logger(__name__)
+
+FILE_COLUMN = "input_file"
+"""The output column of a corpus job that names each row's input file."""
+UNIT_BYTES = 256 << 20
+"""A Parquet file larger than this is cut into units of whole row groups of about this
+size (at least one row group each)."""
+_SAVED_STATE = "state.json"
+"""The file that marks a folder written by ``datasets.Dataset.save_to_disk``."""
+_GLOB_MAGIC = frozenset("*?[")
+
+
+@dataclass(frozen=True, slots=True)
+class CorpusFile:
+    """One file of a corpus.
+
+    Attributes:
+        name: Its path relative to the corpus's root, with ``/``: its name in the run.
+        path: The path it is read from.
+        size: Its size in bytes, when listed.
+        mtime_ns: Its modification time, when listed.
+    """
+
+    name: str
+    path: str
+    size: int
+    mtime_ns: int
+
+    def identity(self) -> list[Any]:
+        """What a run records of the file, to refuse it on resume if it changed."""
+        return [self.name, self.size, self.mtime_ns]
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """The piece of a corpus one process takes at a time: a file, or a run of a
+    Parquet file's row groups.
+
+    Attributes:
+        index: Its place in the corpus's units.
+        file: The file it is (part of).
+        groups: For part of a Parquet file: its row groups (from, to: half-open).
+        first_row: The position in the file of its first row.
+        rows: Its number of rows, where the file says so without being read.
+        size: Its size in bytes (compressed, as stored).
+    """
+
+    index: int
+    file: CorpusFile
+    groups: tuple[int, int] | None = None
+    first_row: int = 0
+    rows: int | None = None
+    size: int = 0
+
+    @property
+    def name(self) -> str:
+        """The unit's name: the file's, and its row groups for part of a file.
+
+        Examples:
+            >>> f = CorpusFile("crawl/a.parquet", "/d/crawl/a.parquet", 10, 0)
+            >>> Unit(0, f).name, Unit(1, f, (2, 4)).name
+            ('crawl/a.parquet', 'crawl/a.parquet#rg2-3')
+        """
+        if self.groups is None:
+            return self.file.name
+        return f"{self.file.name}#rg{self.groups[0]}-{self.groups[1] - 1}"
+
+    @property
+    def output_name(self) -> str:
+        """The unit's file in the partitioned output: its name with ``%``, ``/`` and
+        ``#`` escaped (one name per unit, never a folder), and ``.parquet`` added.
+
+        Examples:
+            >>> f = CorpusFile("crawl/a%b.jsonl.gz", "x", 10, 0)
+            >>> Unit(0, f).output_name
+            'crawl%2Fa%25b.jsonl.gz.parquet'
+            >>> Unit(0, CorpusFile("_x.csv", "x", 1, 0)).output_name
+            '%5Fx.csv.parquet'
+        """
+        text = self.name
+        escaped = text.replace("%", "%25").replace("/", "%2F")
+        if self.groups is not None:  # the '#' of the row groups is the only one left
+            head, _, tail = escaped.rpartition("#")
+            escaped = head.replace("#", "%23") + "#" + tail
+        else:
+            escaped = escaped.replace("#", "%23")
+        if escaped[0] in "._":  # dataset readers skip names that begin so
+            escaped = f"%{ord(escaped[0]):02X}{escaped[1:]}"
+        return escaped + ".parquet"
+
+    def source(self, id_column: str | None) -> RowSource:
+        """A reader of the unit's file."""
+        return open_input(self.file.path, id_column=id_column)
+
+    def known_rows(self, source: RowSource) -> int | None:
+        """The unit's rows where its file (read by ``source``) says so without being
+        read (a Parquet footer, an Arrow file's batch headers), else None (JSONL, CSV)."""
+        if self.rows is not None:
+            return self.rows
+        if _kind(self.file.name) in ("parquet", "arrow"):
+            return source._count()
+        return None
+
+    def read(self, id_column: str | None) -> Iterator[Row]:
+        """The unit's rows, each marked with the unit's index.
+
+        Raises:
+            InputError: The file cannot be read (the message names it), or with an id
+                column: a row has no valid id, or an id repeats within the unit.
+        """
+        source = self.source(id_column)
+        if self.groups is not None:
+            rows = source.group_rows(self.groups, self.first_row, self.index)  # type: ignore[attr-defined]
+        else:
+            rows = source.rows(unit=self.index)
+        if id_column is None:
+            yield from rows
+            return
+        seen: dict[int, str] = {}
+        for row in rows:
+            key = hash_id(row.id)
+            earlier = seen.get(key)
+            if earlier is None:
+                seen[key] = row.where
+            else:
+                raise InputError(
+                    f"{self.file.name}: the id {row.id!r} (field {id_column!r}) appears more "
+                    f"than once in the file: at {earlier} and at {row.where}; ids must be "
+                    "unique within a file: fix the input, or pass id_column=None to number "
+                    "the rows by position"
+                )
+            yield row
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    """The files of a corpus and their units.
+
+    Attributes:
+        description: What the user named, for messages.
+        root: The folder the files' names are relative to.
+        files: The files, sorted by name.
+        units: The units, in the files' order.
+        skipped: Files left out (``skip_bad_files``), each with why: ``(name, reason)``.
+        unit_bytes: The size above which a Parquet file was cut into parts.
+    """
+
+    description: str
+    root: str
+    files: tuple[CorpusFile, ...]
+    units: tuple[Unit, ...]
+    skipped: tuple[tuple[str, str], ...] = ()
+    unit_bytes: int = UNIT_BYTES
+    size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", sum(unit.size for unit in self.units))
+
+    def listing(self) -> dict[str, Any]:
+        """What a run records of the corpus (``corpus.json``)."""
+        return {
+            "root": self.root,
+            "unit_bytes": self.unit_bytes,
+            "files": [f.identity() for f in self.files],
+            "skipped": [list(s) for s in self.skipped],
+            "units": [unit.output_name for unit in self.units],
+        }
+
+    def digest(self) -> str:
+        """A digest of the files (names, sizes, times) and how they are cut."""
+        data = orjson.dumps([self.unit_bytes, [f.identity() for f in self.files]])
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    def changes_since(self, recorded: Mapping[str, Any]) -> list[str]:
+        """The files that differ from a listing a run recorded, each in words.
+
+        Examples:
+            >>> a = CorpusFile("a.jsonl", "a.jsonl", 10, 1)
+            >>> corpus = Corpus("d", "d", (a,), (Unit(0, a),))
+            >>> recorded = corpus.listing()
+            >>> corpus.changes_since(recorded)
+            []
+            >>> b = CorpusFile("a.jsonl", "a.jsonl", 12, 2)
+            >>> Corpus("d", "d", (b,), (Unit(0, b),)).changes_since(recorded)
+            ['a.jsonl changed (10 -> 12 bytes)']
+        """
+        before = {str(f[0]): f for f in recorded.get("files", ()) if isinstance(f, list) and f}
+        now = {f.name: f.identity() for f in self.files}
+        changes = []
+        for name, identity in now.items():
+            old = before.get(name)
+            if old is None:
+                changes.append(f"{name} is new")
+            elif old[1:] != identity[1:]:
+                sizes = f"{old[1]} -> {identity[1]} bytes" if old[1] != identity[1] else "modified"
+                changes.append(f"{name} changed ({sizes})")
+        changes += [f"{name} is gone" for name in before if name not in now]
+        return changes
+
+
+def is_corpus(data: Any) -> bool:
+    """Whether ``data`` names a corpus rather than one input: a directory, a glob, or
+    a list of paths.
+
+    Examples:
+        >>> is_corpus(["a.jsonl", "b.jsonl"]), is_corpus([{"text": "x"}]), is_corpus("*.csv")
+        (True, False, True)
+    """
+    if isinstance(data, str | os.PathLike):
+        path = os.fspath(data)
+        if os.path.isdir(path):
+            return True
+        return not os.path.exists(path) and bool(_GLOB_MAGIC & set(path))
+    if isinstance(data, list | tuple) and data:
+        return all(isinstance(item, str | os.PathLike) for item in data)
+    return False
+
+
+def list_corpus(
+    data: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    skip_bad_files: bool = False,
+    unit_bytes: int = UNIT_BYTES,
+) -> Corpus:
+    """The corpus that ``data`` names, listed and cut into units; no row is read.
+
+    Args:
+        data: A directory (every supported file under it, at any depth, in sorted order;
+            names beginning with ``.`` or ``_`` are skipped, as data lakes mark their own
+            files), a glob (``"crawl/*.parquet"``, ``**`` for any depth), a folder
+            written by ``datasets.Dataset.save_to_disk`` (its Arrow files, in their
+            order), or a list of any of these and of files.
+        skip_bad_files: Leave out, with the reason, a file that cannot be read or is
+            of no known format, instead of refusing the corpus.
+        unit_bytes: Cut a Parquet file larger than this into parts of whole row groups.
+
+    Raises:
+        InputError: A path is missing or matches nothing, a named file is unreadable or
+            of no known format (without ``skip_bad_files``), a file is named twice, or
+            the corpus holds no file at all.
+
+    Examples:
+        >>> import tempfile, pathlib
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> for name in ("b.jsonl", "a.jsonl", "notes.md"):
+        ...     _ = (folder / name).write_text('{"text": "x"}\\n')
+        >>> [unit.name for unit in list_corpus(folder).units]
+        ['a.jsonl', 'b.jsonl']
+    """
+    items = [data] if isinstance(data, str | os.PathLike) else list(data)
+    if not items:
+        raise InputError("the corpus names no path: give a directory, a glob or files")
+    found: list[tuple[str, os.stat_result]] = []
+    skipped: list[tuple[str, str]] = []
+    for item in items:
+        if not isinstance(item, str | os.PathLike):
+            raise InputError(f"a corpus is a list of paths; {item!r} is not one")
+        path = os.fspath(item)
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            if not _GLOB_MAGIC & set(path):
+                raise InputError(f"{shown_path(path)}: no such file or directory") from None
+            matches = sorted(glob.glob(path, recursive=True))
+            matched = [m for m in matches if not os.path.isdir(m)]
+            if not matched:
+                raise InputError(f"{shown_path(path)} matches no file") from None
+            for match in matched:
+                _add(match, found, skipped, skip_bad_files)
+            continue
+        except OSError as error:
+            raise InputError(f"cannot read {shown_path(path)}: {error.strerror}") from None
+        if stat.S_ISDIR(info.st_mode):
+            _walk(path, found, skipped, skip_bad_files)
+        else:
+            _add(path, found, skipped, skip_bad_files)
+    if not found:
+        what = ", ".join(shown_path(os.fspath(i)) for i in items[:3])
+        raise InputError(
+            f"{what}: no input file in the corpus (supported: .jsonl, .csv, .parquet, .arrow; "
+            f"JSONL and CSV may be compressed: {', '.join(COMPRESSIONS)})"
+        )
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p, _ in found])
+    files: list[CorpusFile] = []
+    places: dict[tuple[int, int], str] = {}
+    for path, info in found:
+        name = Path(os.path.relpath(os.path.abspath(path), root)).as_posix()
+        place = (info.st_dev, info.st_ino)
+        if place in places:
+            raise InputError(
+                f"{shown_path(name)} and {shown_path(places[place])} are one file named "
+                "twice: name it once (its rows would be annotated twice)"
+            )
+        places[place] = name
+        files.append(CorpusFile(name, path, info.st_size, info.st_mtime_ns))
+    files.sort(key=lambda f: f.name)
+    units = _units(files, unit_bytes, skipped, skip_bad_files)
+    description = shown_path(os.fspath(items[0])) if len(items) == 1 else f"{len(items)} paths"
+    return Corpus(description, root, tuple(files), tuple(units), tuple(skipped), unit_bytes)
+
+
+def _walk(
+    folder: str,
+    found: list[tuple[str, os.stat_result]],
+    skipped: list[tuple[str, str]],
+    skip_bad: bool,
+) -> None:
+    """Add a folder's supported files (the others are not data: notes, markers)."""
+    saved = _saved_files(folder)
+    if saved is not None:
+        for path in saved:
+            _add(path, found, skipped, skip_bad)
+        return
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
+        for name in sorted(names):
+            if name.startswith((".", "_")):
+                continue
+            if _kind(name) is not None:
+                _add(os.path.join(top, name), found, skipped, skip_bad)
+
+
+def _saved_files(folder: str) -> list[str] | None:
+    """The Arrow files of a ``save_to_disk`` folder in their order, or None if the
+    folder is not one.
+
+    Raises:
+        InputError: It is a ``DatasetDict``'s folder, or its ``state.json`` is not one.
+    """
+    if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
+        raise InputError(
+            f"{shown_path(folder)} holds a DatasetDict (several splits): give one split's "
+            f"folder, e.g. {shown_path(os.path.join(folder, 'train'))}"
+        )
+    data = read_bytes(os.path.join(folder, _SAVED_STATE))
+    if data is None:
+        return None
+    try:
+        state = orjson.loads(data)
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as error:
+        raise InputError(
+            f"{shown_path(folder)}/{_SAVED_STATE} is not a saved dataset's state ({error}); "
+            "save the dataset again, or remove the file"
+        ) from None
+    return [os.path.join(folder, str(name)) for name in names]
+
+
+def _kind(name: str) -> str | None:
+    """A file's format by its name, or None."""
+    lower = name.lower()
+    for suffix in COMPRESSIONS:
+        if lower.endswith(suffix):
+            base = lower.removesuffix(suffix)
+            return "text" if base.endswith(JSONL_SUFFIXES + CSV_SUFFIXES) else None
+    if lower.endswith(JSONL_SUFFIXES + CSV_SUFFIXES):
+        return "text"
+    if lower.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if lower.endswith(ARROW_SUFFIXES):
+        return "arrow"
+    return None
+
+
+def _add(
+    path: str,
+    found: list[tuple[str, os.stat_result]],
+    skipped: list[tuple[str, str]],
+    skip_bad: bool,
+) -> None:
+    """Add one file, or say why it cannot be (refused, or skipped with ``skip_bad``)."""
+    problem = None
+    try:
+        info = os.stat(path)
+    except OSError as error:
+        problem = f"cannot read it: {error.strerror}"
+    else:
+        if not stat.S_ISREG(info.st_mode):
+            problem = "not a regular file (a pipe or a device cannot be read twice)"
+        elif _kind(path) is None:
+            problem = "of no known format (.jsonl, .csv, .parquet, .arrow)"
+        elif not os.access(path, os.R_OK):
+            problem = "cannot read it: permission denied"
+    if problem is None:
+        found.append((path, info))
+        return
+    if not skip_bad:
+        raise InputError(
+            f"{shown_path(path)}: {problem}; fix or remove it, or pass --skip-bad-files "
+            "(skip_bad_files=True) to leave it out and list it in the run's manifest"
+        )
+    log.warning("input_file_skipped", file=shown_path(path), reason=problem)
+    skipped.append((shown_path(path), problem))
+
+
+def _units(
+    files: list[CorpusFile],
+    unit_bytes: int,
+    skipped: list[tuple[str, str]],
+    skip_bad: bool,
+) -> list[Unit]:
+    """The files cut into units: a Parquet file larger than ``unit_bytes`` with more
+    than one row group into runs of row groups, every other file whole."""
+    units: list[Unit] = []
+    kept = []
+    for file in files:
+        if file.size <= unit_bytes or _kind(file.name) != "parquet":
+            units.append(Unit(len(units), file, size=file.size))
+            kept.append(file)
+            continue
+        try:
+            parts = _row_group_parts(file, unit_bytes)
+        except InputError as error:
+            if not skip_bad:
+                raise
+            skipped.append((file.name, str(error)))
+            continue
+        kept.append(file)
+        for groups, first, rows, size in parts:
+            units.append(Unit(len(units), file, groups, first, rows, size))
+    files[:] = kept
+    return units
+
+
+def _row_group_parts(
+    file: CorpusFile, unit_bytes: int
+) -> list[tuple[tuple[int, int] | None, int, int, int]]:
+    """A Parquet file's row groups in runs of about ``unit_bytes``: each run's groups,
+    first row, rows and bytes (one run of None when the file has one group)."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(file.path).metadata
+    except Exception as error:  # pyarrow raises many kinds for a damaged footer
+        raise InputError(f"cannot read {shown_path(file.path)} as Parquet: {error}") from None
+    groups = meta.num_row_groups
+    if groups <= 1:
+        return [(None, 0, meta.num_rows, file.size)]
+    parts: list[tuple[tuple[int, int] | None, int, int, int]] = []
+    start, first, rows, size = 0, 0, 0, 0
+    position = 0
+    for index in range(groups):
+        group = meta.row_group(index)
+        stored = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+        if index > start and size + stored > unit_bytes:
+            parts.append(((start, index), first, rows, size))
+            start, first, rows, size = index, position, 0, 0
+        rows += group.num_rows
+        size += stored
+        position += group.num_rows
+    parts.append(((start, groups), first, rows, size))
+    return parts

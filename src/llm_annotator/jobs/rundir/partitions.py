@@ -1,0 +1,502 @@
+"""The run directory of a corpus job: a store per unit in progress, a Parquet file per
+unit finished, and a manifest.
+
+A corpus job's run directory looks like this::
+
+    RUN_DIR/
+      corpus.json                 the corpus's files (name, size, time), the settings'
+                                  fingerprint, and how it is cut and split; written once
+      units/<unit>/               the store of a unit in progress (job.json, .lock,
+                                  shards/part-*.jsonl), as a one-file job keeps its own
+      annotations/
+        <unit>.parquet            one per finished unit, named after it
+        _units/<unit>.json        the record of a finished unit: rows, counts, schema
+        _manifest.json            every unit's record and the corpus's totals
+
+Rows of a unit go to the unit's own store as they are answered; only the units being
+read, or with rows still in flight, are open, so the bookkeeping is that of a few units
+however large the corpus. Once every row of a unit has its record, the unit is
+finished in a worker thread: its store is consolidated into
+``annotations/<unit>.parquet`` (written under a fresh name, fsynced, renamed), then its
+record is written the same way. A unit with a record is finished and is skipped on
+resume without being read; a unit killed between the two renames is consolidated again
+from its store, which gives the same file. Dataset readers skip names that begin with
+``_``, so ``pyarrow.dataset.dataset(RUN_DIR/annotations)``, DuckDB's
+``read_parquet('RUN_DIR/annotations/*.parquet')`` and ``datasets.load_dataset`` read the
+units' files as one dataset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import structlog
+
+from llm_annotator.errors import JobError, RunDirectoryError
+from llm_annotator.jobs.answers.records import ANSWER_COLUMNS, VALID_COLUMN
+from llm_annotator.jobs.files import atomic_write, check_entry, make_directory, read_run_file
+from llm_annotator.jobs.ids import RowId
+from llm_annotator.jobs.rows.corpus import FILE_COLUMN, Unit
+from llm_annotator.jobs.rows.inputs import Row
+from llm_annotator.jobs.rundir.consolidate import Consolidated, consolidate
+from llm_annotator.jobs.rundir.store import ResultStore, output_write_error
+
+log = structlog.get_logger(__name__)
+
+CORPUS_FILE = "corpus.json"
+ANNOTATIONS_DIR = "annotations"
+UNITS_DIR = "units"
+RECORDS_DIR = "_units"
+MANIFEST_FILE = "_manifest.json"
+MANIFEST_FORMAT = 1
+_TYPES: Mapping[str, pa.DataType] = {
+    **{name: pa.string() for name in ANSWER_COLUMNS},
+    "num_prompt_tokens": pa.int64(),
+    "num_output_tokens": pa.int64(),
+    VALID_COLUMN: pa.bool_(),
+}
+"""The types of the answer columns when a unit has no value in one (no error at all)."""
+_COUNTS = ("rows", "succeeded", "failed", "prompt_tokens", "output_tokens")
+
+
+@dataclass(slots=True)
+class _Open:
+    """A unit in progress: its store, and how many of its rows are read and written."""
+
+    unit: Unit
+    store: ResultStore
+    read: int = 0
+    """Rows of the unit read so far, done before or not."""
+    expected: int = 0
+    """Rows handed on to be done (not done before)."""
+    written: int = 0
+    all_read: bool = False
+    bad: str | None = None
+    """Why the rest of the unit could not be read, when it could not."""
+
+
+@dataclass(slots=True)
+class UnitCounts:
+    """What the units finished so far hold, summed."""
+
+    units: int = 0
+    by_finish_reason: dict[str, int] = field(default_factory=dict)
+    by_error_type: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        self.units += 1
+        for name in _COUNTS:
+            self.counts[name] += int(record.get(name) or 0)
+        for key, into in (
+            ("by_finish_reason", self.by_finish_reason),
+            ("by_error_type", self.by_error_type),
+        ):
+            for label, count in dict(record.get(key) or {}).items():
+                into[label] = into.get(label, 0) + int(count)
+
+    def consolidated(self, path: Path) -> Consolidated:
+        """The sums as a consolidation's result (for ``report.json``)."""
+        counts = self.counts
+        return Consolidated(
+            parquet_path=path,
+            jsonl_path=None,
+            num_rows=counts["rows"],
+            num_succeeded=counts["succeeded"],
+            num_failed=counts["failed"],
+            by_finish_reason=self.by_finish_reason,
+            by_error_type=self.by_error_type,
+            prompt_tokens=counts["prompt_tokens"],
+            output_tokens=counts["output_tokens"],
+        )
+
+
+class PartitionedStore:
+    """Where a corpus job's results go: a :class:`ResultStore` per unit in progress, a
+    Parquet file per unit finished.
+
+    The job's loop uses it as its store: :meth:`take` says whether a row is still to
+    be done, :meth:`append` writes a row's record into its unit's store, :meth:`flush`
+    and :meth:`sync` reach every open unit. The reader of the rows says when a unit
+    begins (:meth:`begin`) and when all of it is read (:meth:`end_of`); a unit whose
+    rows are all read and written is finished in a worker thread (:meth:`drain` waits
+    for those).
+
+    Args:
+        run_dir: The run directory.
+        fingerprint: The settings' fingerprint, recorded in each unit's store.
+        retry_errors: As for a :class:`ResultStore`; a finished unit with error rows is
+            then opened again.
+        force: Open units whose store was made with other settings.
+        column_order: The output's first columns.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        fingerprint: Mapping[str, Any],
+        *,
+        retry_errors: bool | frozenset[str] = False,
+        force: bool = False,
+        column_order: Sequence[str] = (),
+    ) -> None:
+        self.run_dir = run_dir
+        self.output_dir = run_dir / ANNOTATIONS_DIR
+        self._fingerprint = dict(fingerprint)
+        self._retry = retry_errors
+        self._force = force
+        self._columns = list(column_order)
+        self._open: dict[int, _Open] = {}
+        self._finishing: set[asyncio.Future[None]] = set()
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+        """Held while open stores are synced or a finished one is closed."""
+        self.finished_now = UnitCounts()
+        """The units this store finished."""
+        self.done_in_open = 0
+        """Rows found done in the units opened (resumed)."""
+        for folder in (run_dir / UNITS_DIR, self.output_dir, self.output_dir / RECORDS_DIR):
+            try:
+                make_directory(folder)
+            except OSError as error:
+                raise output_write_error(error, folder, run_dir) from None
+        self.records = read_unit_records(run_dir)
+        """The records of the finished units, by output name."""
+
+    def __repr__(self) -> str:
+        return (
+            f"<PartitionedStore {str(self.run_dir)!r} open={len(self._open)} "
+            f"finished={len(self.records)}>"
+        )
+
+    def is_finished(self, unit: Unit) -> bool:
+        """Whether the unit is finished (and, with ``retry_errors``, has no error row
+        of a type to retry)."""
+        record = self.records.get(unit.output_name)
+        if record is None or record.get("file") != unit.file.identity():
+            return False
+        if not self._retry or not record.get("failed"):
+            return True
+        if isinstance(self._retry, frozenset):
+            return not self._retry & set(record.get("by_error_type") or {})
+        return False
+
+    def begin(self, unit: Unit) -> int:
+        """Open the unit's store; return how many of its rows are done already."""
+        self._raise()
+        directory = self.run_dir / UNITS_DIR / unit.output_name.removesuffix(".parquet")
+        store = ResultStore.open(
+            directory, self._fingerprint, force=self._force, retry_errors=self._retry
+        )
+        self._open[unit.index] = _Open(unit, store)
+        self.done_in_open += store.num_done
+        return store.num_done
+
+    def take(self, row: Row) -> bool:
+        """Whether the row is still to be done; counts it in its unit either way."""
+        work = self._open[_unit_of(row.unit)]
+        work.read += 1
+        if work.store.is_done(row.id):
+            return False
+        work.expected += 1
+        return True
+
+    def append(self, record: Mapping[str, Any], unit: int | None) -> None:
+        """Write a row's record into its unit's store; finish the unit if it was its
+        last row."""
+        self._raise()
+        work = self._open[_unit_of(unit)]
+        work.store.append(record)
+        work.written += 1
+        self._finish_if_done(work)
+
+    def end_of(self, unit: Unit, *, bad: str | None = None) -> None:
+        """Every row of the unit is read (or, ``bad``, the rest could not be and is
+        left out, saying why): finish it once its rows are written."""
+        work = self._open[unit.index]
+        work.all_read = True
+        work.bad = bad
+        self._finish_if_done(work)
+
+    def skip(self, unit: Unit, reason: str) -> None:
+        """Record a unit that cannot be read at all as finished with no row, and why."""
+        self._write_record(unit, {"rows": 0, "succeeded": 0, "failed": 0, "skipped": reason})
+
+    def is_done(self, row_id: RowId, unit: int | None) -> bool:
+        """Whether a row of an open unit has a result."""
+        return self._open[_unit_of(unit)].store.is_done(row_id)
+
+    def flush(self) -> None:
+        self._raise()
+        for work in list(self._open.values()):
+            work.store.flush()
+
+    def sync(self) -> None:
+        with self._lock:
+            for work in list(self._open.values()):
+                work.store.sync()
+
+    def close(self) -> None:
+        """Close the stores of the units still open (what they hold is kept)."""
+        with self._lock:
+            for work in list(self._open.values()):
+                work.store.close()
+            self._open.clear()
+
+    async def drain(self) -> None:
+        """Wait for the units being finished; raise the first failure."""
+        while self._finishing:
+            await asyncio.wait(list(self._finishing))
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _finish_if_done(self, work: _Open) -> None:
+        if not work.all_read or work.written < work.expected:
+            return
+        del self._open[work.unit.index]
+        future = asyncio.get_running_loop().run_in_executor(None, self._finish, work)
+        self._finishing.add(future)
+        future.add_done_callback(self._finished)
+
+    def _finished(self, future: asyncio.Future[None]) -> None:
+        self._finishing.discard(future)
+        if not future.cancelled() and future.exception() is not None and self._failure is None:
+            self._failure = future.exception()
+
+    def _finish(self, work: _Open) -> None:
+        """Close a unit's store and write its Parquet file and record (a worker thread)."""
+        unit = work.unit
+        with self._lock:
+            work.store.close()
+        target = self.output_dir / unit.output_name
+        try:
+            result = consolidate(
+                work.store.output_dir,
+                column_order=self._columns,
+                target=target,
+                constants={FILE_COLUMN: unit.file.name},
+                types=_TYPES,
+            )
+        except OSError as error:
+            raise output_write_error(error, error.filename or target, self.run_dir) from None
+        if result.num_rows != work.read:
+            target.unlink(missing_ok=True)
+            raise JobError(
+                f"{unit.name}: {work.read} rows read but {result.num_rows} have a result in "
+                f"{work.store.output_dir}: the file changed while the job read it, or two "
+                "ids were taken for one (an 8-byte hash collision). Nothing of the unit is "
+                "lost; please report this with the unit's job.json."
+            )
+        counts = {
+            "rows": result.num_rows,
+            "succeeded": result.num_succeeded,
+            "failed": result.num_failed,
+            "prompt_tokens": result.prompt_tokens,
+            "output_tokens": result.output_tokens,
+            "by_finish_reason": result.by_finish_reason,
+            "by_error_type": result.by_error_type,
+            "schema": _schema_text(target),
+        }
+        if work.bad is not None:
+            counts["skipped"] = work.bad
+        self._write_record(unit, counts)
+
+    def _write_record(self, unit: Unit, counts: Mapping[str, Any]) -> None:
+        """Write a finished unit's record (whole, fsynced, renamed in place)."""
+        record = {
+            "unit": unit.name,
+            "output": unit.output_name,
+            "file": unit.file.identity(),
+            "groups": list(unit.groups) if unit.groups is not None else None,
+            **counts,
+        }
+        path = self.output_dir / RECORDS_DIR / (unit.output_name + ".json")
+        try:
+            with atomic_write(path) as file:
+                file.write(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+        except OSError as error:
+            raise output_write_error(error, path, self.run_dir) from None
+        self.records[unit.output_name] = record
+        self.finished_now.add(record)
+        log.info(
+            "unit_skipped" if "skipped" in record else "unit_finished",
+            unit=unit.name,
+            rows=record["rows"],
+            failed=record["failed"],
+            reason=record.get("skipped"),
+        )
+
+
+def _unit_of(unit: int | None) -> int:
+    if unit is None:
+        raise JobError("a row of a corpus job has no unit")
+    return unit
+
+
+def _schema_text(path: Path) -> list[list[str]]:
+    """A Parquet file's columns and their types, as text."""
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path)
+    return [[f.name, str(f.type)] for f in schema]
+
+
+def read_unit_records(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The records of a corpus run's finished units, by output name; records that are
+    not a unit's are skipped with a warning.
+
+    Raises:
+        RunDirectoryError: A record is a link or not a regular file.
+    """
+    folder = run_dir / ANNOTATIONS_DIR / RECORDS_DIR
+    if not check_entry(folder, directory=True):
+        return {}
+    records: dict[str, dict[str, Any]] = {}
+    with os.scandir(folder) as entries:
+        names = sorted(e.name for e in entries if e.name.endswith(".parquet.json"))
+    for name in names:
+        data = read_run_file(folder / name)
+        try:
+            record = orjson.loads(data) if data is not None else None
+        except orjson.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or record.get("output") != name.removesuffix(".json"):
+            log.warning("unit_record_skipped", path=str(folder / name))
+            continue
+        has_file = check_entry(run_dir / ANNOTATIONS_DIR / name.removesuffix(".json"))
+        if not has_file and not (record.get("skipped") and not record.get("rows")):
+            continue  # its file is gone: the unit is done again
+        records[record["output"]] = record
+    return records
+
+
+def write_manifest(run_dir: Path, listing: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``annotations/_manifest.json`` from the finished units' records: which
+    units are done (and which are not), the rows and counts, and the schema.
+
+    Args:
+        run_dir: The run directory.
+        listing: The corpus as ``corpus.json`` records it (its files and units).
+
+    Returns:
+        The manifest.
+    """
+    records = read_unit_records(run_dir)
+    files = {tuple(f) for f in listing.get("files", ()) if isinstance(f, list)}
+    totals = UnitCounts()
+    done, waiting, schemas = [], [], []
+    skipped = [list(entry) for entry in listing.get("skipped", [])]
+    for output in listing.get("units", ()):
+        record = records.get(output)
+        if record is None or tuple(record.get("file") or ()) not in files:
+            waiting.append(output)
+            continue
+        totals.add(record)
+        entry = {k: record[k] for k in ("unit", "output", "rows", "succeeded", "failed")}
+        if record.get("skipped"):
+            entry["skipped"] = record["skipped"]
+            skipped.append([record["unit"], record["skipped"]])
+        done.append(entry)
+        schemas.append(record.get("schema") or [])
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "complete": not waiting,
+        "units": len(done) + len(waiting),
+        "units_done": len(done),
+        **totals.counts,
+        "by_error_type": totals.by_error_type,
+        "skipped_files": skipped,
+        "schema": _unified(schemas),
+        "done": done,
+        "waiting": waiting,
+    }
+    path = run_dir / ANNOTATIONS_DIR / MANIFEST_FILE
+    try:
+        with atomic_write(path) as file:
+            file.write(orjson.dumps(manifest, option=orjson.OPT_INDENT_2) + b"\n")
+    except OSError as error:
+        raise output_write_error(error, path, run_dir) from None
+    return manifest
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any] | None:
+    """``annotations/_manifest.json``, or None if there is none.
+
+    Raises:
+        RunDirectoryError: It is a link, not a regular file, or not a manifest.
+    """
+    path = run_dir / ANNOTATIONS_DIR / MANIFEST_FILE
+    data = read_run_file(path)
+    if data is None:
+        return None
+    try:
+        manifest = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        manifest = None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise RunDirectoryError(
+            f"{path} is not a corpus job's manifest; run llm-annotator merge {run_dir} to "
+            "write it anew",
+            path=str(path),
+        )
+    return manifest
+
+
+def _unified(schemas: list[list[list[str]]]) -> list[list[str]]:
+    """The columns of every unit's file, in first-seen order, each with its type, or
+    the types seen where the units differ (``"int64 | string"``)."""
+    types: dict[str, list[str]] = {}
+    for schema in schemas:
+        for name, kind in schema:
+            seen = types.setdefault(name, [])
+            if kind not in seen and kind != "null":
+                seen.append(kind)
+    return [[name, " | ".join(kinds) or "null"] for name, kinds in types.items()]
+
+
+def read_corpus_record(run_dir: Path) -> dict[str, Any] | None:
+    """``corpus.json`` of a run directory, or None.
+
+    Raises:
+        RunDirectoryError: It is a link, not a regular file, or not a corpus record.
+    """
+    path = run_dir / CORPUS_FILE
+    data = read_run_file(path)
+    if data is None:
+        return None
+    try:
+        record = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        record = None
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("fingerprint"), dict)
+        or not isinstance(record.get("corpus"), dict)
+    ):
+        raise RunDirectoryError(
+            f"{path} is not a corpus job's record; restore it, or give the job another "
+            "--output-dir",
+            path=str(path),
+        )
+    return record
+
+
+def write_corpus_record(run_dir: Path, record: Mapping[str, Any]) -> None:
+    """Write ``corpus.json`` (whole, fsynced, renamed in place)."""
+    path = run_dir / CORPUS_FILE
+    try:
+        with atomic_write(path) as file:
+            file.write(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+    except OSError as error:
+        raise output_write_error(error, path, run_dir) from None

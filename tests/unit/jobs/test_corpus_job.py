@@ -1,0 +1,249 @@
+"""A corpus job against fake servers: many files in, one Parquet file per unit out,
+exactly once, resumable, split over static shards by unit."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import datasets
+import duckdb
+import orjson
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from llm_annotator.errors import ConfigurationError, InputError
+from llm_annotator.jobs.rows.corpus import FILE_COLUMN
+from llm_annotator.jobs.rundir.partitions import (
+    ANNOTATIONS_DIR,
+    MANIFEST_FILE,
+    read_manifest,
+)
+from tests.cli import COMMAND
+from tests.unit.conftest import FakeServer
+from tests.unit.helpers import command, pool_of, sent_texts, write_jsonl
+
+TEMPLATE = "Label: {text}"
+
+
+def make_corpus(folder: Path, files: int = 6, rows: int = 25) -> dict[str, list[str]]:
+    """A corpus of JSONL, gzip JSONL, CSV and Parquet files; each file's texts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    texts: dict[str, list[str]] = {}
+    for f in range(files):
+        records = [{"text": f"f{f}-r{r}", "n": r} for r in range(rows + f)]
+        kind = f % 4
+        if kind == 0:
+            name = f"part-{f:03d}.jsonl"
+            write_jsonl(folder / name, records)
+        elif kind == 1:
+            name = f"part-{f:03d}.jsonl.gz"
+            (folder / name).write_bytes(
+                gzip.compress(b"".join(orjson.dumps(r) + b"\n" for r in records))
+            )
+        elif kind == 2:
+            name = f"sub/part-{f:03d}.csv"
+            (folder / "sub").mkdir(exist_ok=True)
+            lines = ["text,n", *(f"{r['text']},{r['n']}" for r in records)]
+            (folder / name).write_text("\n".join(lines) + "\n")
+        else:
+            name = f"part-{f:03d}.parquet"
+            pq.write_table(pa.Table.from_pylist(records), folder / name)
+        texts[name] = [str(r["text"]) for r in records]
+    return texts
+
+
+def output_rows(run: Path) -> list[dict[str, Any]]:
+    return ds.dataset(run / ANNOTATIONS_DIR, format="parquet").to_table().to_pylist()  # type: ignore[no-any-return]
+
+
+def test_a_directory_is_annotated_unit_by_unit_into_one_file_per_unit_each_row_once(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """Every file under the directory (JSONL, gzip, CSV in a subfolder, Parquet) is
+    read; each row is sent once and lands once, in its unit's Parquet file, with its
+    file's name; pyarrow.dataset and DuckDB read the folder as one dataset."""
+    texts = make_corpus(tmp_path / "corpus")
+    (tmp_path / "corpus" / "README.md").write_text("not data")
+    (tmp_path / "corpus" / "_SUCCESS").write_text("")
+    run = tmp_path / "run"
+    with pool_of([fake_server]) as pool:
+        result = pool.annotate(tmp_path / "corpus", TEMPLATE, run, progress=False)
+    expected = sum(len(t) for t in texts.values())
+    assert result.num_rows == expected and result.num_failed == 0
+    assert result.output_path == run / ANNOTATIONS_DIR
+    assert result.merged_path == run / ANNOTATIONS_DIR
+    rows = output_rows(run)
+    assert Counter((r[FILE_COLUMN], r["text"]) for r in rows) == Counter(
+        (name, text) for name, file_texts in texts.items() for text in file_texts
+    )
+    assert all(r["response"] == f"Label: {r['text']}" for r in rows)
+    assert sent_texts([fake_server]) == Counter(
+        f"Label: {t}" for file_texts in texts.values() for t in file_texts
+    )
+    outputs = sorted(p.name for p in (run / ANNOTATIONS_DIR).glob("*.parquet"))
+    assert outputs == sorted(name.replace("/", "%2F") + ".parquet" for name in texts)
+    count = duckdb.sql(
+        f"select count(*), count(distinct (input_file, id)) from "
+        f"read_parquet('{run / ANNOTATIONS_DIR}/*.parquet')"
+    ).fetchone()
+    assert count == (expected, expected)
+    manifest = read_manifest(run)
+    assert manifest is not None and manifest["complete"] and manifest["rows"] == expected
+    assert manifest["units_done"] == len(texts) and not manifest["waiting"]
+
+
+def test_a_corpus_job_resumes_without_reading_finished_units_again(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """Run again, the job sends nothing: every unit is finished and is not read (a
+    finished unit's file may even become unreadable in between... but not changed)."""
+    make_corpus(tmp_path / "corpus", files=4)
+    run = tmp_path / "run"
+    with pool_of([fake_server]) as pool:
+        first = pool.annotate(tmp_path / "corpus", TEMPLATE, run, progress=False)
+        sent = len(fake_server.requests)
+        again = pool.annotate(tmp_path / "corpus", TEMPLATE, run, progress=False)
+    assert again.num_sent == 0 and again.num_resumed == first.num_rows
+    assert len(fake_server.requests) == sent
+    assert again.num_rows == first.num_rows
+
+
+def test_a_changed_file_is_refused_on_resume_by_name(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    make_corpus(tmp_path / "corpus", files=3)
+    run = tmp_path / "run"
+    with pool_of([fake_server]) as pool:
+        pool.annotate(tmp_path / "corpus", TEMPLATE, run, progress=False)
+        with (tmp_path / "corpus" / "part-000.jsonl").open("ab") as file:
+            file.write(b'{"text": "new"}\n')
+        with pytest.raises(InputError, match=r"part-000\.jsonl changed"):
+            pool.annotate(tmp_path / "corpus", TEMPLATE, run, progress=False)
+
+
+def test_static_shards_split_a_corpus_by_unit_and_the_last_writes_the_manifest(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    texts = make_corpus(tmp_path / "corpus", files=7)
+    run = tmp_path / "run"
+    with pool_of([fake_server]) as pool:
+        results = [
+            pool.annotate(tmp_path / "corpus", TEMPLATE, run, progress=False, shard=(i, 3))
+            for i in range(3)
+        ]
+    assert sum(r.num_rows for r in results) == sum(len(t) for t in texts.values())
+    assert [r.merged_path is not None for r in results] == [False, False, True]
+    rows = output_rows(run)
+    assert len(rows) == len({(r[FILE_COLUMN], r["id"]) for r in rows})
+    assert sent_texts([fake_server]) == Counter(
+        f"Label: {t}" for file_texts in texts.values() for t in file_texts
+    )
+    assert (run / ANNOTATIONS_DIR / MANIFEST_FILE).is_file()
+
+
+def test_a_glob_and_a_list_of_paths_are_corpora(tmp_path: Path, fake_server: FakeServer) -> None:
+    texts = make_corpus(tmp_path / "corpus", files=4)
+    with pool_of([fake_server]) as pool:
+        by_glob = pool.annotate(
+            str(tmp_path / "corpus" / "*.jsonl*"), TEMPLATE, tmp_path / "g", progress=False
+        )
+        listed = [tmp_path / "corpus" / "part-000.jsonl", tmp_path / "corpus" / "part-003.parquet"]
+        by_list = pool.annotate(listed, TEMPLATE, tmp_path / "l", progress=False)
+    assert by_glob.num_rows == len(texts["part-000.jsonl"]) + len(texts["part-001.jsonl.gz"])
+    assert by_list.num_rows == len(texts["part-000.jsonl"]) + len(texts["part-003.parquet"])
+
+
+def test_a_bad_file_is_refused_before_any_request_or_skipped_when_asked(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    make_corpus(tmp_path / "corpus", files=2)
+    bad = tmp_path / "corpus" / "broken.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pool_of([fake_server]) as pool:
+        with pytest.raises(InputError, match=r"broken\.parquet"):
+            pool.annotate(tmp_path / "corpus", TEMPLATE, tmp_path / "run", progress=False)
+        assert not fake_server.requests
+        result = pool.annotate(
+            tmp_path / "corpus", TEMPLATE, tmp_path / "run2", progress=False, skip_bad_files=True
+        )
+    assert result.num_rows == 25 + 26
+    manifest = read_manifest(tmp_path / "run2")
+    assert manifest is not None
+    assert [entry[0] for entry in manifest["skipped_files"]] == ["broken.parquet"]
+
+
+def test_a_corpus_job_refuses_options_it_does_not_take(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    make_corpus(tmp_path / "corpus", files=2)
+    with pool_of([fake_server]) as pool:
+        with pytest.raises(ConfigurationError, match="trial run"):
+            pool.annotate(tmp_path / "corpus", TEMPLATE, tmp_path / "r", limit=3, progress=False)
+        with pytest.raises(ConfigurationError, match="corpus"):
+            pool.annotate(
+                tmp_path / "corpus" / "part-000.jsonl",
+                TEMPLATE,
+                tmp_path / "r",
+                skip_bad_files=True,
+                progress=False,
+            )
+    assert not fake_server.requests
+
+
+def test_the_command_takes_several_inputs_and_status_and_merge_read_the_records(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """``run --input A B`` is a corpus job; ``status`` reads its records (JSON and for
+    people), ``merge`` checks every unit and writes the manifest without rewriting a
+    unit's file; datasets' Parquet loader reads the output as one dataset."""
+    texts = make_corpus(tmp_path / "corpus", files=4)
+    run = tmp_path / "run"
+    first, second = (
+        tmp_path / "corpus" / "part-000.jsonl",
+        tmp_path / "corpus" / "part-001.jsonl.gz",
+    )
+    argv = command(fake_server, first, run, "--shard", "0/2")
+    argv.insert(argv.index(str(first)) + 1, str(second))
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"annotations: {run / ANNOTATIONS_DIR}" in done.stdout
+    waiting = subprocess.run(
+        [COMMAND, "merge", str(run)], capture_output=True, text=True, timeout=60
+    )
+    assert waiting.returncode == 1
+    assert "1 of its 2 units are not finished (part-001.jsonl.gz.parquet)" in waiting.stderr
+    status = subprocess.run(
+        [COMMAND, "status", str(run), "--json"], capture_output=True, text=True, timeout=60
+    )
+    said = orjson.loads(status.stdout)
+    assert (said["units"], said["units_done"], said["rows"]) == (2, 1, len(texts["part-000.jsonl"]))
+    assert [p["where"] for p in said["processes"]] == ["shard-0000-of-0002"]
+    argv[argv.index("0/2")] = "1/2"
+    assert subprocess.run(argv, capture_output=True, timeout=120).returncode == 0
+    files = {p: p.stat().st_mtime_ns for p in (run / ANNOTATIONS_DIR).glob("*.parquet")}
+    merged = subprocess.run(
+        [COMMAND, "merge", str(run)], capture_output=True, text=True, timeout=60
+    )
+    assert merged.returncode == 0, merged.stderr
+    assert {p: p.stat().st_mtime_ns for p in (run / ANNOTATIONS_DIR).glob("*.parquet")} == files
+    people = subprocess.run(
+        [COMMAND, "status", str(run)], capture_output=True, text=True, timeout=60
+    )
+    assert "in 2 units: all finished" in people.stdout
+    loaded = datasets.load_dataset(
+        "parquet",
+        data_files=str(run / ANNOTATIONS_DIR / "*.parquet"),
+        split="train",
+        cache_dir=str(tmp_path / "hf-cache"),
+    )
+    expected = len(texts["part-000.jsonl"]) + len(texts["part-001.jsonl.gz"])
+    assert loaded.num_rows == expected
+    assert len({(r[FILE_COLUMN], r["id"]) for r in loaded}) == expected
