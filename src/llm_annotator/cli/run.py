@@ -290,7 +290,14 @@ _SETTINGS: tuple[_Setting, ...] = (
         "shard",
         _text,
         "take only this shard's rows: INDEX/COUNT, auto (a SLURM array task) or auto/COUNT "
-        "(a Kubernetes Indexed Job); the last shard to finish merges them",
+        "(a Kubernetes Indexed Job); the last shard to finish merges them. For a corpus, "
+        "also claim: any number of workers take its units one at a time",
+    ),
+    _Setting(
+        "claim_lease",
+        _SECONDS,
+        "with --shard claim: seconds a worker's claim on a unit lasts unrenewed before "
+        "another worker takes the unit over (default 60)",
     ),
     _Setting(
         "metrics_port",
@@ -508,8 +515,9 @@ def run_command(args: argparse.Namespace) -> int:
             limit=settings["limit"],
             shuffle_seed=settings["shuffle_seed"],
             validate=validate,
-            shard=Shard.parse(settings["shard"]) if settings["shard"] else None,
+            shard=_shard(settings["shard"], Shard),
             skip_bad_files=settings["skip_bad_files"],
+            claim_lease=settings["claim_lease"],
         )
     except RunInterruptedError as stopped:
         print(f"llm-annotator run: {stopped}", file=sys.stderr, flush=True)
@@ -549,6 +557,14 @@ def run_command(args: argparse.Namespace) -> int:
             "(from a run over another input; they stay in the run directory's shards)"
         )
     return 0
+
+
+def _shard(text: str | None, shard: Any) -> Any:
+    """``--shard``: None, ``claim``, or a static shard (parsed, so that a bad one is
+    said before any server is asked)."""
+    if not text:
+        return None
+    return "claim" if text.strip() == "claim" else shard.parse(text)
 
 
 def _pool(settings: dict[str, Any]) -> VLLMQueueAnnotator:

@@ -275,6 +275,11 @@ class Annotator:
     ) -> AnnotationResult:
         if await asyncio.to_thread(is_corpus, spec.data):
             return await annotate_corpus(self._runner(metrics), spec, interrupt)
+        if isinstance(spec.shard, str) and spec.shard.strip() == "claim":
+            raise ConfigurationError(
+                "shard='claim' (--shard claim) takes a corpus (a directory, a glob or several "
+                "files), whose units workers claim; split one file with shard=(INDEX, COUNT)"
+            )
         if spec.skip_bad_files:
             raise ConfigurationError(
                 "skip_bad_files (--skip-bad-files) is for a corpus (a directory, a glob or "

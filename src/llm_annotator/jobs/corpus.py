@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from llm_annotator.jobs.result import AnnotationResult
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN, UNIT_BYTES, Corpus, Unit, list_corpus
 from llm_annotator.jobs.rows.inputs import Row
 from llm_annotator.jobs.rows.prompts import PromptTemplate
+from llm_annotator.jobs.rundir.claims import LEASE, Claims
 from llm_annotator.jobs.rundir.fingerprint import describe_changes, make_fingerprint
 from llm_annotator.jobs.rundir.partitions import (
     ANNOTATIONS_DIR,
@@ -72,6 +73,13 @@ from llm_annotator.jobs.watch.timeline import RunWatch
 
 log = structlog.get_logger(__name__)
 
+CLAIM = "claim"
+"""``shard="claim"``: take the corpus's units by claims, as any number of workers."""
+_MODES = {
+    "whole": "in one process",
+    "shards": "in static shards (--shard INDEX/COUNT)",
+    CLAIM: "by claims (--shard claim)",
+}
 _LISTED_CHANGES = 10
 """Changed files named one by one when a corpus is refused on resume."""
 
@@ -89,6 +97,24 @@ class Runner:
     """Awaitable factory: the model the job runs on, for the fingerprint."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one process of a corpus job does, decided before its first request."""
+
+    corpus: Corpus
+    units: list[Unit]
+    """The units this process takes (all, for a worker that claims them)."""
+    builder: RecordBuilder
+    template: PromptTemplate
+    schema: OutputSchema | None
+    fingerprint: dict[str, Any]
+    retry: bool | frozenset[str]
+    status_dir: Path
+    """Where this process keeps its status, timeline and report."""
+    claims: Claims | None
+    started: float
+
+
 async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -> AnnotationResult:
     """Annotate the corpus ``spec.data`` into ``spec.output_dir`` (see the module).
 
@@ -97,7 +123,8 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
             ``skip_bad_files``), a file changed since the run began, or the template
             names a column the first unit lacks.
         ConfigurationError: An option a corpus job does not take (``limit``,
-            ``write_jsonl``), or the directory holds another kind of job.
+            ``write_jsonl``), or the directory holds another kind of job, or the same
+            corpus run in another mode (whole, static shards, claims).
         FingerprintMismatchError: The directory holds the corpus job with other settings.
         RunInterruptedError: A signal stopped the job; every row written is kept.
     """
@@ -109,7 +136,10 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
     retry = retry_choice(spec.retry_errors)
     if spec.validate is not None and not callable(spec.validate):
         raise ConfigurationError(f"validate must be a callable, got {spec.validate!r}")
-    shard = Shard.of(spec.shard)
+    claiming = isinstance(spec.shard, str) and spec.shard.strip() == CLAIM
+    shard = None if claiming else Shard.of(spec.shard)
+    mode = CLAIM if claiming else "shards" if shard is not None else "whole"
+    lease = _lease(spec.claim_lease)
     run_dir = spec.output_dir
     recorded = await asyncio.to_thread(_recorded, run_dir)
     unit_bytes = int(recorded["corpus"].get("unit_bytes", UNIT_BYTES)) if recorded else UNIT_BYTES
@@ -123,6 +153,7 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         units=len(corpus.units),
         bytes=corpus.size,
         skipped=len(corpus.skipped),
+        mode=mode,
     )
     if recorded is not None:
         _check_unchanged(corpus, recorded["corpus"], run_dir)
@@ -142,22 +173,30 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         columns=list(spec.columns) if spec.columns is not None else None,
         **({"validate": validator_name(spec.validate)} if spec.validate is not None else {}),
     )
-    await asyncio.to_thread(_record, run_dir, recorded, fingerprint, corpus, spec.force)
-    if shard is None:
-        status_dir = run_dir
-        await asyncio.to_thread(_not_sharded, run_dir)
-    else:
+    await asyncio.to_thread(_record, run_dir, recorded, fingerprint, corpus, mode, spec.force)
+    claims = None
+    if shard is not None:
         await asyncio.to_thread(
             claim, run_dir, shard, {**fingerprint, "corpus": corpus.digest()}, force=spec.force
         )
         status_dir = shard.directory(run_dir)
-        status_dir.mkdir(exist_ok=True)
-    lock = await asyncio.to_thread(DirectoryLock.acquire, status_dir, "annotate")
+    else:
+        await asyncio.to_thread(_not_sharded, run_dir)
+        if claiming:
+            claims = await asyncio.to_thread(Claims, run_dir, lease)
+            status_dir = run_dir / f"worker-{claims.owner.replace(':', '-')}"
+        else:
+            status_dir = run_dir
     try:
-        return await _run(
-            runner, spec, interrupt, corpus, units, builder, template, schema, fingerprint,
-            retry, status_dir, started,
-        )  # fmt: skip
+        await asyncio.to_thread(status_dir.mkdir, exist_ok=True)
+    except OSError as error:
+        raise output_write_error(error, status_dir, run_dir) from None
+    lock = await asyncio.to_thread(DirectoryLock.acquire, status_dir, "annotate")
+    plan = _Plan(
+        corpus, units, builder, template, schema, fingerprint, retry, status_dir, claims, started
+    )
+    try:
+        return await _run(runner, spec, interrupt, plan)
     finally:
         lock.release()
 
@@ -166,33 +205,34 @@ def _pair(shard: Shard) -> tuple[int, int]:
     return shard.index, shard.count
 
 
+def _lease(value: Any) -> float:
+    if value is None:
+        return LEASE
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigurationError(f"claim_lease must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 async def _run(
-    runner: Runner,
-    spec: JobSpec,
-    interrupt: Interrupt,
-    corpus: Corpus,
-    units: list[Unit],
-    builder: RecordBuilder,
-    template: PromptTemplate,
-    schema: OutputSchema | None,
-    fingerprint: dict[str, Any],
-    retry: bool | frozenset[str],
-    status_dir: Path,
-    started: float,
+    runner: Runner, spec: JobSpec, interrupt: Interrupt, plan: _Plan
 ) -> AnnotationResult:
-    run_dir = spec.output_dir
+    run_dir, units, claims = spec.output_dir, plan.units, plan.claims
     store = await asyncio.to_thread(
         PartitionedStore,
         run_dir,
-        fingerprint,
-        retry_errors=retry,
+        plan.fingerprint,
+        retry_errors=plan.retry,
         force=spec.force,
-        column_order=builder.output_columns(),
+        column_order=plan.builder.output_columns(),
+        claims=claims,
     )
     todo = [unit for unit in units if not store.is_finished(unit)]
-    todo, known = await asyncio.to_thread(_survey, todo, store, spec)
+    if claims is None:
+        todo, known = await asyncio.to_thread(_survey, todo, store, spec)
+    else:  # each unit is looked at when claimed: a worker reads only what it takes
+        known = [None] * len(todo)
     if todo:
-        await asyncio.to_thread(_check_columns, todo[0], template, spec)
+        await asyncio.to_thread(_check_columns, todo[0], plan.template, spec)
     before = UnitCounts()
     for unit in units:
         if store.is_finished(unit) and unit not in todo:
@@ -202,33 +242,38 @@ async def _run(
     progress = Progress(
         total, resumed, healthy=lambda: healthy_servers(runner.client), bar=runner.bar
     )
-    status = StatusFile(status_dir, total)
+    status = StatusFile(plan.status_dir, total)
     estimate = _Estimate(todo, known, progress, status, base=resumed)
     log.info(
         "job_started",
-        input=corpus.description,
-        files=len(corpus.files),
+        input=plan.corpus.description,
+        files=len(plan.corpus.files),
         units=len(units),
         units_done=len(units) - len(todo),
         rows=total if estimate.exact else None,
         done_before=resumed,
         output_dir=str(run_dir),
     )
+    rows: Iterator[Row] | AsyncIterator[Row]
+    if claims is None:
+        rows = _rows(todo, store, spec, estimate)
+    else:
+        rows = _claimed_rows(todo, store, claims, spec, estimate)
     job = JobRun(
         client=runner.client,
         cadence=runner.cadence,
-        rows=_rows(todo, store, spec, estimate),
-        template=template,
+        rows=rows,
+        template=plan.template,
         system_message=spec.system_message,
-        builder=builder,
-        schema=schema,
+        builder=plan.builder,
+        schema=plan.schema,
         validate=spec.validate,
         store=store,
         regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
         progress=progress,
     )
     watch = RunWatch(
-        status_dir,
+        plan.status_dir,
         progress,
         runner.client,
         resumed,
@@ -236,6 +281,7 @@ async def _run(
         publish=runner.metrics.publish if runner.metrics is not None else None,
     )
     hedged_before = hedged_requests(runner.client)
+    renewing = asyncio.ensure_future(_renew(store, claims)) if claims is not None else None
     async with Observer(status, watch, progress.figures).kept():
         interrupt.sending = True
         try:
@@ -247,6 +293,8 @@ async def _run(
             interrupt.uncancel()
         finally:
             progress.close()
+            if renewing is not None:
+                renewing.cancel()
             await asyncio.to_thread(store.close)
         if interrupt.triggered:
             done = progress.done
@@ -261,22 +309,25 @@ async def _run(
             )
     status.total = progress.total
     this = UnitCounts()
-    for unit in units:
-        record = store.records.get(unit.output_name)
-        if record is not None:
-            this.add(record)
-    manifest = await asyncio.to_thread(write_manifest, run_dir, corpus.listing())
+    if claims is None:  # this process's part: the units it was given
+        for unit in units:
+            record = store.records.get(unit.output_name)
+            if record is not None:
+                this.add(record)
+    else:  # a worker's: the units it finished
+        this = store.finished_now
+    manifest = await asyncio.to_thread(write_manifest, run_dir, plan.corpus.listing())
     output = run_dir / ANNOTATIONS_DIR
     result = this.consolidated(output)
-    seconds = time.monotonic() - started
+    seconds = time.monotonic() - plan.started
     report = job_report(job, result, progress.total, resumed, seconds, runner.client)
     report["this_run"]["hedged_requests"] = hedged_requests(runner.client) - hedged_before
     report["units"] = {"total": len(units), "done": this.units, "done_before": before.units}
-    report_path = status_dir / REPORT_NAME
+    report_path = plan.status_dir / REPORT_NAME
     try:
         await asyncio.to_thread(write_json, report_path, report)
     except OSError as error:
-        raise output_write_error(error, report_path, status_dir) from None
+        raise output_write_error(error, report_path, plan.status_dir) from None
     log.info(
         "job_finished",
         rows=result.num_rows,
@@ -289,7 +340,7 @@ async def _run(
         corpus_complete=manifest["complete"],
     )
     return AnnotationResult(
-        output_dir=status_dir,
+        output_dir=plan.status_dir,
         output_path=output,
         jsonl_path=None,
         report_path=report_path,
@@ -301,6 +352,68 @@ async def _run(
         seconds=seconds,
         merged_path=output if manifest["complete"] else None,
     )
+
+
+async def _renew(store: PartitionedStore, claims: Claims) -> None:
+    """Renew the leases of the units this worker holds, every third of a lease."""
+    while True:
+        await asyncio.sleep(claims.lease / 3)
+        for held in store.held():
+            if not await asyncio.to_thread(claims.renew, held):
+                store.lose(held)
+
+
+async def _claimed_rows(
+    units: list[Unit],
+    store: PartitionedStore,
+    claims: Claims,
+    spec: JobSpec,
+    estimate: _Estimate,
+) -> AsyncIterator[Row]:
+    """The rows of the units this worker claims, one unit after another, in the
+    corpus's order; when every unit left is held by a live worker, it waits (a lease at
+    most) for one to finish or to be left to take over, and ends once all are finished."""
+    pending, cursor = list(units), 0
+    while pending:
+        cursor %= len(pending)
+        for unit in pending[cursor:] + pending[:cursor]:
+            if await asyncio.to_thread(store.refresh, unit):
+                continue
+            key = unit.output_name.removesuffix(".parquet")
+            held = await asyncio.to_thread(claims.try_claim, key)
+            if held is None or await asyncio.to_thread(store.refresh, unit):
+                continue  # another worker's, or finished just before
+            try:
+                source = await asyncio.to_thread(unit.source, spec.id_column)
+            except InputError as error:
+                if not spec.skip_bad_files:
+                    raise
+                await asyncio.to_thread(store.skip, unit, str(error))
+                break
+            known = unit.known_rows(source)
+            progress = estimate.progress
+            progress.total += known or 0
+            progress.done += await asyncio.to_thread(store.begin, unit, held)
+            read, bad = 0, None
+            try:
+                for row in unit.read(spec.id_column):
+                    if store.is_lost(unit):
+                        break
+                    read += 1
+                    yield row
+            except InputError as error:
+                if not spec.skip_bad_files:
+                    raise _cut_short(unit, error) from None
+                bad = str(error)
+                log.warning("unit_cut_short", unit=unit.name, rows=read, reason=bad)
+            if known is None:
+                progress.total += read
+            store.end_of(unit, bad=bad)
+            cursor = pending.index(unit)  # the next unit in the corpus's order
+            break
+        else:
+            await asyncio.sleep(min(claims.lease / 4, 5.0))  # all held by live workers
+        pending = [u for u in pending if not store.is_finished(u) and not store.is_open(u)]
 
 
 def _rows(
@@ -317,10 +430,7 @@ def _rows(
                 yield row
         except InputError as error:
             if not spec.skip_bad_files:
-                raise InputError(
-                    f"{error}. The rows of {unit.name} written so far are kept: fix the "
-                    "file and run again, or pass --skip-bad-files to leave the rest of it out"
-                ) from None
+                raise _cut_short(unit, error) from None
             bad = str(error)
             log.warning("unit_cut_short", unit=unit.name, rows=read, reason=bad)
         store.end_of(unit, bad=bad)
@@ -383,6 +493,13 @@ def _survey(
     return kept, known
 
 
+def _cut_short(unit: Unit, error: InputError) -> InputError:
+    return InputError(
+        f"{error}. The rows of {unit.name} written so far are kept: fix the file and run "
+        "again, or pass --skip-bad-files to leave the rest of it out"
+    )
+
+
 def _refuse_options(spec: JobSpec) -> None:
     if spec.limit is not None or spec.shuffle_seed is not None:
         raise ConfigurationError(
@@ -439,16 +556,25 @@ def _record(
     recorded: dict[str, Any] | None,
     fingerprint: dict[str, Any],
     corpus: Corpus,
+    mode: str,
     force: bool,
 ) -> None:
-    """Write ``corpus.json`` for a new run, or check the settings of the one there."""
+    """Write ``corpus.json`` for a new run, or check the settings and the mode (whole,
+    static shards or claims) of the one there."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise output_write_error(error, run_dir, run_dir) from None
     if recorded is not None:
         old = recorded["fingerprint"]
-        if old == fingerprint:
+        said = recorded.get("mode", mode)
+        if said != mode and not force:
+            raise ConfigurationError(
+                f"{run_dir} runs this corpus {_MODES.get(said, said)}, not {_MODES[mode]}: "
+                "its units in progress are held that way. Run it as it began, or give "
+                "--force once every process of it has stopped"
+            )
+        if old == fingerprint and said == mode:
             return
         if not force:
             changes = "; ".join(describe_changes(old, fingerprint)) or "the settings"
@@ -459,7 +585,7 @@ def _record(
             )
     write_corpus_record(
         run_dir,
-        {"fingerprint": fingerprint, "corpus": corpus.listing(), "split": SPLIT_RULE},
+        {"fingerprint": fingerprint, "mode": mode, "corpus": corpus.listing(), "split": SPLIT_RULE},
     )
 
 

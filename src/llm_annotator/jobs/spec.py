@@ -34,6 +34,7 @@ class JobArgs(TypedDict, total=False):
     validate: Validate | None
     shard: Any
     skip_bad_files: bool
+    claim_lease: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class JobSpec:
     validate: Validate | None = None
     shard: Any = None
     skip_bad_files: bool = False
+    claim_lease: float | None = None
 
     @classmethod
     def of(

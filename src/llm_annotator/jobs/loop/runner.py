@@ -125,7 +125,7 @@ class JobRun:
         *,
         client: Client[Any],
         cadence: Cadence,
-        rows: Iterator[Row],
+        rows: Iterator[Row] | AsyncIterator[Row],
         template: PromptTemplate,
         system_message: str | None,
         builder: RecordBuilder,
@@ -277,7 +277,8 @@ class JobRun:
         request become records for the consumer (never written here)."""
         sink, retries = self.sink, self.retries
         scanned = 0
-        for row in self.rows:
+        rows = self.rows if isinstance(self.rows, AsyncIterator) else _async(self.rows)
+        async for row in rows:
             scanned += 1
             if scanned % 4096 == 0:
                 await asyncio.sleep(0)  # a long run of done rows must not starve the loop
@@ -433,6 +434,12 @@ def _invalid(response: Response, error: str | None, kind: Any) -> Response:
         error=error or "the answer does not follow the output_schema",
         error_type=str(kind) if kind is not None else "invalid_output",
     )
+
+
+async def _async(rows: Iterator[Row]) -> AsyncIterator[Row]:
+    """A reader's rows, as the job's loop takes them."""
+    for row in rows:
+        yield row
 
 
 def varies(options: Any, gen_kwargs: dict[str, Any] | None) -> bool:

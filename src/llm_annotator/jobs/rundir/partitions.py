@@ -46,6 +46,7 @@ from llm_annotator.jobs.files import atomic_write, check_entry, make_directory, 
 from llm_annotator.jobs.ids import RowId
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN, Unit
 from llm_annotator.jobs.rows.inputs import Row
+from llm_annotator.jobs.rundir.claims import Claim, Claims
 from llm_annotator.jobs.rundir.consolidate import Consolidated, consolidate
 from llm_annotator.jobs.rundir.store import ResultStore, output_write_error
 
@@ -73,6 +74,8 @@ class _Open:
 
     unit: Unit
     store: ResultStore
+    claim: Claim | None = None
+    """The unit's claim, for a worker that takes units by claims."""
     read: int = 0
     """Rows of the unit read so far, done before or not."""
     expected: int = 0
@@ -137,6 +140,8 @@ class PartitionedStore:
             then opened again.
         force: Open units whose store was made with other settings.
         column_order: The output's first columns.
+        claims: For a worker that takes units by claims: its claims, checked before
+            each write (a unit lost to another worker is written no more).
     """
 
     def __init__(
@@ -147,14 +152,19 @@ class PartitionedStore:
         retry_errors: bool | frozenset[str] = False,
         force: bool = False,
         column_order: Sequence[str] = (),
+        claims: Claims | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.claims = claims
         self.output_dir = run_dir / ANNOTATIONS_DIR
         self._fingerprint = dict(fingerprint)
         self._retry = retry_errors
         self._force = force
         self._columns = list(column_order)
         self._open: dict[int, _Open] = {}
+        self._lost: set[int] = set()
+        self._held: dict[int, Claim] = {}
+        """The claims of the units open or being finished."""
         self._finishing: set[asyncio.Future[None]] = set()
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
@@ -189,16 +199,67 @@ class PartitionedStore:
             return not self._retry & set(record.get("by_error_type") or {})
         return False
 
-    def begin(self, unit: Unit) -> int:
-        """Open the unit's store; return how many of its rows are done already."""
+    def refresh(self, unit: Unit) -> bool:
+        """Read the unit's record again (another worker may have finished it); whether
+        it is finished."""
+        path = self.output_dir / RECORDS_DIR / (unit.output_name + ".json")
+        if unit.output_name not in self.records and check_entry(path):
+            self.records.update(_read_records(self.run_dir, [path.name]))
+        return self.is_finished(unit)
+
+    def begin(self, unit: Unit, claim: Claim | None = None) -> int:
+        """Open the unit's store (held by ``claim``, for a worker that takes units by
+        claims); return how many of its rows are done already."""
         self._raise()
         directory = self.run_dir / UNITS_DIR / unit.output_name.removesuffix(".parquet")
         store = ResultStore.open(
-            directory, self._fingerprint, force=self._force, retry_errors=self._retry
+            directory,
+            self._fingerprint,
+            force=self._force,
+            retry_errors=self._retry,
+            exclusive=claim is None,
         )
-        self._open[unit.index] = _Open(unit, store)
+        self._open[unit.index] = _Open(unit, store, claim)
+        if claim is not None:
+            self._held[unit.index] = claim
         self.done_in_open += store.num_done
         return store.num_done
+
+    def held(self) -> list[Claim]:
+        """The claims of the units open or being finished (for their renewal)."""
+        return list(self._held.values())
+
+    def is_open(self, unit: Unit) -> bool:
+        """Whether this worker has the unit open or is finishing it."""
+        return unit.index in self._open or unit.index in self._held
+
+    def lose(self, claim: Claim) -> None:
+        """The claim's unit was taken over by another worker: give it up."""
+        for work in list(self._open.values()):
+            if work.claim is claim:
+                self._lose(work)
+
+    def is_lost(self, unit: Unit) -> bool:
+        """Whether another worker took the unit over from this one."""
+        return unit.index in self._lost
+
+    def _holds(self, work: _Open) -> bool:
+        """Whether this worker may still write the unit: unclaimed, or its claim good."""
+        claim = work.claim
+        if claim is None or self.claims is None or self.claims.valid(claim):
+            return True
+        self._lose(work)
+        return False
+
+    def _lose(self, work: _Open) -> None:
+        """Drop a unit taken over by another worker: nothing more of it is written."""
+        index = work.unit.index
+        self._lost.add(index)
+        self._open.pop(index, None)
+        self._held.pop(index, None)
+        with self._lock:
+            work.store.discard()
+        log.warning("unit_given_up", unit=work.unit.name, written=work.written)
 
     def take(self, row: Row) -> bool:
         """Whether the row is still to be done; counts it in its unit either way."""
@@ -213,7 +274,12 @@ class PartitionedStore:
         """Write a row's record into its unit's store; finish the unit if it was its
         last row."""
         self._raise()
-        work = self._open[_unit_of(unit)]
+        index = _unit_of(unit)
+        if index in self._lost:
+            return  # a row of a unit another worker took over: it writes it
+        work = self._open[index]
+        if not self._holds(work):
+            return
         work.store.append(record)
         work.written += 1
         self._finish_if_done(work)
@@ -221,7 +287,9 @@ class PartitionedStore:
     def end_of(self, unit: Unit, *, bad: str | None = None) -> None:
         """Every row of the unit is read (or, ``bad``, the rest could not be and is
         left out, saying why): finish it once its rows are written."""
-        work = self._open[unit.index]
+        work = self._open.get(unit.index)
+        if work is None:  # lost meanwhile
+            return
         work.all_read = True
         work.bad = bad
         self._finish_if_done(work)
@@ -237,12 +305,14 @@ class PartitionedStore:
     def flush(self) -> None:
         self._raise()
         for work in list(self._open.values()):
-            work.store.flush()
+            if self._holds(work):
+                work.store.flush()
 
     def sync(self) -> None:
         with self._lock:
             for work in list(self._open.values()):
-                work.store.sync()
+                if work.claim is None or not work.claim.lost:
+                    work.store.sync()
 
     def close(self) -> None:
         """Close the stores of the units still open (what they hold is kept)."""
@@ -277,6 +347,10 @@ class PartitionedStore:
     def _finish(self, work: _Open) -> None:
         """Close a unit's store and write its Parquet file and record (a worker thread)."""
         unit = work.unit
+        claim = work.claim
+        if claim is not None and self.claims is not None and not self.claims.renew(claim):
+            self._lose(work)
+            return
         with self._lock:
             work.store.close()
         target = self.output_dir / unit.output_name
@@ -329,6 +403,7 @@ class PartitionedStore:
             raise output_write_error(error, path, self.run_dir) from None
         self.records[unit.output_name] = record
         self.finished_now.add(record)
+        self._held.pop(unit.index, None)
         log.info(
             "unit_skipped" if "skipped" in record else "unit_finished",
             unit=unit.name,
@@ -362,9 +437,15 @@ def read_unit_records(run_dir: Path) -> dict[str, dict[str, Any]]:
     folder = run_dir / ANNOTATIONS_DIR / RECORDS_DIR
     if not check_entry(folder, directory=True):
         return {}
-    records: dict[str, dict[str, Any]] = {}
     with os.scandir(folder) as entries:
         names = sorted(e.name for e in entries if e.name.endswith(".parquet.json"))
+    return _read_records(run_dir, names)
+
+
+def _read_records(run_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The unit records of these names (in ``annotations/_units``) that are whole."""
+    folder = run_dir / ANNOTATIONS_DIR / RECORDS_DIR
+    records: dict[str, dict[str, Any]] = {}
     for name in names:
         data = read_run_file(folder / name)
         try:

@@ -238,7 +238,7 @@ class ResultStore:
     def __init__(
         self,
         directory: Path,
-        lock: DirectoryLock,
+        lock: DirectoryLock | None,
         fingerprint: dict[str, Any],
         retry: bool | frozenset[str],
     ) -> None:
@@ -274,6 +274,7 @@ class ResultStore:
         force: bool = False,
         retry_errors: bool | frozenset[str] = False,
         input_identity: Mapping[str, Any] | None = None,
+        exclusive: bool = True,
     ) -> ResultStore:
         """Open (or create) a run directory, read what is done, and start a new shard.
 
@@ -290,6 +291,10 @@ class ResultStore:
                 (:meth:`~llm_annotator.jobs.rows.inputs.InputIdentity.to_json`), recorded in
                 ``job.json``: a directory made over another input is refused like other
                 settings. None leaves the record's input as it is.
+            exclusive: Hold the directory's lock while open. False where another
+                protocol decides who writes (a corpus unit claimed with a lease, which a
+                process that stopped without dying must not keep from another): each
+                store still writes only its own new shard.
 
         Raises:
             FingerprintMismatchError: If the directory holds results made with other
@@ -302,7 +307,7 @@ class ResultStore:
             make_directory(directory / SHARDS_DIR)  # the job's own: never a link
         except OSError as error:
             raise output_write_error(error, directory / SHARDS_DIR, directory) from None
-        lock = DirectoryLock.acquire(directory, "open")
+        lock = DirectoryLock.acquire(directory, "open") if exclusive else None
         try:
             job_path = directory / JOB_FILE
             job = job_record(
@@ -330,7 +335,8 @@ class ResultStore:
             except OSError as error:
                 raise output_write_error(error, store._shard_path, directory) from None
         except BaseException:
-            lock.release()
+            if lock is not None:
+                lock.release()
             raise
         log.info(
             "store_resumed" if shards else "store_opened",
@@ -499,7 +505,8 @@ class ResultStore:
             if self._written == 0:
                 with contextlib.suppress(OSError):
                     self._shard_path.unlink()
-            self._lock.release()
+            if self._lock is not None:
+                self._lock.release()
             log.info(
                 "store_closed",
                 output_dir=str(self._directory),
@@ -508,6 +515,14 @@ class ResultStore:
                 errors=self.num_errors,
                 write_failed=self._broken,
             )
+
+    def discard(self) -> None:
+        """Close without writing what is still buffered (the unit's claim was lost to
+        another worker, which does those rows): what is on disk stays as it is."""
+        with self._buffer_lock:
+            self._buffer.clear()
+        self._broken = True  # no sync: nothing more of this store is written
+        self.close()
 
     def _note(self, row_id: RowId, *, error: bool) -> None:
         """Count one record; a success outranks any error for the same id."""
