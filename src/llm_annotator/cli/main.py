@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(given).parse_args(given)
+    args.argv = given  # a command that starts copies of itself (run --processes) reuses them
     configure_logging(_log_format(args))
     handler: Handler = args.handler
     try:

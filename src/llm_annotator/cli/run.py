@@ -61,6 +61,15 @@ def _text(value: Any) -> str:
     raise _BadValue(f"expected a non-empty string, got {value!r}")
 
 
+def _processes(value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    try:
+        return int(_POSITIVE_INT(value))
+    except _BadValue:
+        raise _BadValue(f"expected auto or an integer >= 1, got {value!r}") from None
+
+
 def _paths(value: Any) -> list[str]:
     paths = _strings(value)
     if not paths or not all(paths):
@@ -294,6 +303,13 @@ _SETTINGS: tuple[_Setting, ...] = (
         "also claim: any number of workers take its units one at a time",
     ),
     _Setting(
+        "processes",
+        _processes,
+        "for a corpus: worker processes on this machine, which take its units by claims "
+        "and share each server's in-flight budget (default auto: one per 8 servers, at "
+        "most one per core)",
+    ),
+    _Setting(
         "claim_lease",
         _SECONDS,
         "with --shard claim: seconds a worker's claim on a unit lasts unrenewed before "
@@ -479,6 +495,14 @@ def run_command(args: argparse.Namespace) -> int:
     data: str | list[str] = (
         settings["input"][0] if len(settings["input"]) == 1 else settings["input"]
     )
+    processes = _how_many_processes(settings, is_corpus(data))
+    if processes > 1:
+        from llm_annotator.cli._workers import run_workers
+
+        code = run_workers(args.argv, processes, settings)
+        if code == 0:
+            _print_corpus(Path(settings["output_dir"]))
+        return code
     if settings["offline_model"]:
         # The input's path and format first: loading a model takes minutes on GPUs.
         if is_corpus(data):
@@ -557,6 +581,47 @@ def run_command(args: argparse.Namespace) -> int:
             "(from a run over another input; they stay in the run directory's shards)"
         )
     return 0
+
+
+def _how_many_processes(settings: dict[str, Any], corpus: bool) -> int:
+    """How many worker processes ``--processes`` asks for (1: this one alone).
+
+    Raises:
+        ConfigurationError: More than one for a single input file, a static shard or
+            the model in this process.
+    """
+    from llm_annotator.cli._workers import default_processes
+
+    asked: int | str = settings["processes"] or "auto"
+    shard = (settings["shard"] or "").strip()
+    if isinstance(asked, str):  # auto
+        alone = not corpus or shard not in ("", "claim") or settings["offline_model"]
+        return 1 if alone else default_processes(len(settings["servers"] or []))
+    if asked > 1:
+        if not corpus:
+            raise ConfigurationError(
+                "--processes: several worker processes share a corpus (a directory, a glob "
+                "or several files) by claims; a single input file runs in one"
+            )
+        if shard not in ("", "claim") or settings["offline_model"]:
+            raise ConfigurationError(
+                "--processes: workers take a corpus's units by claims; leave out --shard "
+                "INDEX/COUNT and --offline-model"
+            )
+    return asked
+
+
+def _print_corpus(run_dir: Path) -> None:
+    """What a corpus job's workers made, from its manifest."""
+    from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, read_manifest
+
+    manifest = read_manifest(run_dir) or {}
+    print(f"annotations: {run_dir / ANNOTATIONS_DIR}")
+    print(
+        f"rows: {manifest.get('rows')} ({manifest.get('succeeded')} succeeded, "
+        f"{manifest.get('failed')} failed) in {manifest.get('units_done')} of "
+        f"{manifest.get('units')} units"
+    )
 
 
 def _shard(text: str | None, shard: Any) -> Any:

@@ -146,3 +146,33 @@ def test_a_worker_stopped_past_its_lease_writes_nothing_once_it_wakes(
     assert parts_of(run, first.pid) == stopped_at  # not a byte more once it woke
     rows = output(run)
     assert Counter(r["text"] for r in rows) == Counter(texts)
+
+
+def test_processes_start_workers_that_share_the_corpus_and_each_servers_budget(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """``--processes 2``: two workers take the units by claims, each with half of the
+    batch size; every row once; the command prints what the manifest says."""
+    texts = corpus(tmp_path / "c", files=8, rows=30)
+    fake_server.handler = delayed_echo(0.01)
+    argv = command(fake_server, tmp_path / "c", tmp_path / "run", "--processes", "2")
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "starting 2 worker processes" in done.stderr
+    assert f"rows: {len(texts)} ({len(texts)} succeeded, 0 failed) in 8 of 8 units" in done.stdout
+    workers = sorted(p.name for p in (tmp_path / "run").glob("worker-*"))
+    assert len(workers) == 2
+    assert sent_texts([fake_server]) == Counter(f"Label: {t}" for t in texts)
+
+
+def test_processes_refuse_what_they_cannot_share(tmp_path: Path, fake_server: FakeServer) -> None:
+    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "x"}])
+    argv = command(fake_server, data, tmp_path / "run", "--processes", "2")
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 1
+    assert "--processes: several worker processes share a corpus" in done.stderr
+    assert not fake_server.requests

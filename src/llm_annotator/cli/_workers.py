@@ -1,0 +1,95 @@
+"""``llm-annotator run --processes N``: a corpus job on one machine, in N worker
+processes that take its units by claims (``--shard claim``), as workers on several
+hosts would.
+
+One process drives about one core's worth of requests; with many servers, several
+processes keep them busy. Each worker runs the same command with ``--processes 1
+--shard claim`` and ``1/N`` of each server's in-flight budget (its batch size divided),
+so the servers see the load of one process. SIGINT and SIGTERM are passed on to every
+worker; the command ends when they all have, with the first failing status.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+SERVERS_PER_PROCESS = 8
+"""Servers one process keeps busy by default (``--processes auto``)."""
+
+
+def default_processes(servers: int) -> int:
+    """The processes ``--processes auto`` starts for a corpus job over ``servers``
+    servers: one per :data:`SERVERS_PER_PROCESS` servers, at most one per core.
+
+    Examples:
+        >>> default_processes(2), default_processes(9) <= 2, default_processes(0)
+        (1, True, 1)
+    """
+    return max(1, min(os.cpu_count() or 1, math.ceil(servers / SERVERS_PER_PROCESS)))
+
+
+def worker_argv(argv: Sequence[str], processes: int, batch_size: int) -> list[str]:
+    """One worker's command line: the user's, then the flags that make it a worker
+    (a later flag wins).
+
+    Examples:
+        >>> worker_argv(["run", "--input", "c/"], 2, 256)[-6:]
+        ['--processes', '1', '--shard', 'claim', '--batch-size', '128']
+    """
+    share = max(1, math.ceil(batch_size / processes))
+    return [
+        sys.executable,
+        "-m",
+        "llm_annotator.cli",
+        *argv,
+        "--processes",
+        "1",
+        "--shard",
+        "claim",
+        "--batch-size",
+        str(share),
+    ]
+
+
+def run_workers(argv: Sequence[str], processes: int, settings: dict[str, Any]) -> int:
+    """Start the workers, pass signals on to them, wait for them all.
+
+    Returns:
+        0 when every worker finished, else the first failing worker's status.
+    """
+    command = worker_argv(argv, processes, settings["batch_size"])
+    print(
+        f"starting {processes} worker processes over the corpus (--shard claim each)",
+        file=sys.stderr,
+        flush=True,
+    )
+    workers = [subprocess.Popen(command, stdin=subprocess.DEVNULL) for _ in range(processes)]
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        codes = [worker.wait() for worker in workers]
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    failed = [code for code in codes if code != 0]
+    if failed:
+        print(
+            f"llm-annotator run: {len(failed)} of {processes} workers did not finish "
+            f"(status {', '.join(map(str, failed))}); run the same command again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        return failed[0] if failed[0] > 0 else 128 - failed[0]
+    return 0
