@@ -10,10 +10,12 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow.dataset as ds
+import pytest
 
 from llm_annotator import VLLMQueueAnnotator
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN
@@ -42,7 +44,9 @@ def output(run: Path) -> list[dict[str, Any]]:
 class Worker:
     """``llm-annotator run --shard claim`` in a process of its own, its output in a file."""
 
-    def __init__(self, server: FakeServer, data: Path, run: Path, log: Path) -> None:
+    def __init__(
+        self, server: FakeServer, data: Path, run: Path, log: Path, started: list[Worker]
+    ) -> None:
         argv = command(server, data, run, "--shard", "claim", "--claim-lease", "2")
         argv[argv.index("--batch-size") + 1] = "2"
         argv += ["--max-concurrent-batches-per-client", "1"]
@@ -52,6 +56,7 @@ class Worker:
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
             )
         self.pid = self.process.pid
+        started.append(self)
 
     def wait(self, seconds: float) -> str:
         """Its exit status checked (0), and what it printed."""
@@ -66,11 +71,24 @@ def parts_of(run: Path, pid: int) -> dict[Path, int]:
     return {p: p.stat().st_size for p in (run / UNITS_DIR).glob(f"*/shards/part-*-{pid}-*.jsonl")}
 
 
-def wait_for(condition: Any, seconds: float, what: str) -> None:
+def wait_for(condition: Any, seconds: float, what: str, worker: Worker) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
+        assert worker.process.poll() is None, f"the worker ended: {worker.log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+@pytest.fixture
+def started() -> Iterator[list[Worker]]:
+    """The workers a test starts, each killed and reaped at its end if still running."""
+    workers: list[Worker] = []
+    yield workers
+    for worker in workers:
+        if worker.process.poll() is None:
+            os.kill(worker.pid, signal.SIGCONT)
+            worker.process.kill()
+        worker.process.wait(timeout=30)
 
 
 def test_workers_racing_for_every_unit_do_each_row_once(
@@ -102,17 +120,17 @@ def test_workers_racing_for_every_unit_do_each_row_once(
 
 
 def test_a_worker_killed_mid_unit_has_its_unit_taken_over_row_by_row(
-    tmp_path: Path, fake_server: FakeServer
+    tmp_path: Path, fake_server: FakeServer, started: list[Worker]
 ) -> None:
     texts = corpus(tmp_path / "c", files=4, rows=60)
     fake_server.handler = delayed_echo(0.02)
     run = tmp_path / "run"
-    first = Worker(fake_server, tmp_path / "c", run, tmp_path / "first.log")
-    wait_for(lambda: sum(parts_of(run, first.pid).values()) > 2000, 60, "the first rows")
+    first = Worker(fake_server, tmp_path / "c", run, tmp_path / "first.log", started)
+    wait_for(lambda: sum(parts_of(run, first.pid).values()) > 2000, 60, "the first rows", first)
     first.process.kill()
     first.process.wait(timeout=30)
     written = sum(parts_of(run, first.pid).values())
-    second = Worker(fake_server, tmp_path / "c", run, tmp_path / "second.log")
+    second = Worker(fake_server, tmp_path / "c", run, tmp_path / "second.log", started)
     assert "unit_taken_over" in second.wait(120)
     rows = output(run)
     assert Counter((r[FILE_COLUMN], r["text"]) for r in rows) == Counter(
@@ -128,17 +146,17 @@ def test_a_worker_killed_mid_unit_has_its_unit_taken_over_row_by_row(
 
 
 def test_a_worker_stopped_past_its_lease_writes_nothing_once_it_wakes(
-    tmp_path: Path, fake_server: FakeServer
+    tmp_path: Path, fake_server: FakeServer, started: list[Worker]
 ) -> None:
     texts = corpus(tmp_path / "c", files=3, rows=60)
     fake_server.handler = delayed_echo(0.02)
     run = tmp_path / "run"
-    first = Worker(fake_server, tmp_path / "c", run, tmp_path / "first.log")
-    wait_for(lambda: sum(parts_of(run, first.pid).values()) > 2000, 60, "the first rows")
+    first = Worker(fake_server, tmp_path / "c", run, tmp_path / "first.log", started)
+    wait_for(lambda: sum(parts_of(run, first.pid).values()) > 2000, 60, "the first rows", first)
     os.kill(first.pid, signal.SIGSTOP)
     try:
         stopped_at = parts_of(run, first.pid)
-        second = Worker(fake_server, tmp_path / "c", run, tmp_path / "second.log")
+        second = Worker(fake_server, tmp_path / "c", run, tmp_path / "second.log", started)
         assert "unit_taken_over" in second.wait(120)
     finally:
         os.kill(first.pid, signal.SIGCONT)
