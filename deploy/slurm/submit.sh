@@ -8,7 +8,10 @@
 #   -n N      number of servers, one array task each (default 4)
 #   -a N      number of annotator processes (shards), one array task each (default 1:
 #             one annotate job); with N > 1 a merge job follows the array
-#   -i FILE   input file (required)
+#   -e N      a corpus by elastic workers instead: an array of N annotator tasks that
+#             all run `--shard claim` and take its units one at a time; add workers
+#             later with SHARD=claim sbatch --array=0-K deploy/slurm/annotate-array.sbatch
+#   -i PATH   input: a file, or a corpus (a directory, or a save_to_disk folder) (required)
 #   -o DIR    run folder, where annotations.parquet ends up (required)
 #   -s DIR    folder the servers announce their URLs in (default: DIR.servers beside -o)
 #   --        what follows goes to `llm-annotator run` (prompt template, --config, ...)
@@ -33,13 +36,14 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 num_servers=4
 num_shards=1
+elastic=""
 merge_job=""
 input=""
 output_dir=""
 servers_dir=""
 
 usage() {
-    sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -47,6 +51,7 @@ while (($# > 0)); do
     case "$1" in
         -n) num_servers="${2:?}" && shift 2 ;;
         -a) num_shards="${2:?}" && shift 2 ;;
+        -e) num_shards="${2:?}" && elastic=1 && shift 2 ;;
         -i) input="${2:?}" && shift 2 ;;
         -o) output_dir="${2:?}" && shift 2 ;;
         -s) servers_dir="${2:?}" && shift 2 ;;
@@ -61,12 +66,12 @@ done
     exit 2
 }
 [[ "$num_shards" =~ ^[1-9][0-9]*$ ]] || {
-    echo "submit.sh: -a wants a positive number, not '$num_shards'" >&2
+    echo "submit.sh: -a and -e want a positive number, not '$num_shards'" >&2
     exit 2
 }
 : "${MODEL:?set MODEL to the model the servers serve}"
 [[ -e "$input" ]] || {
-    echo "submit.sh: no input file $input" >&2
+    echo "submit.sh: no input $input" >&2
     exit 2
 }
 
@@ -87,14 +92,17 @@ server_job="$(sbatch --parsable --array="0-$((num_servers - 1))" "${server_opts[
     "$here/server.sbatch")"
 server_job="${server_job%%;*}" # "ID;cluster" on federated clusters
 
-if ((num_shards == 1)); then
+if ((num_shards == 1)) && [[ -z "$elastic" ]]; then
     annotate_job="$(SERVER_JOB_ID="$server_job" sbatch --parsable \
         --dependency="after:${server_job}_0" "${annotate_opts[@]}" \
         "$here/annotate.sbatch" "$@")"
     annotate_job="${annotate_job%%;*}"
 else
-    # The shards, then the merge once all of them ended (it frees the servers).
-    annotate_job="$(ANNOTATE_SCRIPT="$here/annotate.sbatch" sbatch --parsable \
+    # The shards (or elastic workers), then the merge once all of them ended (it frees
+    # the servers).
+    shard="auto"
+    [[ -n "$elastic" ]] && shard="claim"
+    annotate_job="$(SHARD="$shard" ANNOTATE_SCRIPT="$here/annotate.sbatch" sbatch --parsable \
         --array="0-$((num_shards - 1))" --dependency="after:${server_job}_0" \
         "${annotate_opts[@]}" "$here/annotate-array.sbatch" "$@")"
     annotate_job="${annotate_job%%;*}"
@@ -109,6 +117,6 @@ echo "annotate_job=$annotate_job"
 cat >&2 <<EOF
 submitted $num_servers servers (job $server_job) and the annotator (job $annotate_job)
   servers announce themselves in  $servers_dir
-  results go to                   $output_dir/annotations.parquet
+  results go to                   $output_dir (annotations.parquet; a corpus: annotations/)
   follow with: squeue -j $server_job,$annotate_job${merge_job:+,$merge_job}   stop with: scancel $server_job $annotate_job${merge_job:+ $merge_job}
 EOF

@@ -174,3 +174,19 @@ def test_the_sharded_overlay_runs_one_shard_per_index(yaml: ModuleType) -> None:
     job = _load(yaml, KUBERNETES / "annotator-job.yaml")
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert args.replace(" --shard auto", "") == container["args"][0]  # the same run
+
+
+def test_the_elastic_overlay_runs_the_same_claiming_worker_in_every_pod(yaml: ModuleType) -> None:
+    """deploy/kubernetes-elastic: a Job with parallelism and no index, every pod with
+    --shard claim, over a ReadWriteMany volume."""
+    overlay = _load(yaml, REPO / "deploy" / "kubernetes-elastic" / "kustomization.yaml")
+    assert overlay["resources"] == ["../kubernetes"]
+    patch, volume = overlay["patches"]
+    assert yaml.safe_load(volume["patch"])[0]["value"] == ["ReadWriteMany"]
+    ops = {op["path"]: op["value"] for op in yaml.safe_load(patch["patch"])}
+    assert "/spec/completionMode" not in ops and "/spec/completions" not in ops
+    assert ops["/spec/parallelism"] > 1
+    args = ops["/spec/template/spec/containers/0/args/0"]
+    job = _load(yaml, KUBERNETES / "annotator-job.yaml")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert args.replace(" --shard claim", "") == container["args"][0]  # the same run

@@ -166,9 +166,11 @@ class Annotator:
         """Annotate ``data`` into ``output_dir``; resume it if it holds this job already.
 
         Args:
-            data: A ``.jsonl``/``.parquet``/``.csv`` path (JSONL and CSV may be
-                compressed: ``.gz``, ``.zst``, ``.bz2``, ``.xz``), a list of dicts, or a
-                ``datasets.Dataset``.
+            data: A ``.jsonl``/``.parquet``/``.csv``/``.arrow`` path (JSONL and CSV
+                may be compressed: ``.gz``, ``.zst``, ``.bz2``, ``.xz``), a list of dicts,
+                or a ``datasets.Dataset``; or a corpus: a directory, a glob, a list of
+                paths or a ``save_to_disk`` folder, read unit by unit into
+                ``output_dir/annotations/`` (see :mod:`llm_annotator.jobs.corpus`).
             prompt_template: The user message, with ``{column}`` fields.
             output_dir: The run directory (created if needed).
             handle_signals: Turn SIGINT/SIGTERM into a clean stop (main thread only).
@@ -211,6 +213,12 @@ class Annotator:
                 ``index`` of ``count``, kept in ``output_dir/shard-IIII-of-NNNN``; the
                 last shard to finish merges them all into ``output_dir`` (see
                 :mod:`llm_annotator.jobs.shards.shard` and :func:`llm_annotator.jobs.merge`).
+                A corpus is split by unit instead; ``"claim"`` makes this process one of
+                any number of workers that take a corpus's units by claims.
+            skip_bad_files (bool): In a corpus, leave out a file that cannot be read,
+                listed with why in the manifest, instead of stopping.
+            claim_lease (float | None): With ``shard="claim"``: seconds a claim lasts
+                unrenewed before another worker takes the unit over (default 60).
 
         Returns:
             An :class:`AnnotationResult`.
