@@ -82,7 +82,7 @@ events {{
 }}
 
 http {{
-    access_log off;
+{access_log}
     server_tokens off;
     keepalive_requests 1000000;
     keepalive_timeout 60s;
@@ -260,6 +260,8 @@ class CannedServer:
             attempts when thousands of clients connect at once.
         worker_connections: nginx's limit on open connections of its one worker.
         start_timeout: Seconds to wait for every port to answer ``/health``.
+        access_log: A file that gets a line per request, ``<unix time with ms>
+            <method> <uri>`` (written as each request is served), or None for no log.
 
     Examples:
         A benchmark runs its clients inside the ``with`` block::
@@ -276,6 +278,7 @@ class CannedServer:
         backlog: int = 4096,
         worker_connections: int = 16384,
         start_timeout: float = 15.0,
+        access_log: Path | None = None,
     ) -> None:
         if ports < 1:
             raise ValueError(f"ports must be at least 1, got {ports}")
@@ -284,6 +287,7 @@ class CannedServer:
         self.backlog = backlog
         self.worker_connections = worker_connections
         self.start_timeout = start_timeout
+        self.access_log = access_log
         self.ports: list[int] = []
         self.nginx_path: str | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -406,6 +410,12 @@ class CannedServer:
             nofile=nofile,
             worker_connections=self.worker_connections,
             temp_paths=_temp_path_directives(self._built_with, root),
+            access_log=(
+                "    log_format times '$msec $request_method $uri';\n"
+                f"    access_log {self.access_log} times;"
+                if self.access_log is not None
+                else "    access_log off;"
+            ),
             status_location=(
                 "        location = /nginx_status {\n            stub_status;\n        }\n"
                 if self.has_status

@@ -383,14 +383,16 @@ async def _claimed_rows(
             held = await asyncio.to_thread(claims.try_claim, key)
             if held is None or await asyncio.to_thread(store.refresh, unit):
                 continue  # another worker's, or finished just before
-            try:
-                source = await asyncio.to_thread(unit.source, spec.id_column)
-            except InputError as error:
-                if not spec.skip_bad_files:
-                    raise
-                await asyncio.to_thread(store.skip, unit, str(error))
-                break
-            known = unit.known_rows(source)
+            known: int | None = None
+            if unit.has_metadata:
+                try:
+                    source = await asyncio.to_thread(unit.source, spec.id_column)
+                    known = unit.known_rows(source)
+                except InputError as error:
+                    if not spec.skip_bad_files:
+                        raise
+                    await asyncio.to_thread(store.skip, unit, str(error))
+                    break
             progress = estimate.progress
             progress.total += known or 0
             progress.done += await asyncio.to_thread(store.begin, unit, held)
@@ -473,12 +475,17 @@ class _Estimate:
 def _survey(
     units: list[Unit], store: PartitionedStore, spec: JobSpec
 ) -> tuple[list[Unit], list[int | None]]:
-    """Open each unit's file before the first request (a Parquet footer, an Arrow
-    file's schema, a CSV header, a JSONL file's first line), so that one that cannot be
-    read is refused now, or with ``skip_bad_files`` recorded as skipped; and each
-    unit's rows where its file says so without being read (else None)."""
-    kept, known = [], []
+    """Open each Parquet and Arrow unit's file before the first request (its footer or
+    schema, for its rows), so that one that cannot be read is refused now, or with
+    ``skip_bad_files`` recorded as skipped. A JSONL or CSV file (the listing found it a
+    readable regular file) is first read with its rows: its count is None."""
+    kept: list[Unit] = []
+    known: list[int | None] = []
     for unit in units:
+        if not unit.has_metadata:
+            kept.append(unit)
+            known.append(None)
+            continue
         try:
             known.append(unit.known_rows(unit.source(spec.id_column)))
         except InputError as error:

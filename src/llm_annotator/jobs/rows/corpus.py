@@ -135,18 +135,21 @@ class Unit:
             escaped = f"%{ord(escaped[0]):02X}{escaped[1:]}"
         return escaped + ".parquet"
 
-    def source(self, id_column: str | None) -> RowSource:
-        """A reader of the unit's file."""
-        return open_input(self.file.path, id_column=id_column)
+    def source(self, id_column: str | None, *, peek: bool = True) -> RowSource:
+        """A reader of the unit's file (``peek``: see :func:`open_input`)."""
+        return open_input(self.file.path, id_column=id_column, peek=peek)
+
+    @property
+    def has_metadata(self) -> bool:
+        """Whether the unit's file says its rows without being read (Parquet, Arrow)."""
+        return _kind(self.file.name) in ("parquet", "arrow")
 
     def known_rows(self, source: RowSource) -> int | None:
         """The unit's rows where its file (read by ``source``) says so without being
         read (a Parquet footer, an Arrow file's batch headers), else None (JSONL, CSV)."""
         if self.rows is not None:
             return self.rows
-        if _kind(self.file.name) in ("parquet", "arrow"):
-            return source._count()
-        return None
+        return source._count() if self.has_metadata else None
 
     def read(self, id_column: str | None) -> Iterator[Row]:
         """The unit's rows, each marked with the unit's index.
@@ -155,7 +158,7 @@ class Unit:
             InputError: The file cannot be read (the message names it), or with an id
                 column: a row has no valid id, or an id repeats within the unit.
         """
-        source = self.source(id_column)
+        source = self.source(id_column, peek=False)
         if self.groups is not None:
             rows = source.group_rows(self.groups, self.first_row, self.index)  # type: ignore[attr-defined]
         else:

@@ -415,6 +415,7 @@ def open_input(
     data: str | os.PathLike[str] | Sequence[Mapping[str, Any]] | Any,
     *,
     id_column: str | None = None,
+    peek: bool = True,
 ) -> RowSource:
     """A streaming reader for ``data``.
 
@@ -425,6 +426,9 @@ def open_input(
             ``datasets.Dataset`` (anything with ``column_names`` and ``__len__`` that
             iterates as dicts), or a ``pyarrow.Table``. CSV values are strings.
         id_column: The column holding each row's id; None numbers rows by position.
+        peek: Read a JSONL file's first row now, for its columns (and to refuse a file
+            that cannot be read at once); False reads nothing before the rows
+            (``columns`` is then None), as a corpus's unit does.
 
     Returns:
         The rows' source; call :meth:`RowSource.scan` before using the rows.
@@ -444,7 +448,7 @@ def open_input(
     if id_column is not None and not isinstance(id_column, str):
         raise InputError(f"id_column must be a column name (a str), not {id_column!r}")
     if isinstance(data, str | os.PathLike):
-        source: RowSource = _open_file(os.fspath(data), id_column)
+        source: RowSource = _open_file(os.fspath(data), id_column, peek)
     elif hasattr(data, "column_names") and hasattr(data, "__len__"):
         source = _DatasetSource(data, id_column)
     elif isinstance(data, Sequence) and not isinstance(data, bytes | bytearray):
@@ -464,7 +468,7 @@ def open_input(
     return source
 
 
-def _open_file(path: str, id_column: str | None) -> RowSource:
+def _open_file(path: str, id_column: str | None, peek: bool = True) -> RowSource:
     name = path.lower()
     compressed = next((suffix for suffix in COMPRESSIONS if name.endswith(suffix)), None)
     base = name.removesuffix(compressed) if compressed else name
@@ -489,7 +493,7 @@ def _open_file(path: str, id_column: str | None) -> RowSource:
         )
     open_input_file(path).close()  # a regular file, readable: refused now otherwise
     if kind == "jsonl":
-        return _JsonlSource(path, id_column, compressed)
+        return _JsonlSource(path, id_column, compressed, peek=peek)
     if kind == "csv":
         return _CsvSource(path, id_column, compressed)
     if kind == "arrow":
@@ -602,14 +606,19 @@ def _unreadable(*also: type[BaseException]) -> tuple[type[BaseException], ...]:
 
 
 class _JsonlSource(RowSource):
-    def __init__(self, path: str, id_column: str | None, compressed: str | None) -> None:
+    def __init__(
+        self, path: str, id_column: str | None, compressed: str | None, *, peek: bool = True
+    ) -> None:
         self._path = path
         self.description = shown_path(path)
         self.id_column = id_column
         self._compressed = compressed
-        with closing(self._records()) as records:
-            first = next(records, None)
-        self.columns = tuple(first[2]) if first is not None and first[2] is not None else None
+        self.columns = None
+        if peek:
+            with closing(self._records()) as records:
+                first = next(records, None)
+            if first is not None and first[2] is not None:
+                self.columns = tuple(first[2])
 
     @contextlib.contextmanager
     def _open(self) -> Iterator[IO[bytes]]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,9 @@ class PartitionedStore:
         self._held: dict[int, Claim] = {}
         """The claims of the units open or being finished."""
         self._finishing: set[asyncio.Future[None]] = set()
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-unit")
+        """One thread finishes the units, one after another: consolidating a unit is
+        far faster than annotating it, and one thread keeps the memory of one."""
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         """Held while open stores are synced or a finished one is closed."""
@@ -315,7 +319,9 @@ class PartitionedStore:
                     work.store.sync()
 
     def close(self) -> None:
-        """Close the stores of the units still open (what they hold is kept)."""
+        """Close the stores of the units still open (what they hold is kept), once the
+        units being finished are (:meth:`drain` waits for them without blocking)."""
+        self._finisher.shutdown(wait=True)
         with self._lock:
             for work in list(self._open.values()):
                 work.store.close()
@@ -335,7 +341,7 @@ class PartitionedStore:
         if not work.all_read or work.written < work.expected:
             return
         del self._open[work.unit.index]
-        future = asyncio.get_running_loop().run_in_executor(None, self._finish, work)
+        future = asyncio.get_running_loop().run_in_executor(self._finisher, self._finish, work)
         self._finishing.add(future)
         future.add_done_callback(self._finished)
 
