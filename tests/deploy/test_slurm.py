@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
@@ -320,3 +321,56 @@ def test_sharded_run_as_an_annotator_array_with_a_requeued_task(
     merged = json.loads((output_dir / "report.json").read_text())
     assert [s["shard"] for s in merged["shards"]] == [0, 1, 2]
     assert sum(s["rows"] for s in merged["shards"]) == ROWS
+
+
+@pytest.mark.timeout(STARTUP_TIMEOUT + RUN_TIMEOUT + 3 * STOP_TIMEOUT + 180)
+def test_a_corpus_by_elastic_workers_as_an_annotator_array(
+    slurm_cluster: SlurmCluster, server_env: dict[str, str], tmp_path: Path
+) -> None:
+    """submit.sh -e 2 over a folder of 6 files: two array tasks run the same
+    `--shard claim` command and take the units by claims; the merge job checks every unit
+    and writes the manifest; every (file, id) is in annotations/ once."""
+    servers_dir = Path(server_env["SERVERS_DIR"])
+    _, output_dir, env = _run_setup(server_env, tmp_path)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    per_file = ROWS // 6
+    for f in range(6):
+        lines = (json.dumps({"text": f"review {f}-{i}: fine"}) for i in range(per_file))
+        (corpus / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n")
+    submitted = slurm_cluster.run(
+        "bash", str(SUBMIT), "-n", "2", "-e", "2",
+        "-i", str(corpus), "-o", str(output_dir), "-s", str(servers_dir), "--",
+        "--prompt-template", "Is this review positive or negative? {text}",
+        "--max-completion-tokens", "8", "--temperature", "0",
+        "--batch-size", "8", "--max-concurrent-batches-per-client", "1",
+        "--log-format", "json",
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+    jobs = dict(line.split("=", 1) for line in submitted.split())
+    server_job, annotate_job, merge_job = (
+        jobs["server_job"],
+        jobs["annotate_job"],
+        jobs["merge_job"],
+    )
+    try:
+        _wait_for_servers(slurm_cluster, server_job, servers_dir, 2, tmp_path)
+        wait_until(
+            lambda: slurm_cluster.is_finished(merge_job),
+            RUN_TIMEOUT + 120,
+            "the merge job to finish",
+            lambda: _job_logs(tmp_path),
+        )
+        states = {**slurm_cluster.task_states(annotate_job), **slurm_cluster.task_states(merge_job)}
+        assert set(states.values()) == {"COMPLETED"}, f"{states}\n{_job_logs(tmp_path)}"
+    finally:
+        _end_jobs(slurm_cluster, merge_job, annotate_job, server_job)
+
+    table = pads.dataset(output_dir / "annotations", format="parquet").to_table()
+    keys = list(
+        zip(table.column("input_file").to_pylist(), table.column("id").to_pylist(), strict=True)
+    )
+    assert len(keys) == len(set(keys)) == per_file * 6
+    manifest = json.loads((output_dir / "annotations" / "_manifest.json").read_text())
+    assert manifest["complete"] and manifest["units_done"] == 6
+    assert len(list(output_dir.glob("worker-*"))) == 2  # both tasks were workers

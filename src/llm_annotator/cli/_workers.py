@@ -32,12 +32,16 @@ def default_processes(servers: int) -> int:
         >>> default_processes(2), default_processes(9) <= 2, default_processes(0)
         (1, True, 1)
     """
-    return max(1, min(os.cpu_count() or 1, math.ceil(servers / SERVERS_PER_PROCESS)))
+    cores = len(os.sched_getaffinity(0))  # the cores this process may use (cgroups too)
+    return max(1, min(cores, math.ceil(servers / SERVERS_PER_PROCESS)))
 
 
-def worker_argv(argv: Sequence[str], processes: int, batch_size: int) -> list[str]:
+def worker_argv(
+    argv: Sequence[str], processes: int, batch_size: int, *, metrics: bool = False
+) -> list[str]:
     """One worker's command line: the user's, then the flags that make it a worker
-    (a later flag wins).
+    (a later flag wins); with ``metrics``, each serves its metrics on a free port of its
+    own (logged as ``metrics_serving``).
 
     Examples:
         >>> worker_argv(["run", "--input", "c/"], 2, 256)[-6:]
@@ -55,6 +59,7 @@ def worker_argv(argv: Sequence[str], processes: int, batch_size: int) -> list[st
         "claim",
         "--batch-size",
         str(share),
+        *(["--metrics-port", "0"] if metrics else []),
     ]
 
 
@@ -64,7 +69,8 @@ def run_workers(argv: Sequence[str], processes: int, settings: dict[str, Any]) -
     Returns:
         0 when every worker finished, else the first failing worker's status.
     """
-    command = worker_argv(argv, processes, settings["batch_size"])
+    metrics = settings["metrics_port"] is not None
+    command = worker_argv(argv, processes, settings["batch_size"], metrics=metrics)
     print(
         f"starting {processes} worker processes over the corpus (--shard claim each)",
         file=sys.stderr,

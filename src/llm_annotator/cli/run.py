@@ -596,6 +596,11 @@ def _how_many_processes(settings: dict[str, Any], corpus: bool) -> int:
     shard = (settings["shard"] or "").strip()
     if isinstance(asked, str):  # auto
         alone = not corpus or shard not in ("", "claim") or settings["offline_model"]
+        if not alone and not shard:  # a run begun in one process stays in one
+            from llm_annotator.jobs.rundir.partitions import read_corpus_record
+
+            begun = read_corpus_record(Path(settings["output_dir"]))
+            alone = begun is not None and begun.get("mode") != "claim"
         return 1 if alone else default_processes(len(settings["servers"] or []))
     if asked > 1:
         if not corpus:

@@ -19,7 +19,9 @@ manifest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,6 +226,7 @@ async def _run(
         retry_errors=plan.retry,
         force=spec.force,
         column_order=plan.builder.output_columns(),
+        types=_schema_types(plan.schema),
         claims=claims,
     )
     todo = [unit for unit in units if not store.is_finished(unit)]
@@ -232,7 +235,12 @@ async def _run(
     else:  # each unit is looked at when claimed: a worker reads only what it takes
         known = [None] * len(todo)
     if todo:
-        await asyncio.to_thread(_check_columns, todo[0], plan.template, spec)
+        try:
+            await asyncio.to_thread(_check_columns, todo[0], plan.template, spec)
+        except InputError as error:
+            if not spec.skip_bad_files or "cannot read" not in str(error):
+                raise  # a template field or a column to keep that the input lacks
+            log.warning("columns_not_checked", unit=todo[0].name, reason=str(error))
     before = UnitCounts()
     for unit in units:
         if store.is_finished(unit) and unit not in todo:
@@ -254,15 +262,10 @@ async def _run(
         done_before=resumed,
         output_dir=str(run_dir),
     )
-    rows: Iterator[Row] | AsyncIterator[Row]
-    if claims is None:
-        rows = _rows(todo, store, spec, estimate)
-    else:
-        rows = _claimed_rows(todo, store, claims, spec, estimate)
     job = JobRun(
         client=runner.client,
         cadence=runner.cadence,
-        rows=rows,
+        rows=_rows(todo, store, spec, estimate),
         template=plan.template,
         system_message=spec.system_message,
         builder=plan.builder,
@@ -272,6 +275,8 @@ async def _run(
         regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
         progress=progress,
     )
+    if claims is not None:  # the worker's rows also hand the loop its regenerations
+        job.rows = _claimed_rows(todo, store, claims, spec, estimate, job)
     watch = RunWatch(
         plan.status_dir,
         progress,
@@ -355,11 +360,17 @@ async def _run(
 
 
 async def _renew(store: PartitionedStore, claims: Claims) -> None:
-    """Renew the leases of the units this worker holds, every third of a lease."""
+    """Renew the leases of the units this worker holds, every third of a lease; a
+    renewal that fails (the file system stalls) is tried again at the next turn."""
     while True:
         await asyncio.sleep(claims.lease / 3)
         for held in store.held():
-            if not await asyncio.to_thread(claims.renew, held):
+            try:
+                still = await asyncio.to_thread(claims.renew, held)
+            except OSError as error:
+                log.warning("claim_not_renewed", unit=held.key, error=str(error))
+                continue
+            if not still:
                 store.lose(held)
 
 
@@ -369,53 +380,75 @@ async def _claimed_rows(
     claims: Claims,
     spec: JobSpec,
     estimate: _Estimate,
-) -> AsyncIterator[Row]:
+    job: JobRun,
+) -> AsyncIterator[Row | None]:
     """The rows of the units this worker claims, one unit after another, in the
-    corpus's order; when every unit left is held by a live worker, it waits (a lease at
-    most) for one to finish or to be left to take over, and ends once all are finished."""
-    pending, cursor = list(units), 0
+    corpus's order. Units another worker holds go to the back of the line; when every
+    unit left is held by a live worker, it waits (a lease at most) for one to finish or
+    to be left to take over, and ends once all are finished. While it waits it hands the
+    loop a None whenever the job has regenerations to send (they must not wait on it)."""
+    pending = deque(units)
+    misses = 0
     while pending:
-        cursor %= len(pending)
-        for unit in pending[cursor:] + pending[:cursor]:
-            if await asyncio.to_thread(store.refresh, unit):
-                continue
-            key = unit.output_name.removesuffix(".parquet")
-            held = await asyncio.to_thread(claims.try_claim, key)
-            if held is None or await asyncio.to_thread(store.refresh, unit):
-                continue  # another worker's, or finished just before
-            known: int | None = None
-            if unit.has_metadata:
-                try:
-                    source = await asyncio.to_thread(unit.source, spec.id_column)
-                    known = unit.known_rows(source)
-                except InputError as error:
-                    if not spec.skip_bad_files:
-                        raise
-                    await asyncio.to_thread(store.skip, unit, str(error))
-                    break
-            progress = estimate.progress
-            progress.total += known or 0
-            progress.done += await asyncio.to_thread(store.begin, unit, held)
-            read, bad = 0, None
+        unit = pending.popleft()
+        if await asyncio.to_thread(store.refresh, unit):
+            continue
+        key = unit.output_name.removesuffix(".parquet")
+        held = await asyncio.to_thread(claims.try_claim, key)
+        if held is None or await asyncio.to_thread(store.refresh, unit):
+            if not store.is_finished(unit):
+                pending.append(unit)  # another worker's: back of the line
+                misses += 1
+            if misses >= len(pending) and pending:  # every unit left is held elsewhere
+                misses = 0
+                async for nothing in _idle(job, min(claims.lease / 4, 5.0)):
+                    yield nothing
+            continue
+        misses = 0
+        known: int | None = None
+        if unit.has_metadata:
             try:
-                for row in unit.read(spec.id_column):
-                    if store.is_lost(unit):
-                        break
-                    read += 1
-                    yield row
+                source = await asyncio.to_thread(unit.source, spec.id_column)
+                known = unit.known_rows(source)
             except InputError as error:
                 if not spec.skip_bad_files:
-                    raise _cut_short(unit, error) from None
-                bad = str(error)
-                log.warning("unit_cut_short", unit=unit.name, rows=read, reason=bad)
-            if known is None:
-                progress.total += read
-            store.end_of(unit, bad=bad)
-            cursor = pending.index(unit)  # the next unit in the corpus's order
-            break
-        else:
-            await asyncio.sleep(min(claims.lease / 4, 5.0))  # all held by live workers
-        pending = [u for u in pending if not store.is_finished(u) and not store.is_open(u)]
+                    raise
+                await asyncio.to_thread(store.skip, unit, str(error))
+                continue
+        progress = estimate.progress
+        progress.total += known or 0
+        progress.done += await asyncio.to_thread(store.begin, unit, held)
+        read, bad = 0, None
+        try:
+            for row in unit.read(spec.id_column):
+                if store.is_lost(unit):
+                    break
+                read += 1
+                yield row
+        except InputError as error:
+            if not spec.skip_bad_files:
+                raise _cut_short(unit, error) from None
+            bad = str(error)
+            log.warning("unit_cut_short", unit=unit.name, rows=read, reason=bad)
+        if known is None:
+            progress.total += read
+        store.end_of(unit, bad=bad)
+        if store.is_lost(unit):
+            pending.append(unit)  # its taker may die too: it stays in the line
+
+
+async def _idle(job: JobRun, seconds: float) -> AsyncIterator[None]:
+    """Wait ``seconds``, yielding None each time the job has regenerations to send."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        if job.retries:
+            yield None
+            continue
+        job.retry_ready.clear()
+        if job.retries:
+            continue
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.retry_ready.wait(), left)
 
 
 def _rows(
@@ -498,6 +531,29 @@ def _survey(
             continue
         kept.append(unit)
     return kept, known
+
+
+_JSON_TYPES = {"string": "string", "integer": "int64", "number": "double", "boolean": "bool"}
+
+
+def _schema_types(schema: OutputSchema | None) -> dict[str, Any]:
+    """The column types an output schema says plainly (a string, an integer, a number,
+    a boolean property), so that every unit's file agrees on them even where a unit has
+    no value in one; other properties are typed by their values."""
+    import pyarrow as pa
+
+    if schema is None:
+        return {}
+    properties = schema.schema.get("properties")
+    types: dict[str, Any] = {}
+    for name in schema.columns:
+        prop = properties.get(name) if isinstance(properties, dict) else None
+        kind = prop.get("type") if isinstance(prop, dict) else None
+        if isinstance(kind, str) and kind in _JSON_TYPES:
+            types[name] = pa.type_for_alias(_JSON_TYPES[kind])
+    if schema.columns:
+        types["valid"] = pa.bool_()
+    return types
 
 
 def _cut_short(unit: Unit, error: InputError) -> InputError:

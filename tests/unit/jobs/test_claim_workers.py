@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
-from llm_annotator import VLLMQueueAnnotator
+from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN
 from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, UNITS_DIR, read_manifest
 from tests.unit.conftest import FakeServer
@@ -194,3 +194,38 @@ def test_processes_refuse_what_they_cannot_share(tmp_path: Path, fake_server: Fa
     assert done.returncode == 1
     assert "--processes: several worker processes share a corpus" in done.stderr
     assert not fake_server.requests
+
+
+def test_workers_waiting_for_units_still_send_their_regenerations(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """With an output schema every answer is generated again (the fake server's echo is
+    not JSON); a worker that has nothing left to claim must still send its units'
+    regenerations, or two workers would each wait for the other's unit for ever."""
+    texts = corpus(tmp_path / "c", files=4, rows=15)
+    fake_server.handler = delayed_echo(0.005)
+    schema = {"type": "object", "properties": {"label": {"type": "string"}}}
+
+    async def one() -> Any:
+        pool = VLLMQueueAnnotator([fake_server.base_url], batch_size=4, **FAST)
+        async with pool:
+            return await pool.aannotate(
+                tmp_path / "c",
+                TEMPLATE,
+                tmp_path / "run",
+                shard="claim",
+                progress=False,
+                options=VLLMOnlineRuntimeOptions(output_schema=schema),
+                max_regenerations=2,
+            )
+
+    async def two() -> list[Any]:
+        return list(await asyncio.wait_for(asyncio.gather(one(), one()), 120))
+
+    results = asyncio.run(two())
+    assert sum(r.num_failed for r in results) == len(texts)  # each an invalid_output row
+    assert Counter(sent_texts([fake_server]).values()) == {3: len(texts)}  # 1 + 2 each
+    table = ds.dataset(tmp_path / "run" / ANNOTATIONS_DIR, format="parquet").to_table()
+    assert table.num_rows == len(texts)
+    assert set(table.column("error_type").to_pylist()) == {"invalid_output"}
+    assert table.schema.field("label").type == "string"  # null in every row: typed anyway

@@ -75,3 +75,58 @@ def test_two_takers_of_an_expired_claim_make_one_new_generation(tmp_path: Path) 
     taken = [w.try_claim("u") for w in workers[1:]]
     assert [t.generation for t in taken if t is not None] == [2]
     assert workers[0].holder("u")[0] == 2
+
+
+def test_a_unit_lost_and_claimed_again_is_done_whole_by_its_first_worker(tmp_path: Path) -> None:
+    """Worker A loses a unit to B (A stopped past its lease), then B stops too and A
+    takes the unit back: A reads it again, writes every row not written, and finishes
+    it with all its rows (nothing is dropped as "lost" any more)."""
+    import asyncio
+
+    import orjson
+    import pyarrow.parquet as pq
+
+    from llm_annotator.jobs.rows.corpus import list_corpus
+    from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, PartitionedStore
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.jsonl").write_bytes(
+        b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(10))
+    )
+    unit = list_corpus(tmp_path / "c").units[0]
+    clocks = Clocks()
+    run = tmp_path / "run"
+    run.mkdir()
+
+    async def scenario() -> None:
+        mine = Claims(run, lease=10, clock=clocks.clock, wall=clocks.wall)
+        theirs = Claims(run, lease=10, clock=clocks.clock, wall=clocks.wall)
+        store = PartitionedStore(run, {"model": "m"}, claims=mine)
+        claim = mine.try_claim("a.jsonl")
+        assert claim is not None
+        store.begin(unit, claim)
+        rows = list(unit.read(None))
+        for row in rows[:4]:
+            assert store.take(row)
+            store.append({"id": row.id, "response": "x"}, unit.index)
+        store.flush()
+        clocks.advance(11)  # A stopped past its lease; B takes the unit over
+        assert theirs.try_claim("a.jsonl") is not None
+        store.take(rows[4])  # A's loop does not know yet: it reads on, and writes nothing
+        store.append({"id": rows[4].id, "response": "x"}, unit.index)
+        assert store.is_lost(unit)
+        clocks.advance(11)  # B stopped too: A takes the unit back
+        again = mine.try_claim("a.jsonl")
+        assert again is not None and again.generation == 3
+        store.begin(unit, again)
+        assert not store.is_lost(unit)
+        for row in rows:
+            if store.take(row):
+                store.append({"id": row.id, "response": "y"}, unit.index)
+        store.end_of(unit)
+        await store.drain()
+        store.close()
+
+    asyncio.run(scenario())
+    table = pq.read_table(run / ANNOTATIONS_DIR / unit.output_name)
+    assert sorted(table.column("id").to_pylist()) == list(range(10))

@@ -247,3 +247,20 @@ def test_the_command_takes_several_inputs_and_status_and_merge_read_the_records(
     expected = len(texts["part-000.jsonl"]) + len(texts["part-001.jsonl.gz"])
     assert loaded.num_rows == expected
     assert len({(r[FILE_COLUMN], r["id"]) for r in loaded}) == expected
+
+
+def test_an_empty_file_writes_no_unit_file_and_hides_no_column(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """An empty file (sorted first) is a finished unit of no rows with no Parquet file
+    of its own: the dataset of the others keeps every column."""
+    texts = make_corpus(tmp_path / "corpus", files=2)
+    (tmp_path / "corpus" / "a-empty.jsonl").write_bytes(b"")
+    with pool_of([fake_server]) as pool:
+        result = pool.annotate(tmp_path / "corpus", TEMPLATE, tmp_path / "run", progress=False)
+    assert result.num_rows == sum(len(t) for t in texts.values())
+    assert not (tmp_path / "run" / ANNOTATIONS_DIR / "a-empty.jsonl.parquet").exists()
+    rows = output_rows(tmp_path / "run")
+    assert {"text", "n", "response", FILE_COLUMN} <= set(rows[0])
+    manifest = read_manifest(tmp_path / "run")
+    assert manifest is not None and manifest["complete"] and manifest["units_done"] == 3

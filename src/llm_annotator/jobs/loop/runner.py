@@ -125,7 +125,7 @@ class JobRun:
         *,
         client: Client[Any],
         cadence: Cadence,
-        rows: Iterator[Row] | AsyncIterator[Row],
+        rows: Iterator[Row] | AsyncIterator[Row | None],
         template: PromptTemplate,
         system_message: str | None,
         builder: RecordBuilder,
@@ -285,6 +285,8 @@ class JobRun:
             while retries:
                 item = retries.popleft()
                 yield item, item.messages
+            if row is None:  # no row yet (a worker waiting for a unit): regenerations go
+                continue
             if not sink.take(row):
                 continue
             if row.error is not None:
@@ -436,7 +438,7 @@ def _invalid(response: Response, error: str | None, kind: Any) -> Response:
     )
 
 
-async def _async(rows: Iterator[Row]) -> AsyncIterator[Row]:
+async def _async(rows: Iterator[Row]) -> AsyncIterator[Row | None]:
     """A reader's rows, as the job's loop takes them."""
     for row in rows:
         yield row

@@ -116,7 +116,8 @@ def consolidate(
         jsonl: Also write ``annotations.jsonl``: the same rows and columns, each value
             as the record held it (no type conversions).
         column_order: Columns to put first, in this order; the others follow in the
-            order they were first seen. Names no record has are left out.
+            order they were first seen. Names no record has are left out, unless
+            ``types`` gives their type.
         keep: Write only the ids whose :func:`~llm_annotator.jobs.ids.hash_id` is in
             this sorted array (the current input's ids, when the directory may hold
             results of another input); the others are counted in ``left_out``. The
@@ -203,7 +204,8 @@ def _consolidate(
     for index, path in enumerate(shards):
         loaded.read(index, path)
     keys = loaded.keys()
-    names = [name for name in column_order if name in loaded.names]
+    types = types or {}
+    names = [name for name in column_order if name in loaded.names or name in types]
     names += [name for name in loaded.names if name not in names]
     if "id" not in names:  # no records at all
         names.insert(0, "id")
@@ -218,7 +220,8 @@ def _consolidate(
     constants = constants or {}
     names = [name for name in names if name not in constants] + list(constants)
     ids = _id_column(keys)
-    fields = loaded.fields(types or {})
+    fields = loaded.fields(types)
+    fields.update({n: pa.field(n, types[n]) for n in names if n not in fields and n in types})
     fields["id"] = pa.field("id", ids.type)
     fields.update({name: pa.field(name, pa.string()) for name in constants})
     schema = pa.schema([fields[name] for name in names])

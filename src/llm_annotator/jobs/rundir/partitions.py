@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,7 +44,13 @@ import structlog
 
 from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.answers.records import ANSWER_COLUMNS, VALID_COLUMN
-from llm_annotator.jobs.files import atomic_write, check_entry, make_directory, read_run_file
+from llm_annotator.jobs.files import (
+    atomic_write,
+    check_entry,
+    fsync_directory,
+    make_directory,
+    read_run_file,
+)
 from llm_annotator.jobs.ids import RowId
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN, Unit
 from llm_annotator.jobs.rows.inputs import Row
@@ -140,7 +147,9 @@ class PartitionedStore:
         retry_errors: As for a :class:`ResultStore`; a finished unit with error rows is
             then opened again.
         force: Open units whose store was made with other settings.
-        column_order: The output's first columns.
+        column_order: The output's first columns; with ``types``, every unit's file has
+            these columns of these types, even where no row has a value.
+        types: The types of output columns known up front (an output schema's).
         claims: For a worker that takes units by claims: its claims, checked before
             each write (a unit lost to another worker is written no more).
     """
@@ -153,10 +162,13 @@ class PartitionedStore:
         retry_errors: bool | frozenset[str] = False,
         force: bool = False,
         column_order: Sequence[str] = (),
+        types: Mapping[str, pa.DataType] | None = None,
         claims: Claims | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.claims = claims
+        self._types = {**_TYPES, **(types or {})}
+        self._opened_at = time.time()
         self.output_dir = run_dir / ANNOTATIONS_DIR
         self._fingerprint = dict(fingerprint)
         self._retry = retry_errors
@@ -199,6 +211,8 @@ class PartitionedStore:
             return False
         if not self._retry or not record.get("failed"):
             return True
+        if float(record.get("finished_at") or 0) >= self._opened_at:
+            return True  # retried in this run (by this worker or another): final for it
         if isinstance(self._retry, frozenset):
             return not self._retry & set(record.get("by_error_type") or {})
         return False
@@ -206,8 +220,10 @@ class PartitionedStore:
     def refresh(self, unit: Unit) -> bool:
         """Read the unit's record again (another worker may have finished it); whether
         it is finished."""
+        if self.is_finished(unit):
+            return True
         path = self.output_dir / RECORDS_DIR / (unit.output_name + ".json")
-        if unit.output_name not in self.records and check_entry(path):
+        if check_entry(path):  # new, or rewritten by a retry of another worker
             self.records.update(_read_records(self.run_dir, [path.name]))
         return self.is_finished(unit)
 
@@ -223,6 +239,7 @@ class PartitionedStore:
             retry_errors=self._retry,
             exclusive=claim is None,
         )
+        self._lost.discard(unit.index)  # claimed again: this worker's once more
         self._open[unit.index] = _Open(unit, store, claim)
         if claim is not None:
             self._held[unit.index] = claim
@@ -267,7 +284,9 @@ class PartitionedStore:
 
     def take(self, row: Row) -> bool:
         """Whether the row is still to be done; counts it in its unit either way."""
-        work = self._open[_unit_of(row.unit)]
+        work = self._open.get(_unit_of(row.unit))
+        if work is None:  # its unit was lost to another worker meanwhile
+            return False
         work.read += 1
         if work.store.is_done(row.id):
             return False
@@ -303,8 +322,9 @@ class PartitionedStore:
         self._write_record(unit, {"rows": 0, "succeeded": 0, "failed": 0, "skipped": reason})
 
     def is_done(self, row_id: RowId, unit: int | None) -> bool:
-        """Whether a row of an open unit has a result."""
-        return self._open[_unit_of(unit)].store.is_done(row_id)
+        """Whether a row of an open unit has a result (a unit no longer open: yes)."""
+        work = self._open.get(_unit_of(unit))
+        return work is None or work.store.is_done(row_id)
 
     def flush(self) -> None:
         self._raise()
@@ -360,24 +380,35 @@ class PartitionedStore:
         with self._lock:
             work.store.close()
         target = self.output_dir / unit.output_name
+        written = self.output_dir / f".{unit.output_name}.new"  # unseen by dataset readers
         try:
             result = consolidate(
                 work.store.output_dir,
                 column_order=self._columns,
-                target=target,
+                target=written,
                 constants={FILE_COLUMN: unit.file.name},
-                types=_TYPES,
+                types=self._types,
             )
         except OSError as error:
             raise output_write_error(error, error.filename or target, self.run_dir) from None
-        if result.num_rows != work.read:
-            target.unlink(missing_ok=True)
+        complete = result.num_rows == work.read or (work.bad and result.num_rows > work.read)
+        if not complete:
+            written.unlink(missing_ok=True)
             raise JobError(
                 f"{unit.name}: {work.read} rows read but {result.num_rows} have a result in "
                 f"{work.store.output_dir}: the file changed while the job read it, or two "
                 "ids were taken for one (an 8-byte hash collision). Nothing of the unit is "
                 "lost; please report this with the unit's job.json."
             )
+        try:
+            if result.num_rows:
+                os.replace(written, target)  # whole, checked: now readers see it
+            else:  # no file for no rows (it would hide the others' columns from readers)
+                written.unlink()
+                target.unlink(missing_ok=True)
+            fsync_directory(self.output_dir)
+        except OSError as error:
+            raise output_write_error(error, target, self.run_dir) from None
         counts = {
             "rows": result.num_rows,
             "succeeded": result.num_succeeded,
@@ -386,7 +417,7 @@ class PartitionedStore:
             "output_tokens": result.output_tokens,
             "by_finish_reason": result.by_finish_reason,
             "by_error_type": result.by_error_type,
-            "schema": _schema_text(target),
+            "schema": _schema_text(target) if result.num_rows else [],
         }
         if work.bad is not None:
             counts["skipped"] = work.bad
@@ -399,6 +430,7 @@ class PartitionedStore:
             "output": unit.output_name,
             "file": unit.file.identity(),
             "groups": list(unit.groups) if unit.groups is not None else None,
+            "finished_at": time.time(),
             **counts,
         }
         path = self.output_dir / RECORDS_DIR / (unit.output_name + ".json")
@@ -462,13 +494,13 @@ def _read_records(run_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
             log.warning("unit_record_skipped", path=str(folder / name))
             continue
         has_file = check_entry(run_dir / ANNOTATIONS_DIR / name.removesuffix(".json"))
-        if not has_file and not (record.get("skipped") and not record.get("rows")):
-            continue  # its file is gone: the unit is done again
+        if not has_file and record.get("rows"):
+            continue  # its file is gone: the unit is done again (no rows: no file)
         records[record["output"]] = record
     return records
 
 
-def write_manifest(run_dir: Path, listing: Mapping[str, Any]) -> dict[str, Any]:
+def write_manifest(run_dir: Path, listing: Mapping[str, Any], *, again: int = 5) -> dict[str, Any]:
     """Write ``annotations/_manifest.json`` from the finished units' records: which
     units are done (and which are not), the rows and counts, and the schema.
 
@@ -514,6 +546,10 @@ def write_manifest(run_dir: Path, listing: Mapping[str, Any]) -> dict[str, Any]:
             file.write(orjson.dumps(manifest, option=orjson.OPT_INDENT_2) + b"\n")
     except OSError as error:
         raise output_write_error(error, path, run_dir) from None
+    if waiting and again > 0 and len(read_unit_records(run_dir)) != len(records):
+        # A worker finished a unit while this one wrote: its manifest may have come
+        # first; look again, so the last manifest written counts every unit.
+        return write_manifest(run_dir, listing, again=again - 1)
     return manifest
 
 

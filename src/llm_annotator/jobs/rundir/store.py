@@ -326,7 +326,7 @@ class ResultStore:
             store = cls(directory, lock, job["fingerprint"], retry_errors)
             store._mixed_inputs = bool(job.get("mixed_inputs"))
             try:
-                shards = store._scan()  # repairs a cut-off last line: a write too
+                shards = store._scan(repair=exclusive)  # a write too: only with the lock
             except OSError as error:
                 raise output_write_error(error, error.filename or directory, directory) from None
             store._done_at_open = store.num_done
@@ -532,11 +532,13 @@ class ResultStore:
         elif self._succeeded.add(row_id) and self._errors and row_id in self._errors:
             self._recovered += 1
 
-    def _scan(self) -> list[Path]:
+    def _scan(self, *, repair: bool = True) -> list[Path]:
+        """Read what the shards hold; ``repair`` cuts a cut-off last line (only with the
+        lock: without it, another writer may still be appending to that shard)."""
         shards = shard_paths(self._directory)
         types = self._retry_types
         for path in shards:
-            for _, _, record in read_shard(path, repair=True):
+            for _, _, record in read_shard(path, repair=repair):
                 row_id = record["id"]
                 failed = is_error_record(record)
                 self._note(row_id, error=failed)

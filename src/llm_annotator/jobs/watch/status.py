@@ -271,7 +271,7 @@ def corpus_status(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         places += sorted(
             directory / e.name
             for e in entries
-            if e.name.startswith("shard-") and e.is_dir(follow_symlinks=False)
+            if e.name.startswith(("shard-", "worker-")) and e.is_dir(follow_symlinks=False)
         )
     processes = []
     for place in places:
