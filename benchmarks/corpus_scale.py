@@ -158,7 +158,8 @@ def bytes_read(urls: list[str], corpus: Path, out: Path, shard: str) -> tuple[in
     trace = out.with_suffix(f".{shard.replace('/', '-')}.strace")
     started = time.monotonic()
     done = subprocess.run(
-        ["strace", "-f", "-y", "-e", "trace=read,pread64,readv,preadv", "-o", str(trace),
+        ["strace", "-f", "--seccomp-bpf", "-y", "-e", "trace=read,pread64,readv,preadv",
+         "-o", str(trace),
          *job_args(urls, corpus, out, "--shard", shard)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
         timeout=7200,
@@ -167,12 +168,23 @@ def bytes_read(urls: list[str], corpus: Path, out: Path, shard: str) -> tuple[in
     if done.returncode != 0:
         raise SystemExit(f"shard {shard} failed: {done.stderr.decode()[-2000:]}")
     total, prefix = 0, str(corpus) + "/"
-    pattern = re.compile(r"<([^>]*)>.*= (\d+)$")
+    whole = re.compile(r"^(\d+)\s+\w+\(\d+<([^>]*)>.*= (\d+)$")
+    begun = re.compile(r"^(\d+)\s+\w+\(\d+<([^>]*)>.*<unfinished \.\.\.>$")
+    resumed = re.compile(r"^(\d+)\s+<\.\.\. \w+ resumed>.*= (\d+)$")
+    waiting: dict[str, str] = {}  # a thread's call cut in two by another's: its file
     with trace.open() as file:
         for line in file:
-            match = pattern.search(line)
-            if match and match.group(1).startswith(prefix):
-                total += int(match.group(2))
+            if match := whole.match(line):
+                path, count = match.group(2), int(match.group(3))
+            elif match := begun.match(line):
+                waiting[match.group(1)] = match.group(2)
+                continue
+            elif match := resumed.match(line):
+                path, count = waiting.pop(match.group(1), ""), int(match.group(2))
+            else:
+                continue
+            if path.startswith(prefix):
+                total += count
     trace.unlink()
     return total, seconds
 
@@ -184,6 +196,39 @@ def size_of(folder: Path) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
+def part_one(
+    args: argparse.Namespace,
+    urls: list[str],
+    corpora: dict[tuple[int, str], Path],
+    scratch: Path,
+    log: Path,
+) -> None:
+    """Start and memory: each corpus, and the one file, for a window."""
+    print("\n1. start and memory: run for a window after the first request, then SIGINT")
+    print(f"{'input':<34}{'first request s':>16}{'requests/s':>12}{'peak RSS MB':>13}")
+    figures: dict[str, dict[str, float]] = {}
+    for rows in args.rows:
+        for kind in FORMATS:
+            label = f"corpus {kind} {rows:,}"
+            figures[label] = window(
+                urls, corpora[rows, kind], scratch / label.replace(" ", "-"), log, args.seconds
+            )
+            f = figures[label]
+            print(f"{label:<34}{f['first']:>16.2f}{f['rate']:>12,.0f}{f['rss']:>13,.0f}")
+        single = one_file(corpora[rows, "jsonl.gz"], args.cache / f"one-{rows}.jsonl")
+        label = f"one file jsonl {rows:,}"
+        figures[label] = window(urls, single, scratch / label.replace(" ", "-"), log, args.seconds)
+        f = figures[label]
+        print(f"{label:<34}{f['first']:>16.2f}{f['rate']:>12,.0f}{f['rss']:>13,.0f}")
+    if len(args.rows) > 1:
+        for kind in FORMATS:
+            small, large = (
+                figures[f"corpus {kind} {r:,}"]["rss"] for r in (args.rows[0], args.rows[-1])
+            )
+            ratio = large / small
+            print(f"  peak RSS {kind}: {args.rows[-1]:,} rows / {args.rows[0]:,}: {ratio:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[10**6, 10**7])
@@ -193,6 +238,7 @@ def main() -> None:
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "llm-annotator-corpus-bench"
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--skip-start", action="store_true", help="leave out part 1")
     parser.add_argument("--skip-shards", action="store_true", help="leave out parts 2 and 3")
     args = parser.parse_args()
     if args.quick:
@@ -213,31 +259,8 @@ def main() -> None:
                   f"(built or found in {time.monotonic() - began:.0f} s)")  # fmt: skip
     with CannedServer(ports=4, cpu=server_cpu, access_log=log) as server:
         urls = list(server.base_urls)
-        print("\n1. start and memory: run for a window after the first request, then SIGINT")
-        print(f"{'input':<34}{'first request s':>16}{'requests/s':>12}{'peak RSS MB':>13}")
-        figures: dict[str, dict[str, float]] = {}
-        for rows in args.rows:
-            for kind in FORMATS:
-                label = f"corpus {kind} {rows:,}"
-                figures[label] = window(
-                    urls, corpora[rows, kind], scratch / label.replace(" ", "-"), log, args.seconds
-                )
-                f = figures[label]
-                print(f"{label:<34}{f['first']:>16.2f}{f['rate']:>12,.0f}{f['rss']:>13,.0f}")
-            single = one_file(corpora[rows, "jsonl.gz"], args.cache / f"one-{rows}.jsonl")
-            label = f"one file jsonl {rows:,}"
-            figures[label] = window(
-                urls, single, scratch / label.replace(" ", "-"), log, args.seconds
-            )
-            f = figures[label]
-            print(f"{label:<34}{f['first']:>16.2f}{f['rate']:>12,.0f}{f['rss']:>13,.0f}")
-        if len(args.rows) > 1:
-            for kind in FORMATS:
-                small, large = (
-                    figures[f"corpus {kind} {r:,}"]["rss"] for r in (args.rows[0], args.rows[-1])
-                )
-                ratio = large / small
-                print(f"  peak RSS {kind}: {args.rows[-1]:,} rows / {args.rows[0]:,}: {ratio:.2f}x")
+        if not args.skip_start:
+            part_one(args, urls, corpora, scratch, log)
         if not args.skip_shards:
             rows, kind = args.rows[0], "jsonl.gz"
             corpus = corpora[rows, kind]
