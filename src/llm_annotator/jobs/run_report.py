@@ -34,10 +34,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from llm_annotator.errors import ConfigurationError
+from llm_annotator.errors import ConfigurationError, JobError
 from llm_annotator.jobs.files import atomic_write, check_entry
 from llm_annotator.jobs.loop.summary import REPORT_NAME, read_report
 from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
+from llm_annotator.jobs.rundir.partitions import CORPUS_FILE
 from llm_annotator.jobs.shards.merge import LISTED_SHARDS, is_merged, shard_states
 from llm_annotator.jobs.shards.shard import read_sharding
 from llm_annotator.jobs.watch.status import RunStatus, run_status
@@ -210,6 +211,13 @@ def write_html_report(
     directory = Path(run_dir)
     path = directory / HTML_REPORT_NAME if output is None else Path(output).resolve()
     check_entry(path)  # before the work: refused now rather than after drawing it
+    if check_entry(directory / CORPUS_FILE) or check_entry(directory.parent / CORPUS_FILE):
+        raise JobError(
+            f"{directory} is (a process of) a corpus job, whose HTML report is not drawn "
+            f"yet: llm-annotator status {directory} shows its units and each process, and "
+            "report.json in the run directory (one process) or in each shard-*/worker-* "
+            "folder has its figures"
+        )
     if read_sharding(directory) is None:
         body = _run_parts(directory, "h2")  # raises JobError for a directory without a job
     else:

@@ -238,6 +238,11 @@ def test_the_command_takes_several_inputs_and_status_and_merge_read_the_records(
         [COMMAND, "status", str(run)], capture_output=True, text=True, timeout=60
     )
     assert "in 2 units: all finished" in people.stdout
+    drawn = subprocess.run(
+        [COMMAND, "report", str(run)], capture_output=True, text=True, timeout=60
+    )
+    assert drawn.returncode == 1 and "corpus job, whose HTML report is not drawn" in drawn.stderr
+    assert "Traceback" not in drawn.stderr
     loaded = datasets.load_dataset(
         "parquet",
         data_files=str(run / ANNOTATIONS_DIR / "*.parquet"),
