@@ -38,7 +38,7 @@ from llm_annotator.errors import (
 )
 from llm_annotator.jobs.answers.records import RecordBuilder
 from llm_annotator.jobs.answers.schema import OutputSchema
-from llm_annotator.jobs.files import check_entry
+from llm_annotator.jobs.files import check_entry, make_directory
 from llm_annotator.jobs.loop.interrupt import Interrupt
 from llm_annotator.jobs.loop.runner import Cadence, JobRun, varies
 from llm_annotator.jobs.loop.summary import (
@@ -189,8 +189,8 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
             status_dir = run_dir / f"worker-{claims.owner.replace(':', '-')}"
         else:
             status_dir = run_dir
-    try:
-        await asyncio.to_thread(status_dir.mkdir, exist_ok=True)
+    try:  # the job's own folder: a link planted under its name is refused
+        await asyncio.to_thread(make_directory, status_dir)
     except OSError as error:
         raise output_write_error(error, status_dir, run_dir) from None
     lock = await asyncio.to_thread(DirectoryLock.acquire, status_dir, "annotate")

@@ -17,7 +17,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from llm_annotator.errors import ConfigurationError, InputError
+from llm_annotator.errors import ConfigurationError, InputError, RunDirectoryError
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN
 from llm_annotator.jobs.rundir.partitions import (
     ANNOTATIONS_DIR,
@@ -269,3 +269,17 @@ def test_an_empty_file_writes_no_unit_file_and_hides_no_column(
     assert {"text", "n", "response", FILE_COLUMN} <= set(rows[0])
     manifest = read_manifest(tmp_path / "run")
     assert manifest is not None and manifest["complete"] and manifest["units_done"] == 3
+
+
+def test_a_link_planted_as_a_units_folder_is_refused_not_written_through(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    make_corpus(tmp_path / "corpus", files=1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run" / "units").mkdir(parents=True)
+    (tmp_path / "run" / "units" / "part-000.jsonl").symlink_to(elsewhere)
+    with pool_of([fake_server]) as pool, pytest.raises(RunDirectoryError, match="symbolic link"):
+        pool.annotate(tmp_path / "corpus", TEMPLATE, tmp_path / "run", progress=False)
+    assert not list(elsewhere.iterdir())
+    assert not fake_server.requests

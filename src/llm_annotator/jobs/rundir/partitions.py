@@ -232,6 +232,10 @@ class PartitionedStore:
         claims); return how many of its rows are done already."""
         self._raise()
         directory = self.run_dir / UNITS_DIR / unit.output_name.removesuffix(".parquet")
+        try:
+            make_directory(directory)  # the job's own: a link planted there is refused
+        except OSError as error:
+            raise output_write_error(error, directory, self.run_dir) from None
         store = ResultStore.open(
             directory,
             self._fingerprint,
