@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -451,13 +451,14 @@ async def _idle(job: JobRun, seconds: float) -> AsyncIterator[None]:
             await asyncio.wait_for(job.retry_ready.wait(), left)
 
 
-def _rows(
+async def _rows(
     units: list[Unit], store: PartitionedStore, spec: JobSpec, estimate: _Estimate
-) -> Iterator[Row]:
+) -> AsyncIterator[Row | None]:
     """The rows of the units, one unit after the other, each opened in the store as it
-    begins and marked read at its end."""
+    begins (in a thread: opening a store reads it and syncs its files) and marked read
+    at its end."""
     for unit in units:
-        estimate.progress.done += store.begin(unit)
+        estimate.progress.done += await asyncio.to_thread(store.begin, unit)
         read, bad = 0, None
         try:
             for row in unit.read(spec.id_column):
