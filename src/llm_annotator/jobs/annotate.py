@@ -57,7 +57,7 @@ from llm_annotator.jobs.rundir.consolidate import (
     PARQUET_FILE,
     consolidate,
 )
-from llm_annotator.jobs.rundir.fingerprint import make_fingerprint
+from llm_annotator.jobs.rundir.fingerprint import job_fingerprint
 from llm_annotator.jobs.rundir.partitions import CORPUS_FILE
 from llm_annotator.jobs.rundir.store import (
     JOB_FILE,
@@ -320,17 +320,7 @@ class Annotator:
         except OSError as error:  # before asking any server: the run could not be kept
             raise output_write_error(error, spec.output_dir, spec.output_dir) from None
         model = await _model_of(self.client)
-        fingerprint = make_fingerprint(
-            prompt_template=spec.prompt_template,
-            system_message=spec.system_message,
-            model=model,
-            options=spec.options.to_payload() if spec.options is not None else {},
-            gen_kwargs=spec.gen_kwargs or {},
-            output_schema=raw_schema,
-            id_column=spec.id_column,
-            columns=list(spec.columns) if spec.columns is not None else None,
-            **_extras(sample, spec, input_rows),
-        )
+        fingerprint = job_fingerprint(spec, model, **_extras(sample, spec, input_rows))
         run_dir = spec.output_dir
         await asyncio.to_thread(check_run_directory, run_dir)
         if shard is None:

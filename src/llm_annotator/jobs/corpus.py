@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from llm_annotator.jobs.rows.corpus import FILE_COLUMN, UNIT_BYTES, Corpus, Unit
 from llm_annotator.jobs.rows.inputs import Row
 from llm_annotator.jobs.rows.prompts import PromptTemplate
 from llm_annotator.jobs.rundir.claims import LEASE, Claims
-from llm_annotator.jobs.rundir.fingerprint import describe_changes, make_fingerprint
+from llm_annotator.jobs.rundir.fingerprint import describe_changes, job_fingerprint
 from llm_annotator.jobs.rundir.partitions import (
     ANNOTATIONS_DIR,
     CORPUS_FILE,
@@ -164,17 +164,8 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         schema, spec.columns, validate=spec.validate is not None, reserved=(FILE_COLUMN,)
     )
     model = await runner.model()
-    fingerprint = make_fingerprint(
-        prompt_template=spec.prompt_template,
-        system_message=spec.system_message,
-        model=model,
-        options=spec.options.to_payload() if spec.options is not None else {},
-        gen_kwargs=spec.gen_kwargs or {},
-        output_schema=raw_schema,
-        id_column=spec.id_column,
-        columns=list(spec.columns) if spec.columns is not None else None,
-        **({"validate": validator_name(spec.validate)} if spec.validate is not None else {}),
-    )
+    extras = {"validate": validator_name(spec.validate)} if spec.validate is not None else {}
+    fingerprint = job_fingerprint(spec, model, **extras)
     await asyncio.to_thread(_record, run_dir, recorded, fingerprint, corpus, mode, spec.force)
     claims = None
     if shard is not None:
@@ -418,21 +409,11 @@ async def _claimed_rows(
         progress = estimate.progress
         progress.total += known or 0
         progress.done += await asyncio.to_thread(store.begin, unit, held)
-        read, bad = 0, None
-        try:
-            for row in unit.read(spec.id_column):
-                if store.is_lost(unit):
-                    break
-                read += 1
-                yield row
-        except InputError as error:
-            if not spec.skip_bad_files:
-                raise _cut_short(unit, error) from None
-            bad = str(error)
-            log.warning("unit_cut_short", unit=unit.name, rows=read, reason=bad)
+        read = [0]
+        for row in _unit_rows(unit, store, spec, read):
+            yield row
         if known is None:
-            progress.total += read
-        store.end_of(unit, bad=bad)
+            progress.total += read[0]
         if store.is_lost(unit):
             pending.append(unit)  # its taker may die too: it stays in the line
 
@@ -459,18 +440,31 @@ async def _rows(
     at its end."""
     for unit in units:
         estimate.progress.done += await asyncio.to_thread(store.begin, unit)
-        read, bad = 0, None
-        try:
-            for row in unit.read(spec.id_column):
-                read += 1
-                yield row
-        except InputError as error:
-            if not spec.skip_bad_files:
-                raise _cut_short(unit, error) from None
-            bad = str(error)
-            log.warning("unit_cut_short", unit=unit.name, rows=read, reason=bad)
-        store.end_of(unit, bad=bad)
-        estimate.unit_read(unit, read)
+        read = [0]
+        for row in _unit_rows(unit, store, spec, read):
+            yield row
+        estimate.unit_read(unit, read[0])
+
+
+def _unit_rows(
+    unit: Unit, store: PartitionedStore, spec: JobSpec, read: list[int]
+) -> Iterator[Row]:
+    """A unit's rows, counted in ``read[0]``, until its end (or until it is lost to
+    another worker); then the store is told the unit is read. A file that cannot be
+    read on is an error naming it, or with ``skip_bad_files`` the end of its rows."""
+    bad = None
+    try:
+        for row in unit.read(spec.id_column):
+            if store.is_lost(unit):
+                break
+            read[0] += 1
+            yield row
+    except InputError as error:
+        if not spec.skip_bad_files:
+            raise _cut_short(unit, error) from None
+        bad = str(error)
+        log.warning("unit_cut_short", unit=unit.name, rows=read[0], reason=bad)
+    store.end_of(unit, bad=bad)
 
 
 class _Estimate:

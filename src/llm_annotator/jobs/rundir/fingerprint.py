@@ -17,6 +17,7 @@ import orjson
 import structlog
 
 from llm_annotator.errors import ConfigurationError, FingerprintMismatchError, JobError
+from llm_annotator.jobs.spec import JobSpec
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,22 @@ def make_fingerprint(**settings: Any) -> dict[str, Any]:
         ) from error
     fingerprint: dict[str, Any] = orjson.loads(encoded)
     return fingerprint
+
+
+def job_fingerprint(spec: JobSpec, model: str | None, **extras: Any) -> dict[str, Any]:
+    """The fingerprint of a job's settings (:func:`make_fingerprint`), with ``extras``
+    (settings a job may leave out: left out when unused)."""
+    return make_fingerprint(
+        prompt_template=spec.prompt_template,
+        system_message=spec.system_message,
+        model=model,
+        options=spec.options.to_payload() if spec.options is not None else {},
+        gen_kwargs=spec.gen_kwargs or {},
+        output_schema=getattr(spec.options, "output_schema", None),
+        id_column=spec.id_column,
+        columns=list(spec.columns) if spec.columns is not None else None,
+        **extras,
+    )
 
 
 def fingerprint_digest(fingerprint: Mapping[str, Any]) -> str:
