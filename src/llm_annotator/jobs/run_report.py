@@ -41,7 +41,7 @@ from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
 from llm_annotator.jobs.rundir.partitions import CORPUS_FILE
 from llm_annotator.jobs.shards.merge import LISTED_SHARDS, is_merged, shard_states
 from llm_annotator.jobs.shards.shard import read_sharding
-from llm_annotator.jobs.watch.status import RunStatus, run_status
+from llm_annotator.jobs.watch.status import RunStatus, corpus_status, run_status
 from llm_annotator.jobs.watch.timeline import TIMELINE_FILE, RunRecord, read_timeline
 
 HTML_REPORT_NAME = "report.html"
@@ -211,14 +211,15 @@ def write_html_report(
     directory = Path(run_dir)
     path = directory / HTML_REPORT_NAME if output is None else Path(output).resolve()
     check_entry(path)  # before the work: refused now rather than after drawing it
-    if check_entry(directory / CORPUS_FILE) or check_entry(directory.parent / CORPUS_FILE):
+    corpus = corpus_status(directory) if directory.is_dir() else None
+    if corpus is not None:
+        body = _corpus_parts(directory, corpus)
+    elif check_entry(directory.parent / CORPUS_FILE):
         raise JobError(
-            f"{directory} is (a process of) a corpus job, whose HTML report is not drawn "
-            f"yet: llm-annotator status {directory} shows its units and each process, and "
-            "report.json in the run directory (one process) or in each shard-*/worker-* "
-            "folder has its figures"
+            f"{directory} is one process of the corpus job in {directory.parent}: draw "
+            f"the job, llm-annotator report {directory.parent}"
         )
-    if read_sharding(directory) is None:
+    elif read_sharding(directory) is None:
         body = _run_parts(directory, "h2")  # raises JobError for a directory without a job
     else:
         body = _sharded_parts(directory)
@@ -457,6 +458,62 @@ def _sharded_parts(directory: Path) -> list[str]:
             parts.append(f"<h2>Shard {state.index} of {count}</h2>")
             parts.extend(_run_parts(state.directory, "h3"))
     return parts
+
+
+def _corpus_parts(directory: Path, status: dict[str, Any]) -> list[str]:
+    """A corpus job: its units and rows (from the units' records, never the results),
+    a table of its processes, then each process's throughput and servers over time."""
+    e = html.escape
+    done = "all finished" if status["complete"] else f"{status['units_done']} finished"
+    parts = [
+        f'<p class="note">A corpus job of {status["files"]} files in {status["units"]} units: '
+        f"{e(done)}; the output is annotations/ (a Parquet file per unit).</p>",
+        "<h2>Summary</h2>",
+        _table(
+            ["figure", "value"],
+            [
+                ("files", status["files"]),
+                ("files skipped", status["skipped_files"]),
+                ("units", status["units"]),
+                ("units finished", status["units_done"]),
+                ("rows in finished units", status["rows"]),
+                ("answered", status["succeeded"]),
+                ("failed", status["failed"]),
+                ("model", status["model"] or "-"),
+            ]
+            + [(f"failed: {kind}", n) for kind, n in status["by_error_type"].items()],
+        ),
+        "<h2>Processes</h2>",
+        _table(
+            ["folder", "state", "rows done", "rows", "rows/s"],
+            [
+                (
+                    p["where"],
+                    p["state"],
+                    _dash(p["done"]),
+                    _dash(p["total"]),
+                    _dash(p["rows_per_second"]),
+                )
+                for p in status["processes"]
+            ],
+        ),
+    ]
+    for process in status["processes"]:
+        place = directory if process["where"] == "." else directory / process["where"]
+        runs = read_timeline(place)
+        if not runs:
+            continue
+        series = run_series(runs)
+        parts.append(f"<h2>{e(process['where'])}</h2>")
+        for title, svg in _plots(series):
+            parts.append(f"<h3>{e(title)}</h3><figure>{svg}</figure>")
+        parts.append("<h3>Changes of the servers' states</h3>")
+        parts.append(_table(["seconds", "server", "from", "to", "reason"], _change_rows(runs)))
+    return parts
+
+
+def _dash(value: Any) -> Any:
+    return "-" if value is None else value
 
 
 def _run_parts(directory: Path, h: str) -> list[str]:
