@@ -187,8 +187,6 @@ class PartitionedStore:
         """Held while open stores are synced or a finished one is closed."""
         self.finished_now = UnitCounts()
         """The units this store finished."""
-        self.done_in_open = 0
-        """Rows found done in the units opened (resumed)."""
         for folder in (run_dir / UNITS_DIR, self.output_dir, self.output_dir / RECORDS_DIR):
             try:
                 make_directory(folder)
@@ -247,16 +245,11 @@ class PartitionedStore:
         self._open[unit.index] = _Open(unit, store, claim)
         if claim is not None:
             self._held[unit.index] = claim
-        self.done_in_open += store.num_done
         return store.num_done
 
     def held(self) -> list[Claim]:
         """The claims of the units open or being finished (for their renewal)."""
         return list(self._held.values())
-
-    def is_open(self, unit: Unit) -> bool:
-        """Whether this worker has the unit open or is finishing it."""
-        return unit.index in self._open or unit.index in self._held
 
     def lose(self, claim: Claim) -> None:
         """The claim's unit was taken over by another worker: give it up."""
