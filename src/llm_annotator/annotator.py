@@ -110,6 +110,14 @@ class VLLMQueueAnnotator(QueuePool):
             servers ``adaptive=True`` costs rows per second (their gauges read few
             requests running, and a smaller window leaves their API server short of
             work), so it is off until it is proven on GPU servers.
+        prefix_affinity: Keep the samples of one group (a stream's ``group``; a job's
+            ``group_by`` column, or else its prompts' first field) on one member while
+            it has room, so a shared prefix (a document asked several questions) is
+            computed once and then found in that server's prefix cache; new groups go
+            to whichever member is free, a member never idles while work waits, and
+            an evicted member's groups go to the others. A stream's ``warmup``
+            conversation is sent to each member once before its first sample. Off by
+            default (see the README's figures).
         clock: Where the pool reads the time and sleeps: the system's by default; a
             test gives a fake one so that health intervals, backoff and deadlines pass
             without waiting.

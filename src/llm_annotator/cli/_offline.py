@@ -14,6 +14,7 @@ _POOL_SETTINGS = (
     "timeout",
     "hedge_tail",
     "adaptive",
+    "prefix_affinity",
     "verify_tls",
     "max_response_bytes",
     "max_server_faults",

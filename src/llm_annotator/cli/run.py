@@ -241,6 +241,20 @@ _SETTINGS: tuple[_Setting, ...] = (
         False,
     ),
     _Setting(
+        "prefix_affinity",
+        _bool,
+        "send rows that share a prompt prefix (one --group-by value) to one server while "
+        "it has room, so its prefix cache holds the shared part; each server first gets "
+        "the template's text before its first field once",
+        False,
+    ),
+    _Setting(
+        "group_by",
+        _text,
+        "with --prefix-affinity: the column that groups rows sharing a long prefix (a "
+        "document id); default: the value of the template's first field",
+    ),
+    _Setting(
         "api_key_file",
         _text,
         "a file holding the servers' API key (for vLLM started with --api-key); "
@@ -542,6 +556,7 @@ def run_command(args: argparse.Namespace) -> int:
             shard=_shard(settings["shard"], Shard),
             skip_bad_files=settings["skip_bad_files"],
             claim_lease=settings["claim_lease"],
+            group_by=settings["group_by"],
         )
     except RunInterruptedError as stopped:
         print(f"llm-annotator run: {stopped}", file=sys.stderr, flush=True)
@@ -657,6 +672,7 @@ def _pool(settings: dict[str, Any]) -> VLLMQueueAnnotator:
         all_down_timeout=settings["all_down_timeout"],
         hedge_tail=settings["hedge_tail"],
         adaptive=settings["adaptive"],
+        prefix_affinity=settings["prefix_affinity"],
         api_key=api_key_from(settings),
         verify=verify_from(settings),
         max_response_bytes=settings["max_response_bytes"],

@@ -19,6 +19,10 @@ RUNNING = b"vllm:num_requests_running"
 WAITING = b"vllm:num_requests_waiting"
 PREEMPTIONS = b"vllm:num_preemptions_total"
 KV_CACHE = b"vllm:kv_cache_usage_perc"
+PREFIX_QUERIES = (b"vllm:prefix_cache_queries_total", b"vllm:prefix_cache_queries")
+PREFIX_HITS = (b"vllm:prefix_cache_hits_total", b"vllm:prefix_cache_hits")
+"""Prompt tokens looked up in the prefix cache and found there (counters; a client
+library may or may not add ``_total`` to the name)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +35,17 @@ class EngineLoad:
         preemptions: Requests preempted so far (a counter), or None if not exported.
         kv_cache: Share of the KV cache in use, from 0 to 1 (the fullest engine), or
             None if not exported.
+        prefix_cache_queries: Prompt tokens looked up in the prefix cache so far (a
+            counter), or None if not exported.
+        prefix_cache_hits: Of those, the tokens found there, or None.
     """
 
     running: float
     waiting: float
     preemptions: float | None = None
     kv_cache: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
 
 
 def _sums(body: bytes, names: Collection[bytes]) -> dict[bytes, list[float]]:
@@ -88,11 +97,12 @@ def engine_load(body: bytes) -> EngineLoad | None:
         >>> engine_load(b'vllm:num_requests_running{engine="0"} 30.0\\n'
         ...             b'vllm:num_requests_waiting{engine="0"} 4.0\\n'
         ...             b'vllm:num_requests_waiting{engine="1"} 1.0\\n')
-        EngineLoad(running=30.0, waiting=5.0, preemptions=None, kv_cache=None)
+        EngineLoad(running=30.0, waiting=5.0, preemptions=None, kv_cache=None, \
+prefix_cache_queries=None, prefix_cache_hits=None)
         >>> engine_load(b"vllm:generation_tokens_total 5\\n") is None
         True
     """
-    found = _sums(body, (RUNNING, WAITING, PREEMPTIONS, KV_CACHE))
+    found = _sums(body, (RUNNING, WAITING, PREEMPTIONS, KV_CACHE, *PREFIX_QUERIES, *PREFIX_HITS))
     if RUNNING not in found or WAITING not in found:
         return None
     preemptions = found.get(PREEMPTIONS)
@@ -102,4 +112,14 @@ def engine_load(body: bytes) -> EngineLoad | None:
         waiting=sum(found[WAITING]),
         preemptions=sum(preemptions) if preemptions else None,
         kv_cache=max(kv_cache) if kv_cache else None,
+        prefix_cache_queries=_total(found, PREFIX_QUERIES),
+        prefix_cache_hits=_total(found, PREFIX_HITS),
     )
+
+
+def _total(found: dict[bytes, list[float]], names: tuple[bytes, ...]) -> float | None:
+    """The sum of the first of ``names`` found (one counter under either name)."""
+    for name in names:
+        if name in found:
+            return sum(found[name])
+    return None

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import time
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -27,7 +27,6 @@ from llm_annotator._validate import positive_int
 from llm_annotator.clients.base import Client
 from llm_annotator.errors import (
     ConfigurationError,
-    InputError,
     JobError,
     RunInterruptedError,
 )
@@ -49,7 +48,7 @@ from llm_annotator.jobs.protocols import ModelSource
 from llm_annotator.jobs.result import AnnotationResult
 from llm_annotator.jobs.rows.corpus import is_corpus
 from llm_annotator.jobs.rows.inputs import RowSource, open_input
-from llm_annotator.jobs.rows.prompts import PromptTemplate
+from llm_annotator.jobs.rows.prompts import PromptTemplate, check_job_columns
 from llm_annotator.jobs.rows.sample import Sample
 from llm_annotator.jobs.rundir.consolidate import (
     INPUT_IDS_FILE,
@@ -219,6 +218,11 @@ class Annotator:
                 listed with why in the manifest, instead of stopping.
             claim_lease (float | None): With ``shard="claim"``: seconds a claim lasts
                 unrenewed before another worker takes the unit over (default 60).
+            group_by (str | None): With a pool's ``prefix_affinity``: the column whose
+                value groups rows that share a long prompt prefix (a document id), so
+                that a group goes to one server and meets its prefix cache. By
+                default a row's group is the value of the template's first field. Not
+                part of the fingerprint: it changes where rows go, not their answers.
 
         Returns:
             An :class:`AnnotationResult`.
@@ -314,7 +318,7 @@ class Annotator:
         else:  # the scan finds and counts the shard's rows as well
             selection = await asyncio.to_thread(shard.select, source)
             input_rows, total = selection.rows, selection.taken
-        _check_columns(source, template, spec.columns)
+        _check_columns(source, template, spec)
         try:
             await asyncio.to_thread(Path(spec.output_dir).mkdir, parents=True, exist_ok=True)
         except OSError as error:  # before asking any server: the run could not be kept
@@ -355,6 +359,7 @@ class Annotator:
             rows=sample.rows(source, input_rows) if selection is None else source.rows(selection),
             template=template,
             system_message=spec.system_message,
+            group_by=spec.group_by,
             builder=RecordBuilder(schema, spec.columns, validate=spec.validate is not None),
             schema=schema,
             validate=spec.validate,
@@ -520,19 +525,15 @@ def _not_sharded(run_dir: Path) -> None:
         )
 
 
-def _check_columns(
-    source: RowSource, template: PromptTemplate, columns: Sequence[str] | None
-) -> None:
-    if source.columns is None:
-        return
-    template.check_columns(source.columns, source.description)
-    if columns is not None:
-        unknown = [c for c in columns if c not in source.columns]
-        if unknown:
-            raise InputError(
-                f"{source.description}: columns to keep {unknown} are not in the input; "
-                f"its columns are {list(source.columns)}"
-            )
+def _check_columns(source: RowSource, template: PromptTemplate, spec: JobSpec) -> None:
+    if source.columns is not None:
+        check_job_columns(
+            template,
+            source.columns,
+            source.description,
+            keep=spec.columns,
+            group_by=spec.group_by,
+        )
 
 
 def _is_seconds(value: object) -> bool:

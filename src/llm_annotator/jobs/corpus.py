@@ -51,7 +51,7 @@ from llm_annotator.jobs.loop.summary import (
 from llm_annotator.jobs.result import AnnotationResult
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN, UNIT_BYTES, Corpus, Unit, list_corpus
 from llm_annotator.jobs.rows.inputs import Row
-from llm_annotator.jobs.rows.prompts import PromptTemplate
+from llm_annotator.jobs.rows.prompts import PromptTemplate, check_job_columns
 from llm_annotator.jobs.rundir.claims import LEASE, Claims
 from llm_annotator.jobs.rundir.fingerprint import describe_changes, job_fingerprint
 from llm_annotator.jobs.rundir.partitions import (
@@ -259,6 +259,7 @@ async def _run(
         rows=_rows(todo, store, spec, estimate),
         template=plan.template,
         system_message=spec.system_message,
+        group_by=spec.group_by,
         builder=plan.builder,
         schema=plan.schema,
         validate=spec.validate,
@@ -575,16 +576,14 @@ def _check_columns(unit: Unit, template: PromptTemplate, spec: JobSpec) -> None:
     """The template's fields and the columns to keep, against the first unit's columns
     (where its format says them up front)."""
     source = unit.source(spec.id_column)
-    if source.columns is None:
-        return
-    template.check_columns(source.columns, source.description)
-    if spec.columns is not None:
-        unknown = [c for c in spec.columns if c not in source.columns]
-        if unknown:
-            raise InputError(
-                f"{source.description}: columns to keep {unknown} are not in the input; "
-                f"its columns are {list(source.columns)}"
-            )
+    if source.columns is not None:
+        check_job_columns(
+            template,
+            source.columns,
+            source.description,
+            keep=spec.columns,
+            group_by=spec.group_by,
+        )
 
 
 def _recorded(run_dir: Path) -> dict[str, Any] | None:

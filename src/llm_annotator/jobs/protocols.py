@@ -7,7 +7,7 @@ satisfy none, and the job then batches for it, counts one server, and watches no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Hashable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from llm_annotator.clients.base import Messages
@@ -31,8 +31,11 @@ class Streamer(Protocol):
         options: Any = None,
         gen_kwargs: dict[str, Any] | None = None,
         stop: asyncio.Event | None = None,
+        group: Callable[[K], Hashable | None] | None = None,
+        warmup: Messages | None = None,
     ) -> AsyncGenerator[tuple[K, Response], None]:
-        """``(key, Response)`` pairs as each completes."""
+        """``(key, Response)`` pairs as each completes (``group`` and ``warmup``: see
+        :meth:`~llm_annotator.pool.QueuePool.astream`)."""
         ...
 
     async def aresolve_model(self) -> str:

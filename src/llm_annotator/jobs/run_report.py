@@ -539,9 +539,10 @@ def _run_parts(directory: Path, h: str) -> list[str]:
                 "re-admissions",
                 "requeued",
                 "hedged",
+                "prefix-cache hits",
                 "state",
             ],
-            _server_rows(status, series, runs),
+            _server_rows(status, series, runs, summary),
         ),
     ]
     if not runs:
@@ -616,8 +617,12 @@ def _summary_rows(
 
 
 def _server_rows(
-    status: RunStatus, series: RunSeries, runs: Sequence[RunRecord]
+    status: RunStatus, series: RunSeries, runs: Sequence[RunRecord], summary: Any = None
 ) -> list[tuple[Any, ...]]:
+    """One row a server; its prefix-cache hit rate from ``report.json`` (``summary``),
+    where its ``/metrics`` said it."""
+    reported = summary.get("per_server") if isinstance(summary, dict) else None
+    reported = reported if isinstance(reported, dict) else {}
     last: dict[str, dict[str, Any]] = {}
     counts: dict[str, dict[str, int]] = {}
     for run in runs:
@@ -642,10 +647,19 @@ def _server_rows(
                 total.get("readmissions", "-"),
                 total.get("requeued", "-"),
                 total.get("hedged", "-"),
+                _hit_rate(reported.get(url)),
                 last.get(url, {}).get("state", "-"),
             )
         )
     return rows
+
+
+def _hit_rate(server: Any) -> str:
+    """A server's prefix-cache hit rate as a percentage, or ``-``."""
+    rate = server.get("prefix_cache_hit_rate") if isinstance(server, dict) else None
+    if isinstance(rate, int | float) and not isinstance(rate, bool):
+        return f"{100 * rate:.1f}%"
+    return "-"
 
 
 def _change_rows(runs: Sequence[RunRecord]) -> list[tuple[Any, ...]]:

@@ -35,6 +35,7 @@ class JobArgs(TypedDict, total=False):
     shard: Any
     skip_bad_files: bool
     claim_lease: float | None
+    group_by: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class JobSpec:
     shard: Any = None
     skip_bad_files: bool = False
     claim_lease: float | None = None
+    group_by: str | None = None
 
     @classmethod
     def of(

@@ -11,6 +11,7 @@ from collections.abc import (
     AsyncIterator,
     Callable,
     Coroutine,
+    Hashable,
     Iterable,
     Sequence,
 )
@@ -22,10 +23,12 @@ from llm_annotator._gc import fewer_full_collections
 from llm_annotator.clients.base import Messages
 from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError
+from llm_annotator.pool.affinity import GroupQueue
 from llm_annotator.pool.discovery import PoolLike
 from llm_annotator.pool.dispatch import Dispatcher
 from llm_annotator.pool.health import HealthMonitor
 from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.member import Member
 from llm_annotator.pool.run import Deliver, Run
 from llm_annotator.pool.state import PoolState
 from llm_annotator.response import Response
@@ -33,6 +36,11 @@ from llm_annotator.response import Response
 log = structlog.get_logger(__name__)
 
 K = TypeVar("K")
+
+CACHE_EVERY = 30.0
+"""Seconds between two reads of the members' prefix-cache counters during a stream."""
+CACHE_READ_TIMEOUT = 2.0
+"""Seconds one such read may take (a server that does not answer is read next time)."""
 
 
 class Calls:
@@ -83,6 +91,8 @@ class Calls:
         options: VLLMOnlineRuntimeOptions | None,
         gen_kwargs: dict[str, Any] | None,
         stop: asyncio.Event | None,
+        group: Callable[[K], Hashable | None] | None = None,
+        warmup: Messages | None = None,
     ) -> AsyncGenerator[tuple[K, Response], None]:
         """``(key, Response)`` for each sample as it completes (see the pool's method)."""
         outbox: deque[tuple[K, Response]] = deque()
@@ -102,7 +112,12 @@ class Calls:
 
         run = self._begin(deliver, options, gen_kwargs)
         run.stop = stop
-        extra = [self._feed(run, samples, keys, has_room, room)]
+        affinity = config.prefix_affinity
+        run.warmup = warmup if affinity else None
+        extra = [
+            self._feed(run, samples, keys, has_room, room, group if affinity else None),
+            self._watch_caches(run),
+        ]
         if stop is not None:
             extra.append(self._watch_stop(run, stop))
         driver = asyncio.ensure_future(self._drive(run, extra))
@@ -118,6 +133,7 @@ class Calls:
                 await asyncio.wait({driver, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
             driver.result()  # PoolExhaustedError, or a failure of the source
+            await self._read_caches()  # what the servers' caches did, to the last answer
         finally:
             if not driver.done():
                 run.finish()  # every loop of the call ends on its own, then cancel
@@ -136,7 +152,8 @@ class Calls:
         if state.run is not None:
             raise RuntimeError("the pool runs one call at a time")
         state.prototype().encode_params(options, gen_kwargs)  # ValueError before anything
-        run = Run(state.config.batch_size, deliver, state.clock)
+        queue = GroupQueue(self._dispatcher.working) if state.config.prefix_affinity else None
+        run = Run(state.config.batch_size, deliver, state.clock, queue)
         state.run, state.loop = run, asyncio.get_running_loop()
         state.params, state.options = {}, (options, gen_kwargs)
         return run
@@ -186,6 +203,7 @@ class Calls:
         keys: dict[int, K],
         has_room: Callable[[Run], bool],
         room: asyncio.Event,
+        group: Callable[[K], Hashable | None] | None,
     ) -> None:
         """Admit samples from the caller's stream while the window has room."""
         index = 0
@@ -199,7 +217,7 @@ class Calls:
                     return
                 idle = not run.queue
                 keys[index] = key
-                run.admit(index, conversation)
+                run.admit(index, conversation, None if group is None else group(key))
                 index += 1
                 if idle:
                     run.notify()
@@ -207,6 +225,24 @@ class Calls:
             run.finish(failure=exc)
             return
         run.close_source()
+
+    async def _watch_caches(self, run: Run) -> None:
+        """Read the members' prefix-cache counters at the start of a stream and every
+        :data:`CACHE_EVERY` seconds (for the live view; the end reads them again)."""
+        while not run.finished:
+            await self._read_caches()
+            await self._state.clock.sleep(CACHE_EVERY)
+
+    async def _read_caches(self) -> None:
+        """Read each working member's prefix-cache counters from its ``/metrics``."""
+        timeout = min(self._state.config.health_check_timeout, CACHE_READ_TIMEOUT)
+        now = self._state.clock.now()
+        members = [m for m in self._state.members.values() if m.takes_work(now)]
+
+        async def read(member: Member) -> None:
+            member.prefix_cache.note(await member.client.aengine_load(timeout))
+
+        await asyncio.gather(*(read(m) for m in members))
 
     async def _watch_stop(self, run: Run, stop: asyncio.Event) -> None:
         """Once ``stop`` is set, take no new work and end when nothing is in flight."""

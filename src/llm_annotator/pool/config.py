@@ -54,6 +54,7 @@ class PoolConfig:
     max_server_faults: int = default.MAX_SERVER_FAULTS
     stall_window: float = default.STALL_WINDOW
     adaptive: bool = False
+    prefix_affinity: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -97,6 +98,7 @@ class PoolConfig:
         one_of("on_error", self.on_error, ON_ERROR_VALUES)
         object.__setattr__(self, "hedge_tail", bool(self.hedge_tail))
         object.__setattr__(self, "adaptive", bool(self.adaptive))
+        object.__setattr__(self, "prefix_affinity", bool(self.prefix_affinity))
 
 
 class FromConfig:

@@ -33,6 +33,9 @@ SHARE_WAIT = 0.1
 """Seconds an idle slot whose member's share of the end of a call is full waits
 before it looks again."""
 
+WARM_WAIT = 10.0
+"""Seconds a member's batch slots wait for its warm-up answer before they send anyway."""
+
 BURST = 32
 """Requests a slot sends at a time before it lets the event loop run: at the start
 every member gets work at once instead of one member's whole batches first."""
@@ -52,6 +55,11 @@ class Dispatcher:
         self._paces_at = float("-inf")
         self._paces_now: dict[Member, float] = {}
         self._total_pace = 0.0
+        self._released: set[Member] = set()
+        """Members whose queued groups went back to the queue when they stopped taking
+        work (see :meth:`_release`)."""
+        self._warming: dict[Member, tuple[asyncio.Future[None], float]] = {}
+        """Each member's warm-up request of the current call, and when it was sent."""
 
     def attach(self, run: Run, member: Member) -> None:
         """Start a member's probe loop and batch slots for this call."""
@@ -60,6 +68,8 @@ class Dispatcher:
         self._state.spawn(self._health.probe_loop(run, member))
         self._state.spawn(self._stall.watch(run, member))
         self._windows.start(member)
+        self._warming.pop(member, None)
+        self._released.discard(member)
         self._paces_at = float("-inf")  # a new call: read its paces afresh
         self._state.spawn(self._windows.watch(run, member))
         for _ in range(self._state.config.max_concurrent_batches_per_client):
@@ -71,8 +81,10 @@ class Dispatcher:
         """One of a member's batch slots: take a batch whenever the member can work."""
         while not run.finished:
             if member.state is MemberState.DISABLED or not self._state.is_member(member):
+                self._release(run, member)
                 return
             if member.state is MemberState.DRAINING:
+                self._release(run, member)
                 if not member.in_flight:
                     self._state.forget(member)
                     run.notify()
@@ -84,8 +96,13 @@ class Dispatcher:
                 # Not healthy: every change of state notifies, so a long wait is fine.
                 # Backing off: wake when the pause ends.
                 backing_off = member.state is MemberState.HEALTHY
+                if not backing_off:
+                    self._release(run, member)
                 wait = member.faults.backoff_until - now if backing_off else 1.0
                 await run.wait_for_change(min(max(wait, 0.05), 1.0))
+                continue
+            self._released.discard(member)
+            if run.warmup is not None and not await self._warm(run, member):
                 continue
             self._windows.restart_if_back(member)
             limit = self._room(run, member, 0)
@@ -95,7 +112,7 @@ class Dispatcher:
                 share_full = member.window.room(len(member.in_flight)) > 0
                 await run.wait_for_change(SHARE_WAIT if share_full else 1.0)
                 continue
-            batch = run.take(1, self._shunned_by(member), limit=limit)
+            batch = run.take(1, self._shunned_by(member), limit=limit, member=member.url)
             hedges = False
             if batch is None and self._hedges_now(run):
                 batch = self._hedge(run, member, limit)
@@ -104,6 +121,55 @@ class Dispatcher:
                 await run.wait_for_change(1.0)
                 continue
             await self._run_batch(run, member, batch, hedges=hedges)
+
+    def working(self) -> int:
+        """Members taking work now (at least one)."""
+        now = self._state.clock.now()
+        return max(1, sum(m.takes_work(now) for m in self._state.members.values()))
+
+    def _release(self, run: Run, member: Member) -> None:
+        """``member`` stopped taking work: the groups queued for it go to the others."""
+        if member not in self._released:
+            self._released.add(member)
+            self._warming.pop(member, None)  # back later: warm it again
+            held = run.queue.held().get(member.url, 0)
+            run.queue.release(member.url)  # and forget the groups it was home to
+            if held:
+                run.notify()
+                log.debug("groups_released", server=member.url, samples=held)
+
+    async def _warm(self, run: Run, member: Member) -> bool:
+        """Send ``run.warmup`` to ``member`` once before its first sample (its batch
+        slots wait for the one request); True once done, answered or not (a failed
+        warm-up costs only the cache it would have filled), or after
+        :data:`WARM_WAIT` seconds (a hung server is the stall watch's to find)."""
+        now = self._state.clock.now()
+        warming, since = self._warming.get(member, (None, now))
+        if warming is None:
+            warming = self._state.spawn(self._warm_up(run, member))
+            self._warming[member] = (warming, now)
+        if warming.done() or now - since >= WARM_WAIT:
+            return True
+        await run.wait_for_change(min(1.0, since + WARM_WAIT - now))
+        return warming.done()
+
+    async def _warm_up(self, run: Run, member: Member) -> None:
+        assert run.warmup is not None
+        state = self._state
+        options, gen_kwargs = state.options
+        one_token = {**(gen_kwargs or {}), "max_tokens": 1, "max_completion_tokens": 1}
+        params = member.client.encode_params(options, one_token)
+        started = state.clock.now()
+        try:
+            outcome = await member.client.asend(run.warmup, params)
+        finally:
+            run.notify()
+        log.debug(
+            "server_warmed",
+            server=member.url,
+            ok=isinstance(outcome, Response) and outcome.ok,
+            seconds=round(state.clock.now() - started, 3),
+        )
 
     def _shunned_by(self, member: Member) -> str | None:
         """``member``'s URL if samples that failed there should wait for another member
@@ -220,7 +286,7 @@ class Dispatcher:
         if room <= 0:
             return _NONE
         if run.queue:
-            return run.take(1, self._shunned_by(member), limit=room), False
+            return run.take(1, self._shunned_by(member), limit=room, member=member.url), False
         if room < HEDGE_ROOM or not self._hedges_now(run):
             return _NONE
         return self._hedge(run, member, room), True

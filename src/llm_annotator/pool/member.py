@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from llm_annotator.pool.affinity import PrefixCacheBook
 from llm_annotator.pool.health import HealthBook
 from llm_annotator.pool.lifecycle import NEXT, MemberState
 from llm_annotator.pool.policy import FaultBook
@@ -36,6 +37,10 @@ class MemberStatistics:
             is not counted: these are the duplicates its server got.
         in_flight: Requests it held when the snapshot was taken.
         last_error: The last failure it caused, or None.
+        prefix_cache_queries: Prompt tokens its server looked up in its prefix cache
+            since the pool first read its ``/metrics`` (read at the start and the end
+            of each stream), or None if it does not say.
+        prefix_cache_hits: Of those, the tokens found in the cache (not computed).
     """
 
     server: str
@@ -48,12 +53,29 @@ class MemberStatistics:
     hedged: int
     in_flight: int
     last_error: str | None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """The share of prompt tokens its server found in its prefix cache, or None.
+
+        Examples:
+            >>> MemberStatistics("http://a/v1", "healthy", 0, 0, 0, 0, 0, 0, 0, None,
+            ...                  prefix_cache_queries=800, prefix_cache_hits=600
+            ...                  ).prefix_cache_hit_rate
+            0.75
+        """
+        if not self.prefix_cache_queries or self.prefix_cache_hits is None:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 COUNTERS = tuple(
     f.name
     for f in fields(MemberStatistics)
     if f.name not in ("server", "state", "in_flight", "last_error")
+    and not f.name.startswith("prefix_cache")
 )
 """A member's counters (``completed`` to ``hedged``): what the run's report, timeline
 and metrics count per server, in :class:`MemberStatistics`' order."""
@@ -116,6 +138,7 @@ class Member:
         self.requeued = 0
         self.hedged = 0
         self.last_error: str | None = None
+        self.prefix_cache = PrefixCacheBook()
         self.on_move: Callable[[Member, MemberState], None] | None = None
         """Called with the member and its state before, after each change of state."""
 
@@ -222,6 +245,7 @@ class Member:
             hedged=self.hedged,
             in_flight=len(self.in_flight),
             last_error=self.last_error,
+            **self.prefix_cache.counts(),
         )
 
     def __repr__(self) -> str:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    Callable,
+    Hashable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import Any, TypeVar
 
 import structlog
@@ -72,6 +80,7 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
     max_server_faults = FromConfig()
     stall_window = FromConfig()
     adaptive = FromConfig()
+    prefix_affinity = FromConfig()
 
     def __init__(
         self,
@@ -98,6 +107,7 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
         max_server_faults: int = default.MAX_SERVER_FAULTS,
         stall_window: float = default.STALL_WINDOW,
         adaptive: bool = False,
+        prefix_affinity: bool = False,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         given = locals()  # the arguments, before anything else is named here
@@ -182,6 +192,8 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
         options: VLLMOnlineRuntimeOptions | None = None,
         gen_kwargs: dict[str, Any] | None = None,
         stop: asyncio.Event | None = None,
+        group: Callable[[K], Hashable | None] | None = None,
+        warmup: Messages | None = None,
     ) -> AsyncGenerator[tuple[K, Response], None]:
         """Generate for a stream of ``(key, conversation)`` pairs, yielding
         ``(key, Response)`` as each completes, in completion order.
@@ -200,12 +212,18 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
             gen_kwargs: Raw request parameters that override ``options``.
             stop: When set, no new work is taken: the requests in flight finish and
                 are yielded, then the stream ends. Samples not yet sent are dropped.
+            group: With ``prefix_affinity``, the group of a sample's key (samples of
+                one group share a long prefix: they go to one member while it has
+                room); None for a sample of no group. Ignored otherwise.
+            warmup: With ``prefix_affinity``, a conversation each member answers once
+                (one token) before its first sample: the prompts' shared prefix, so
+                that every server holds it in its cache. Ignored otherwise.
 
         Raises:
             PoolExhaustedError: Every server stayed down for ``all_down_timeout``
                 (after everything completed before was yielded).
         """
-        return self._calls.astream(samples, options, gen_kwargs, stop)
+        return self._calls.astream(samples, options, gen_kwargs, stop, group, warmup)
 
     # -- the rest of the Client contract -------------------------------------------------
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from llm_annotator.clients.base import Messages
 from llm_annotator.errors import PoolExhaustedError
+from llm_annotator.pool.affinity import FifoQueue, WorkQueue
 from llm_annotator.pool.clock import SYSTEM_CLOCK, Clock
 from llm_annotator.response import Response
 
@@ -55,13 +55,23 @@ class Run:
     Nothing here grows with the samples already delivered.
     """
 
-    def __init__(self, batch_size: int, deliver: Deliver, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        deliver: Deliver,
+        clock: Clock = SYSTEM_CLOCK,
+        queue: WorkQueue | None = None,
+    ) -> None:
         self.batch_size = batch_size
         self.clock = clock
         self.deliver = deliver
         self.open: dict[int, SampleState] = {}
         """Each open sample's conversation and history, the one place that holds them."""
-        self.queue: deque[int] = deque()
+        self.queue: WorkQueue = FifoQueue() if queue is None else queue
+        """The samples waiting to be sent (with prefix affinity, by group)."""
+        self.warmup: Messages | None = None
+        """A conversation each member answers once before its first sample (the
+        prompts' shared prefix), or None."""
         self.admitted = 0
         self.delivered = 0
         self.source_done = False
@@ -89,10 +99,10 @@ class Run:
     def stopping(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
-    def admit(self, index: int, messages: Messages) -> None:
-        """Add one sample at the back of the queue."""
+    def admit(self, index: int, messages: Messages, group: Hashable | None = None) -> None:
+        """Add one sample (of ``group``, for prefix affinity) at the back of the queue."""
         self.open[index] = SampleState(messages)
-        self.queue.append(index)
+        self.queue.push(index, group)
         self.admitted += 1
 
     def close_source(self) -> None:
@@ -139,42 +149,37 @@ class Run:
         """Put the samples that are still open back at the front of the queue."""
         open_ = [i for i in indices if i in self.open]
         if open_:
-            self.queue.extendleft(reversed(open_))
+            self.queue.push_front(open_)
             self.notify()
         return len(open_)
 
     def take(
-        self, slots: int = 1, avoid: str | None = None, limit: int | None = None
+        self,
+        slots: int = 1,
+        avoid: str | None = None,
+        limit: int | None = None,
+        member: str = "",
     ) -> list[int] | None:
-        """Open samples from the front; None if there are none.
+        """Open samples for ``member`` (its base URL); None if there are none.
 
         A batch holds ``batch_size`` samples (or ``limit``, if fewer), except once the
         source is done: then at
         most an even share of the queue over ``slots`` (the batch slots taking work),
         so the last samples spread over every member instead of ending up in a few
         full batches on the slowest. Samples whose last failure was the fault of the
-        member ``avoid`` are left at the front for another member.
+        member ``avoid`` are left at the front for another member. Which samples
+        the queue gives ``member`` is its own affair (see
+        :mod:`~llm_annotator.pool.affinity`).
         """
         if self.stopping:
             return None
         size = self.batch_size if limit is None else min(limit, self.batch_size)
         if self.source_done:
             size = max(1, min(size, -(-len(self.queue) // max(slots, 1))))
-        batch: list[int] = []
-        queue, open_ = self.queue, self.open
         shunned = avoid if self.avoiding else None
-        skipped: list[int] = []
-        while queue and len(batch) < size:
-            index = queue.popleft()
-            sample = open_.get(index)
-            if sample is not None:
-                if shunned is not None and sample.avoid == shunned:
-                    skipped.append(index)
-                else:
-                    batch.append(index)
-        if skipped:
-            queue.extendleft(reversed(skipped))
-        return batch or None
+        open_ = self.open
+        skip = None if shunned is None else (lambda index: open_[index].avoid == shunned)
+        return self.queue.take(member, size, open_, skip) or None
 
     def finish(
         self, error: PoolExhaustedError | None = None, failure: BaseException | None = None

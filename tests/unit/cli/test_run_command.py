@@ -191,3 +191,38 @@ def test_no_server_at_all_exits_3_with_how_to_resume(refused_url: str, tmp_path:
     assert done.returncode == 3, done.stderr[-2000:]
     assert refused_url in done.stderr
     assert "run the same command again to resume" in done.stderr
+
+
+def test_prefix_affinity_and_group_by_run_the_job_and_a_wrong_column_is_one_line(
+    fake_servers: Any, tmp_path: Path
+) -> None:
+    """``--prefix-affinity --group-by doc`` over two servers: every row once, each
+    document's rows on one server when they arrive together; a ``--group-by`` column
+    the input lacks stops before any request, in one line."""
+    servers = fake_servers(2)
+    data = tmp_path / "docs.jsonl"
+    data.write_bytes(
+        b"".join(orjson.dumps({"text": f"t{i}", "doc": i // 4}) + b"\n" for i in range(80))
+    )
+    out = tmp_path / "run"
+    argv = [
+        *command(servers[0], data, out, "--prefix-affinity", "--group-by", "doc"),
+        "--servers",
+        servers[0].base_url,
+        servers[1].base_url,
+    ]
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    table = pq.read_table(out / "annotations.parquet").to_pylist()
+    assert sorted(r["text"] for r in table) == sorted(f"t{i}" for i in range(80))
+    servers_of: dict[int, set[str]] = {}
+    for record in table:
+        servers_of.setdefault(record["doc"], set()).add(record["server"])
+    assert sum(len(s) == 1 for s in servers_of.values()) >= 15, servers_of
+    sent = len(servers[0].requests)
+    bad = command(servers[0], data, tmp_path / "bad", "--prefix-affinity", "--group-by", "dok")
+    refused = subprocess.run(bad, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    assert refused.returncode == 1
+    err = refused.stderr.decode()
+    assert "group_by column 'dok' is not in the input" in err and "Traceback" not in err
+    assert len(servers[0].requests) == sent  # refused before any request

@@ -89,14 +89,16 @@ def test_a_fault_streak_counts_samples_not_answers() -> None:
 
 def test_a_member_keeps_each_concern_in_a_book_that_concern_defines() -> None:
     """A member holds its identity, its state, what it holds and its public counters;
-    what stall detection, the window, the health checks and the failure rules count
-    of it lives in one book each, defined (and written) by that concern's module."""
+    what stall detection, the window, the health checks, the failure rules and the
+    prefix cache count of it lives in one book each, defined (and written) by that
+    concern's module."""
     member = member_in(S.JOINING)
     books = {
         "stall": "llm_annotator.pool.stall",
         "window": "llm_annotator.pool.window",
         "health": "llm_annotator.pool.health",
         "faults": "llm_annotator.pool.policy",
+        "prefix_cache": "llm_annotator.pool.affinity",
     }
     for name, module in books.items():
         assert type(getattr(member, name)).__module__ == module

@@ -128,6 +128,7 @@ class JobRun:
         rows: Iterator[Row] | AsyncIterator[Row | None],
         template: PromptTemplate,
         system_message: str | None,
+        group_by: str | None = None,
         builder: RecordBuilder,
         schema: OutputSchema | None,
         store: ResultStore | Sink,
@@ -140,6 +141,7 @@ class JobRun:
         self.rows = rows
         self.template = template
         self.system_message = system_message
+        self.group_by = group_by
         self.builder = builder
         self.schema = schema
         self.validate = validate
@@ -180,6 +182,8 @@ class JobRun:
             stop=interrupt.stop,
             batch_size=cadence.batch_size,
             max_concurrent_batches=cadence.max_concurrent_batches,
+            group=self._group,
+            warmup=self._warmup(),
         )
         pump = asyncio.ensure_future(self._pump(results))
         try:
@@ -271,6 +275,21 @@ class JobRun:
         finally:
             if timer is not None:
                 timer.cancel()
+
+    def _group(self, item: _Item) -> int:
+        """The group of a request, for prefix affinity: a hash of the ``group_by``
+        column's value, or else of the template's first field's (the end of the
+        prompt's first row-specific part)."""
+        column = self.group_by or self.template.fields[0]
+        return hash(str(item.values.get(column)))
+
+    def _warmup(self) -> Messages | None:
+        """The conversation of the prompts' shared prefix (the system message and the
+        template's text before its first field), or None if there is none to cache."""
+        head = self.template.head
+        if not head.strip() and not self.system_message:
+            return None
+        return build_messages(head, self.system_message)
 
     async def _requests(self) -> AsyncIterator[tuple[_Item, Messages]]:
         """Rows not done yet, as prompts; regenerations go first. Rows that need no

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Hashable
 from typing import Any, TypeVar
 
 from llm_annotator.clients.base import Client, Messages
@@ -26,15 +26,25 @@ def stream(
     stop: asyncio.Event,
     batch_size: int,
     max_concurrent_batches: int,
+    group: Callable[[K], Hashable | None] | None = None,
+    warmup: Messages | None = None,
 ) -> AsyncGenerator[tuple[K, Response], None]:
     """``(key, Response)`` pairs as they complete, for any client.
 
-    A :class:`Streamer` (the pool) streams on its own. Any other
+    A :class:`Streamer` (the pool) streams on its own, with ``group`` and ``warmup``
+    for its prefix affinity (see :meth:`~llm_annotator.pool.QueuePool.astream`). Any other
     client gets batches of ``batch_size`` through ``abatch_generate``, up to
     ``max_concurrent_batches`` at once, each yielded when it completes.
     """
     if isinstance(client, Streamer):
-        return client.astream(samples, options=options, gen_kwargs=gen_kwargs, stop=stop)
+        return client.astream(
+            samples,
+            options=options,
+            gen_kwargs=gen_kwargs,
+            stop=stop,
+            group=group,
+            warmup=warmup,
+        )
     return _batched(client, samples, options, gen_kwargs, stop, batch_size, max_concurrent_batches)
 
 

@@ -45,6 +45,13 @@ def job_report(
                 "state": member.state,
                 **{name: getattr(member, name) for name in COUNTERS},
             }
+            rate = member.prefix_cache_hit_rate
+            if rate is not None:  # the server's /metrics say it
+                per_server[member.server].update(
+                    prefix_cache_queries=member.prefix_cache_queries,
+                    prefix_cache_hits=member.prefix_cache_hits,
+                    prefix_cache_hit_rate=round(rate, 4),
+                )
     elapsed = max(seconds, 1e-9)
     return {
         **result_summary(result),

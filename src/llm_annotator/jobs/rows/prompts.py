@@ -9,13 +9,13 @@ reach into a value's attributes or items (``{text.__class__}`` is refused up fro
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from string import Formatter
 from typing import Any
 
 import orjson
 
-from llm_annotator.errors import PromptError
+from llm_annotator.errors import InputError, PromptError
 
 _CONVERSIONS: dict[str, Callable[[object], str]] = {"r": repr, "s": str, "a": ascii}
 _MAX_LISTED_COLUMNS = 30
@@ -84,6 +84,16 @@ class PromptTemplate:
 
     def __repr__(self) -> str:
         return f"PromptTemplate({self.template!r})"
+
+    @property
+    def head(self) -> str:
+        """The text before the first field: every prompt starts with it.
+
+        Examples:
+            >>> PromptTemplate("Rate this review.\n\nReview: {text}").head
+            'Rate this review.\n\nReview: '
+        """
+        return self._head
 
     def check_columns(self, columns: Iterable[str], where: str) -> None:
         """Check that every field of the template is one of ``columns``.
@@ -236,3 +246,41 @@ def _list_columns(columns: list[str]) -> str:
 def _short(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_job_columns(
+    template: PromptTemplate,
+    columns: Sequence[str],
+    where: str,
+    *,
+    keep: Sequence[str] | None = None,
+    group_by: str | None = None,
+) -> None:
+    """Check a job's use of an input's ``columns``: the template's fields, the columns
+    to keep and the ``group_by`` column.
+
+    Raises:
+        PromptError: A template field names no column (see
+            :meth:`PromptTemplate.check_columns`).
+        InputError: A column to keep or the ``group_by`` column is not in ``columns``.
+
+    Examples:
+        >>> check_job_columns(PromptTemplate("{text}"), ["text"], "a.csv", group_by="doc")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.InputError: a.csv: the group_by column 'doc' is not in the input; its columns are ['text']
+    """  # noqa: E501
+    template.check_columns(columns, where)
+    available = list(columns)
+    if keep is not None:
+        unknown = [c for c in keep if c not in available]
+        if unknown:
+            raise InputError(
+                f"{where}: columns to keep {unknown} are not in the input; "
+                f"its columns are {available}"
+            )
+    if group_by is not None and group_by not in available:
+        raise InputError(
+            f"{where}: the group_by column {group_by!r} is not in the input; "
+            f"its columns are {available}"
+        )
