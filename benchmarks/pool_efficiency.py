@@ -41,6 +41,7 @@ non-zero only when the harness fails (a server does not start, a run raises).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import math
 import os
@@ -66,9 +67,16 @@ POLL = 0.05
 """Seconds between two reads of the pool's completed count."""
 TARGET_RATIO = 1.02
 TARGET_FAULT_SLACK = 0.5
-DISPATCHES = ("adaptive", "window")
+DISPATCHES = ("adaptive", "window", "stream", "affinity")
 """This version's dispatch with ``adaptive=True``, and the same with its default
-``adaptive=False``."""
+``adaptive=False``; by default the runs use these two. ``stream`` sends the same
+conversations through ``astream`` (the input read as the call goes, as a job does), and
+``affinity`` the same with ``prefix_affinity=True`` and the samples in groups of
+:data:`GROUP_SIZE` (the simulated servers cache nothing: this shows only what the
+grouping costs the makespan)."""
+DEFAULT_DISPATCHES = ("adaptive", "window")
+GROUP_SIZE = 40
+"""Samples of one group in the ``affinity`` dispatch (spread over the input)."""
 RESULT = "RESULT "
 """The marker of a worker's result line."""
 DEFAULT_SERVERS = "A:20:32,B:40:32,C:60:24,D:80:16"
@@ -181,8 +189,22 @@ def run_once(
         batch_size=batch_size,
         max_concurrent_batches_per_client=batches_per_server,
         adaptive=mode == "adaptive",
+        prefix_affinity=mode == "affinity",
     )
     messages = harness.sample_conversations(samples)
+    groups = max(1, samples // GROUP_SIZE)
+
+    async def through_stream() -> list[Any]:
+        responses: list[Any] = [None] * samples
+        try:
+            async for index, response in pool.astream(
+                enumerate(messages), group=lambda index: index % groups
+            ):
+                responses[index] = response
+        finally:
+            await pool.aclose()  # its connections belong to this thread's loop
+        return responses
+
     outcome: dict[str, Any] = {}
     started = threading.Event()
 
@@ -190,7 +212,10 @@ def run_once(
         outcome["start"] = time.monotonic()
         started.set()
         try:
-            outcome["responses"] = pool.batch_generate(messages=messages)
+            if mode in ("stream", "affinity"):
+                outcome["responses"] = asyncio.run(through_stream())
+            else:
+                outcome["responses"] = pool.batch_generate(messages=messages)
         except BaseException as exc:  # shown by the main thread
             outcome["error"] = exc
         outcome["end"] = time.monotonic()
@@ -464,9 +489,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-fault", action="store_true", help="skip the fault runs")
     parser.add_argument(
         "--dispatch",
-        default=",".join(DISPATCHES),
-        help="dispatches to compare: adaptive (adaptive=True), window (the default) "
-        f"({','.join(DISPATCHES)})",
+        default=",".join(DEFAULT_DISPATCHES),
+        help="dispatches to compare: adaptive (adaptive=True), window (the default), "
+        "stream (the default through astream), affinity (astream with "
+        f"prefix_affinity=True, groups of {GROUP_SIZE}) ({','.join(DEFAULT_DISPATCHES)})",
     )
     _against.add_against(parser, "the default dispatch (in the efficiency table)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

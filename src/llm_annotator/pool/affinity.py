@@ -9,10 +9,12 @@ keeps a group's samples together for one member, its *home*:
 - Then new groups, in the order they arrived: the member that takes a group becomes
   its home, so its later samples follow it there while they meet a warm cache.
 - A member with room and nothing of its own or new left takes from the member whose
-  own queue is longest (no member idles while work waits); a group it takes this way
-  moves to it whole.
+  own queue is longest (no member idles while work waits): the group that member
+  would reach last, which moves to it whole.
 - Bounded load: a group goes to its remembered home only while that member holds at
-  most :func:`load_bound` queued samples; else it starts afresh for any member.
+  most :func:`load_bound` queued samples; else it starts afresh for any member. (The
+  bound is on giving groups a home: samples that join a group already queued at its
+  home join it there, and idle members take the coldest groups of the fullest.)
 - A member that stops taking work hands its groups back (:meth:`GroupQueue.release`).
 
 Both queues count entries, not open samples: a sample closed while queued (answered
@@ -226,7 +228,7 @@ class GroupQueue:
 
     def _next(self, member: str) -> Hashable | None:
         """The next group for ``member`` to take, out of the lines (its own, else the
-        oldest new one, else the first of the member that holds the most), with
+        oldest new one, else the last of the member that holds the most), with
         ``member`` its home now; None if nothing is queued."""
         own = self._own.get(member)
         if own:
@@ -243,7 +245,7 @@ class GroupQueue:
             )
             if victim is None:
                 return None
-            group = self._own[victim].popleft()
+            group = self._own[victim].pop()  # the one it would reach last: coldest
             self._load[victim] -= len(self._groups[group])
         if not isinstance(group, _Single):
             self._homes[group] = member

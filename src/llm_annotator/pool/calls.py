@@ -39,6 +39,8 @@ K = TypeVar("K")
 
 CACHE_EVERY = 30.0
 """Seconds between two reads of the members' prefix-cache counters during a stream."""
+CACHE_FIRST_EVERY = 2.0
+"""The same, while some member has not been read yet (it was starting, or down)."""
 CACHE_READ_TIMEOUT = 2.0
 """Seconds one such read may take (a server that does not answer is read next time)."""
 
@@ -114,6 +116,8 @@ class Calls:
         run.stop = stop
         affinity = config.prefix_affinity
         run.warmup = warmup if affinity else None
+        if affinity and group is not None:
+            run.queue = GroupQueue(self._dispatcher.working)
         extra = [
             self._feed(run, samples, keys, has_room, room, group if affinity else None),
             self._watch_caches(run),
@@ -152,8 +156,7 @@ class Calls:
         if state.run is not None:
             raise RuntimeError("the pool runs one call at a time")
         state.prototype().encode_params(options, gen_kwargs)  # ValueError before anything
-        queue = GroupQueue(self._dispatcher.working) if state.config.prefix_affinity else None
-        run = Run(state.config.batch_size, deliver, state.clock, queue)
+        run = Run(state.config.batch_size, deliver, state.clock)
         state.run, state.loop = run, asyncio.get_running_loop()
         state.params, state.options = {}, (options, gen_kwargs)
         return run
@@ -227,20 +230,34 @@ class Calls:
         run.close_source()
 
     async def _watch_caches(self, run: Run) -> None:
-        """Read the members' prefix-cache counters at the start of a stream and every
-        :data:`CACHE_EVERY` seconds (for the live view; the end reads them again)."""
+        """Read the members' prefix-cache counters at the start of a stream, every
+        :data:`CACHE_FIRST_EVERY` seconds until each member has a first reading, then
+        every :data:`CACHE_EVERY` seconds (the end of the stream reads them again)."""
         while not run.finished:
-            await self._read_caches()
-            await self._state.clock.sleep(CACHE_EVERY)
+            await self._read_caches(every=True)
+            known = all(
+                m.prefix_cache.last is not None or m.state is MemberState.DISABLED
+                for m in self._state.members.values()
+            )
+            await self._state.clock.sleep(CACHE_EVERY if known else CACHE_FIRST_EVERY)
 
-    async def _read_caches(self) -> None:
-        """Read each working member's prefix-cache counters from its ``/metrics``."""
+    async def _read_caches(self, *, every: bool = False) -> None:
+        """Read the members' prefix-cache counters from their ``/metrics``: every member
+        but a disabled one (``every``), or those taking work. A read that fails is
+        skipped: the next one counts what grew meanwhile."""
         timeout = min(self._state.config.health_check_timeout, CACHE_READ_TIMEOUT)
         now = self._state.clock.now()
-        members = [m for m in self._state.members.values() if m.takes_work(now)]
+        members = [
+            m
+            for m in self._state.members.values()
+            if (m.state is not MemberState.DISABLED if every else m.takes_work(now))
+        ]
 
         async def read(member: Member) -> None:
-            member.prefix_cache.note(await member.client.aengine_load(timeout))
+            try:
+                member.prefix_cache.note(await member.client.aengine_load(timeout))
+            except Exception as exc:  # a statistic: never the call's failure
+                log.debug("prefix_cache_unread", server=member.url, error=repr(exc))
 
         await asyncio.gather(*(read(m) for m in members))
 

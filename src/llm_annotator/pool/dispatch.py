@@ -131,7 +131,9 @@ class Dispatcher:
         """``member`` stopped taking work: the groups queued for it go to the others."""
         if member not in self._released:
             self._released.add(member)
-            self._warming.pop(member, None)  # back later: warm it again
+            warming, _ = self._warming.pop(member, (None, 0.0))  # back later: warm again
+            if warming is not None:
+                warming.cancel()
             held = run.queue.held().get(member.url, 0)
             run.queue.release(member.url)  # and forget the groups it was home to
             if held:
@@ -157,17 +159,27 @@ class Dispatcher:
         assert run.warmup is not None
         state = self._state
         options, gen_kwargs = state.options
-        one_token = {**(gen_kwargs or {}), "max_tokens": 1, "max_completion_tokens": 1}
-        params = member.client.encode_params(options, one_token)
+        one_token = {
+            **(gen_kwargs or {}),
+            "max_tokens": 1,
+            "max_completion_tokens": 1,
+            "min_tokens": 0,
+        }
         started = state.clock.now()
         try:
+            params = member.client.encode_params(options, one_token)
             outcome = await member.client.asend(run.warmup, params)
+        except Exception as exc:  # a warm-up is a favour: it never ends the call
+            log.warning("server_warm_up_failed", server=member.url, error=repr(exc))
+            return
         finally:
             run.notify()
+        ok = isinstance(outcome, Response) and outcome.ok
         log.debug(
             "server_warmed",
             server=member.url,
-            ok=isinstance(outcome, Response) and outcome.ok,
+            ok=ok,
+            error=None if ok else str(getattr(outcome, "error", outcome)),
             seconds=round(state.clock.now() - started, 3),
         )
 
@@ -281,6 +293,8 @@ class Dispatcher:
         if run.finished:
             return _NONE
         if not member.takes_work(self._state.clock.now()) or not self._state.is_member(member):
+            if member.state is not MemberState.HEALTHY or not self._state.is_member(member):
+                self._release(run, member)  # its slots may hold requests for a while
             return _NONE
         room = self._room(run, member, holding)
         if room <= 0:

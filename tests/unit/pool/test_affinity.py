@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from llm_annotator import ErrorKind, Response, VLLMQueueAnnotator
+from llm_annotator.clients.metrics import EngineLoad
 from llm_annotator.errors import ServerConnectError
 from llm_annotator.pool import dispatch
 from llm_annotator.pool.affinity import MIN_LOAD, GroupQueue, load_bound
@@ -56,16 +57,17 @@ def test_samples_without_a_group_are_taken_in_order_by_whoever_is_free() -> None
 
 
 def test_an_idle_member_takes_from_the_member_that_holds_most() -> None:
-    """Nothing new is left: b takes a's groups (whole) rather than idle."""
+    """Nothing new is left: b takes a's groups (whole, the ones a would reach last)
+    rather than idle."""
     queue = queue_of(["d1", "d2", "d3"])
     assert queue.take("a", 3, OPEN, None) == [0, 1, 2]
     for index, group in enumerate(["d1", "d1", "d2", "d2", "d3"], start=3):
         queue.push(index, group)
     assert queue.held() == {"a": 5}
-    assert queue.take("b", 2, OPEN, None) == [3, 4]  # d1, whole: b's now
-    queue.push(8, "d1")
-    assert queue.take("a", 3, OPEN, None) == [5, 6, 7]
-    assert queue.take("b", 9, OPEN, None) == [8]
+    assert queue.take("b", 2, OPEN, None) == [7, 5]  # d3, then d2: b's now
+    queue.push(8, "d2")
+    assert queue.take("a", 2, OPEN, None) == [3, 4]
+    assert queue.take("b", 9, OPEN, None) == [6, 8]
 
 
 def test_a_remembered_home_takes_its_group_only_within_the_load_bound() -> None:
@@ -277,6 +279,40 @@ def test_a_warm_up_that_never_answers_holds_the_member_back_only_briefly() -> No
     assert len(answers) == 40
     assert clock.now() < dispatch.WARM_WAIT + 5
     assert all(sum(server.groups.values()) for server in servers)
+
+
+def test_each_members_prefix_cache_hit_rate_is_in_the_statistics_of_its_first_stream() -> None:
+    """The servers count 100 prompt tokens a request, 80 of them cached when the
+    document was seen there before; the pool's statistics give what grew during the
+    stream, from the first reading (taken as the stream starts) to the last."""
+
+    class Counting(CachingClient):
+        queries = hits = 0
+
+        async def asend(self, messages: Any, params: bytes) -> Response | Any:
+            self.queries += 100
+            self.hits += 80 if messages[-1]["content"].split("|")[0] in self.seen else 0
+            return await super().asend(messages, params)
+
+        async def aengine_load(self, timeout: float = 5.0) -> EngineLoad | None:
+            await self.clock.sleep(0.001)
+            return EngineLoad(0, 0, prefix_cache_queries=self.queries, prefix_cache_hits=self.hits)
+
+    clock = FakeClock()
+    servers = [Counting(f"http://s{i}:1/v1", clock, hit=0.02, miss=0.1) for i in range(2)]
+    stats = {}
+
+    async def scenario() -> None:
+        async with VLLMQueueAnnotator(clients=servers, clock=clock, prefix_affinity=True) as pool:
+            await annotate(pool, shuffled_questions(50, 4))
+            stats.update({m.server: m for m in pool.statistics().members})
+
+    asyncio.run(scenario())
+    for server in servers:
+        member = stats[server.base_url]
+        assert member.prefix_cache_queries == server.queries > 0
+        assert member.prefix_cache_hits == server.hits
+        assert member.prefix_cache_hit_rate == server.hits / server.queries
 
 
 def test_without_affinity_groups_and_the_warm_up_are_ignored() -> None:

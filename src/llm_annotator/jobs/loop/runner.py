@@ -276,12 +276,13 @@ class JobRun:
             if timer is not None:
                 timer.cancel()
 
-    def _group(self, item: _Item) -> int:
+    def _group(self, item: _Item) -> int | None:
         """The group of a request, for prefix affinity: a hash of the ``group_by``
         column's value, or else of the template's first field's (the end of the
-        prompt's first row-specific part)."""
-        column = self.group_by or self.template.fields[0]
-        return hash(str(item.values.get(column)))
+        prompt's first row-specific part); None (a group of its own) for a row
+        without a value there."""
+        value = item.values.get(self.group_by or self.template.fields[0])
+        return None if value is None else hash(str(value))
 
     def _warmup(self) -> Messages | None:
         """The conversation of the prompts' shared prefix (the system message and the
