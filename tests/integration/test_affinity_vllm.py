@@ -35,13 +35,13 @@ WORDS = ["river", "stone", "garden", "window", "letter", "silver", "morning", "h
 
 
 def documents(count: int, questions: int, *, seed: int) -> list[dict[str, Any]]:
-    """``count`` documents of about 120 words (each with a word of this call alone),
+    """``count`` documents of 40 words (each with a word of this call alone),
     ``questions`` rows each, shuffled so that a document's rows lie far apart."""
     salt = uuid.uuid4().hex
     draw = random.Random(seed)
     rows = []
     for d in range(count):
-        text = f"{salt} document {d}: " + " ".join(draw.choice(WORDS) for _ in range(120))
+        text = f"{salt} document {d}: " + " ".join(draw.choice(WORDS) for _ in range(40))
         for q in range(questions):
             rows.append({"id": f"d{d}-q{q}", "doc": d, "document": text, "question": f"q{q}?"})
     draw.shuffle(rows)
