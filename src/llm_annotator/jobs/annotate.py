@@ -318,7 +318,7 @@ class Annotator:
         else:  # the scan finds and counts the shard's rows as well
             selection = await asyncio.to_thread(shard.select, source)
             input_rows, total = selection.rows, selection.taken
-        _check_columns(source, template, spec)
+        check_job_columns(template, source, keep=spec.columns, group_by=spec.group_by)
         try:
             await asyncio.to_thread(Path(spec.output_dir).mkdir, parents=True, exist_ok=True)
         except OSError as error:  # before asking any server: the run could not be kept
@@ -522,17 +522,6 @@ def _not_sharded(run_dir: Path) -> None:
             f"{run_dir} is split into {said['count']} shards: run each with --shard "
             f"INDEX/{said['count']} (shard=(index, {said['count']})), or merge what they "
             f"did with llm-annotator merge {run_dir}"
-        )
-
-
-def _check_columns(source: RowSource, template: PromptTemplate, spec: JobSpec) -> None:
-    if source.columns is not None:
-        check_job_columns(
-            template,
-            source.columns,
-            source.description,
-            keep=spec.columns,
-            group_by=spec.group_by,
         )
 
 

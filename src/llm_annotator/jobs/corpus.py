@@ -576,14 +576,7 @@ def _check_columns(unit: Unit, template: PromptTemplate, spec: JobSpec) -> None:
     """The template's fields and the columns to keep, against the first unit's columns
     (where its format says them up front)."""
     source = unit.source(spec.id_column)
-    if source.columns is not None:
-        check_job_columns(
-            template,
-            source.columns,
-            source.description,
-            keep=spec.columns,
-            group_by=spec.group_by,
-        )
+    check_job_columns(template, source, keep=spec.columns, group_by=spec.group_by)
 
 
 def _recorded(run_dir: Path) -> dict[str, Any] | None:

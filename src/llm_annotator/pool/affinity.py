@@ -89,19 +89,11 @@ class FifoQueue:
         ``open_`` is the open samples (a sample not in it is dropped); ``avoid`` says
         which ones to leave at the front for another member.
         """
-        line = self._line
         batch: list[int] = []
         skipped: list[int] = []
-        while line and len(batch) < size:
-            index = line.popleft()
-            if index not in open_:
-                continue
-            if avoid is not None and avoid(index):
-                skipped.append(index)
-            else:
-                batch.append(index)
+        _cut(self._line, size, open_, avoid, batch, skipped)
         if skipped:
-            line.extendleft(reversed(skipped))
+            self._line.extendleft(reversed(skipped))
         return batch
 
     def release(self, member: str) -> None:
@@ -189,15 +181,7 @@ class GroupQueue:
             if group is None:
                 break
             samples = self._groups[group]
-            while samples and len(batch) < size:
-                index = samples.popleft()
-                self._count -= 1
-                if index not in open_:
-                    continue
-                if avoid is not None and avoid(index):
-                    skipped.append(index)
-                else:
-                    batch.append(index)
+            self._count -= _cut(samples, size, open_, avoid, batch, skipped)
             if samples:  # the batch is full: the rest of the group waits for its home
                 self._own.setdefault(member, deque()).appendleft(group)
                 self._load[member] = self._load.get(member, 0) + len(samples)
@@ -257,6 +241,29 @@ class GroupQueue:
                 else:
                     del self._homes[oldest]
         return group
+
+
+def _cut(
+    line: deque[int],
+    size: int,
+    open_: Mapping[int, Any],
+    avoid: Skip | None,
+    batch: list[int],
+    skipped: list[int],
+) -> int:
+    """Move samples from the front of ``line`` into ``batch`` until it holds ``size``:
+    closed ones are dropped, avoided ones go to ``skipped``. How many left ``line``."""
+    taken = 0
+    while line and len(batch) < size:
+        index = line.popleft()
+        taken += 1
+        if index not in open_:
+            continue
+        if avoid is not None and avoid(index):
+            skipped.append(index)
+        else:
+            batch.append(index)
+    return taken
 
 
 class _Single:

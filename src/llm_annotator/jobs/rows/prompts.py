@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from string import Formatter
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -90,8 +90,8 @@ class PromptTemplate:
         """The text before the first field: every prompt starts with it.
 
         Examples:
-            >>> PromptTemplate("Rate this review.\n\nReview: {text}").head
-            'Rate this review.\n\nReview: '
+            >>> PromptTemplate("Rate this review: {text} (1 to 5)").head
+            'Rate this review: '
         """
         return self._head
 
@@ -248,16 +248,25 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class Columns(Protocol):
+    """An input that may say its columns up front (a row source)."""
+
+    @property
+    def columns(self) -> Sequence[str] | None: ...
+
+    @property
+    def description(self) -> str: ...
+
+
 def check_job_columns(
     template: PromptTemplate,
-    columns: Sequence[str],
-    where: str,
+    source: Columns,
     *,
     keep: Sequence[str] | None = None,
     group_by: str | None = None,
 ) -> None:
-    """Check a job's use of an input's ``columns``: the template's fields, the columns
-    to keep and the ``group_by`` column.
+    """Check a job's use of an input's columns, where it says them up front: the
+    template's fields, the columns to keep and the ``group_by`` column.
 
     Raises:
         PromptError: A template field names no column (see
@@ -265,13 +274,18 @@ def check_job_columns(
         InputError: A column to keep or the ``group_by`` column is not in ``columns``.
 
     Examples:
-        >>> check_job_columns(PromptTemplate("{text}"), ["text"], "a.csv", group_by="doc")
+        >>> from types import SimpleNamespace
+        >>> source = SimpleNamespace(columns=["text"], description="a.csv")
+        >>> check_job_columns(PromptTemplate("{text}"), source, group_by="doc")
         Traceback (most recent call last):
         ...
         llm_annotator.errors.InputError: a.csv: the group_by column 'doc' is not in the input; its columns are ['text']
     """  # noqa: E501
-    template.check_columns(columns, where)
-    available = list(columns)
+    if source.columns is None:
+        return
+    where = source.description
+    template.check_columns(source.columns, where)
+    available = list(source.columns)
     if keep is not None:
         unknown = [c for c in keep if c not in available]
         if unknown:
