@@ -41,6 +41,8 @@ CACHE_EVERY = 30.0
 """Seconds between two reads of the members' prefix-cache counters during a stream."""
 CACHE_FIRST_EVERY = 2.0
 """The same, while some member has not been read yet (it was starting, or down)."""
+CACHE_FIRST_READS = 10
+"""Reads that often at most: then every :data:`CACHE_EVERY` seconds, whatever is known."""
 CACHE_READ_TIMEOUT = 2.0
 """Seconds one such read may take (a server that does not answer is read next time)."""
 
@@ -231,11 +233,14 @@ class Calls:
 
     async def _watch_caches(self, run: Run) -> None:
         """Read the members' prefix-cache counters at the start of a stream, every
-        :data:`CACHE_FIRST_EVERY` seconds until each member has a first reading, then
+        :data:`CACHE_FIRST_EVERY` seconds until each member has a first reading (at
+        most :data:`CACHE_FIRST_READS` times: a server may not export them), then
         every :data:`CACHE_EVERY` seconds (the end of the stream reads them again)."""
+        reads = 0
         while not run.finished:
             await self._read_caches(every=True)
-            known = all(
+            reads += 1
+            known = reads >= CACHE_FIRST_READS or all(
                 m.prefix_cache.last is not None or m.state is MemberState.DISABLED
                 for m in self._state.members.values()
             )
