@@ -38,8 +38,8 @@ class MemberStatistics:
         in_flight: Requests it held when the snapshot was taken.
         last_error: The last failure it caused, or None.
         prefix_cache_queries: Prompt tokens its server looked up in its prefix cache
-            since the pool first read its ``/metrics`` (read at the start and the end
-            of each stream), or None if it does not say.
+            since the pool first read its ``/metrics`` (read at the start of each
+            stream, every 30 s during it and at its end), or None if it does not say.
         prefix_cache_hits: Of those, the tokens found in the cache (not computed).
     """
 

@@ -55,20 +55,15 @@ class Run:
     Nothing here grows with the samples already delivered.
     """
 
-    def __init__(
-        self,
-        batch_size: int,
-        deliver: Deliver,
-        clock: Clock = SYSTEM_CLOCK,
-        queue: WorkQueue | None = None,
-    ) -> None:
+    def __init__(self, batch_size: int, deliver: Deliver, clock: Clock = SYSTEM_CLOCK) -> None:
         self.batch_size = batch_size
         self.clock = clock
         self.deliver = deliver
         self.open: dict[int, SampleState] = {}
         """Each open sample's conversation and history, the one place that holds them."""
-        self.queue: WorkQueue = FifoQueue() if queue is None else queue
-        """The samples waiting to be sent (with prefix affinity, by group)."""
+        self.queue: WorkQueue = FifoQueue()
+        """The samples waiting to be sent (a stream with prefix affinity sets a
+        :class:`~llm_annotator.pool.affinity.GroupQueue` before its first sample)."""
         self.warmup: Messages | None = None
         """A conversation each member answers once before its first sample (the
         prompts' shared prefix), or None."""
