@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         server_is_healthy,
     )
     from llm_annotator.jobs import AnnotationResult, Annotator, OutputSchema, PromptTemplate
+    from llm_annotator.pipeline import Pipeline, Step
     from llm_annotator.pool import (
         DirectorySource,
         DnsSource,
@@ -85,6 +86,8 @@ _LAZY = {
     "ServerDiscovery": "llm_annotator.pool",
     "ServerSource": "llm_annotator.pool",
     "VLLMQueueAnnotator": "llm_annotator.annotator",
+    "Pipeline": "llm_annotator.pipeline",
+    "Step": "llm_annotator.pipeline",
 }
 """The public names imported on first use, and the module of each."""
 
@@ -118,6 +121,7 @@ __all__ = [
     "OutputSchema",
     "OutputWriteError",
     "OversizedResponseError",
+    "Pipeline",
     "PoolExhaustedError",
     "PoolStatistics",
     "PromptError",
@@ -133,6 +137,7 @@ __all__ = [
     "ServerSource",
     "ServersUnusableError",
     "StatusError",
+    "Step",
     "TLSError",
     "TransportError",
     "VLLMBaseRuntimeOptions",

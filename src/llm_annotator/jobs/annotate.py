@@ -67,7 +67,7 @@ from llm_annotator.jobs.rundir.store import (
 )
 from llm_annotator.jobs.shards.merge import merge_if_complete
 from llm_annotator.jobs.shards.shard import SHARDING_FILE, Shard, claim, read_sharding
-from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice, validator_name
+from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice
 from llm_annotator.jobs.watch.live_metrics import LiveMetrics
 from llm_annotator.jobs.watch.observer import Observer
 from llm_annotator.jobs.watch.progress import Progress
@@ -207,6 +207,12 @@ class Annotator:
                 is generated again, as one that does not follow the output schema, then
                 kept as an ``invalid_output`` error row. Recorded by name in the
                 fingerprint.
+            postprocess (Callable[[dict, Any], Mapping | None] | None): Called with each
+                accepted answer: the row's input columns and the answer (the parsed
+                values with an output schema or ``validate``, else the text); the dict
+                it returns adds columns to the row's output. An exception it raises
+                makes the answer invalid, as a ``validate`` refusal does. Recorded by
+                name in the fingerprint.
             shard (tuple[int, int] | str | None): ``(index, count)``, ``"INDEX/COUNT"`` or
                 ``"auto"``: this process takes only the rows whose id hashes to shard
                 ``index`` of ``count``, kept in ``output_dir/shard-IIII-of-NNNN``; the
@@ -309,8 +315,7 @@ class Annotator:
                 "in a run directory of its own"
             )
         retry = retry_choice(spec.retry_errors)
-        if spec.validate is not None and not callable(spec.validate):
-            raise ConfigurationError(f"validate must be a callable, got {spec.validate!r}")
+        spec.hook_names()  # refuses a hook that is not callable
         source = await asyncio.to_thread(open_input, spec.data, id_column=spec.id_column)
         if shard is None:
             selection = None
@@ -360,9 +365,10 @@ class Annotator:
             template=template,
             system_message=spec.system_message,
             group_by=spec.group_by,
-            builder=RecordBuilder(schema, spec.columns, validate=spec.validate is not None),
+            builder=RecordBuilder(schema, spec.columns, validate=spec.checks_answers),
             schema=schema,
             validate=spec.validate,
+            postprocess=spec.postprocess,
             store=store,
             regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
             progress=Progress(
@@ -544,8 +550,7 @@ def _extras(sample: Sample, spec: JobSpec, input_rows: int) -> dict[str, Any]:
     extras: dict[str, Any] = {}
     if not sample.everything:
         extras["sample"] = sample.fingerprint(input_rows)
-    if spec.validate is not None:
-        extras["validate"] = validator_name(spec.validate)
+    extras.update(spec.hook_names())
     return extras
 
 

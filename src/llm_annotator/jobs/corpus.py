@@ -66,7 +66,7 @@ from llm_annotator.jobs.rundir.partitions import (
 from llm_annotator.jobs.rundir.store import JOB_FILE, DirectoryLock, output_write_error
 from llm_annotator.jobs.shards.shard import Shard, claim, read_sharding
 from llm_annotator.jobs.shards.split import SPLIT_RULE, units_of_shard
-from llm_annotator.jobs.spec import JobSpec, retry_choice, validator_name
+from llm_annotator.jobs.spec import JobSpec, retry_choice
 from llm_annotator.jobs.watch.live_metrics import LiveMetrics
 from llm_annotator.jobs.watch.observer import Observer
 from llm_annotator.jobs.watch.progress import Progress
@@ -136,8 +136,7 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
     raw_schema = getattr(spec.options, "output_schema", None)
     schema = OutputSchema(raw_schema) if raw_schema is not None else None
     retry = retry_choice(spec.retry_errors)
-    if spec.validate is not None and not callable(spec.validate):
-        raise ConfigurationError(f"validate must be a callable, got {spec.validate!r}")
+    spec.hook_names()  # refuses a hook that is not callable
     claiming = isinstance(spec.shard, str) and spec.shard.strip() == CLAIM
     shard = None if claiming else Shard.of(spec.shard)
     mode = CLAIM if claiming else "shards" if shard is not None else "whole"
@@ -161,11 +160,10 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         _check_unchanged(corpus, recorded["corpus"], run_dir)
     units = list(corpus.units) if shard is None else units_of_shard(corpus.units, *_pair(shard))
     builder = RecordBuilder(
-        schema, spec.columns, validate=spec.validate is not None, reserved=(FILE_COLUMN,)
+        schema, spec.columns, validate=spec.checks_answers, reserved=(FILE_COLUMN,)
     )
     model = await runner.model()
-    extras = {"validate": validator_name(spec.validate)} if spec.validate is not None else {}
-    fingerprint = job_fingerprint(spec, model, **extras)
+    fingerprint = job_fingerprint(spec, model, **spec.hook_names())
     await asyncio.to_thread(_record, run_dir, recorded, fingerprint, corpus, mode, spec.force)
     claims = None
     if shard is not None:
@@ -263,6 +261,7 @@ async def _run(
         builder=plan.builder,
         schema=plan.schema,
         validate=spec.validate,
+        postprocess=spec.postprocess,
         store=store,
         regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
         progress=progress,

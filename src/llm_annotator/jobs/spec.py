@@ -14,6 +14,11 @@ from llm_annotator.errors import ConfigurationError, ErrorKind
 Validate = Callable[[str], Any]
 """A user's answer check: the answer text in, the parsed value out (a dict becomes
 columns), or an exception when the answer is not acceptable."""
+Postprocess = Callable[[dict[str, Any], Any], "Mapping[str, Any] | None"]
+"""A user's answer hook: a row's input columns and its accepted answer (the parsed
+values with an output schema or ``validate``, else the text) in; columns to add to the
+row's output out (or None). An exception makes the answer invalid, as a ``validate``
+refusal does."""
 
 
 class JobArgs(TypedDict, total=False):
@@ -36,6 +41,7 @@ class JobArgs(TypedDict, total=False):
     skip_bad_files: bool
     claim_lease: float | None
     group_by: str | None
+    postprocess: Postprocess | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,29 @@ class JobSpec:
     skip_bad_files: bool = False
     claim_lease: float | None = None
     group_by: str | None = None
+    postprocess: Postprocess | None = None
+
+    @property
+    def checks_answers(self) -> bool:
+        """Whether a user's callable checks or extends each answer (``validate`` or
+        ``postprocess``): the output then has a ``valid`` column."""
+        return self.validate is not None or self.postprocess is not None
+
+    def hook_names(self) -> dict[str, str]:
+        """The fingerprint entries of the user's callables, by name (none when unused,
+        so that a job without them keeps the fingerprint it had before they existed).
+
+        Raises:
+            ConfigurationError: One of them is not callable.
+        """
+        names: dict[str, str] = {}
+        for what, hook in (("validate", self.validate), ("postprocess", self.postprocess)):
+            if hook is None:
+                continue
+            if not callable(hook):
+                raise ConfigurationError(f"{what} must be a callable, got {hook!r}")
+            names[what] = validator_name(hook)
+        return names
 
     @classmethod
     def of(
@@ -129,8 +158,9 @@ def retry_choice(value: bool | Collection[str]) -> bool | frozenset[str]:
     return types
 
 
-def validator_name(validate: Validate) -> str:
-    """How the fingerprint names a ``validate`` callable: ``module:qualified.name``.
+def validator_name(validate: Callable[..., Any]) -> str:
+    """How the fingerprint names a user's callable (``validate``, a hook):
+    ``module:qualified.name``.
 
     Examples:
         >>> import json

@@ -23,7 +23,7 @@ from llm_annotator.jobs.loop.streaming import stream
 from llm_annotator.jobs.rows.inputs import Row
 from llm_annotator.jobs.rows.prompts import PromptTemplate, build_messages
 from llm_annotator.jobs.rundir.store import ResultStore
-from llm_annotator.jobs.spec import Validate
+from llm_annotator.jobs.spec import Postprocess, Validate
 from llm_annotator.jobs.watch.progress import Progress
 from llm_annotator.response import Response
 
@@ -133,6 +133,7 @@ class JobRun:
         schema: OutputSchema | None,
         store: ResultStore | Sink,
         validate: Validate | None = None,
+        postprocess: Postprocess | None = None,
         regenerate: int,
         progress: Progress,
     ) -> None:
@@ -145,6 +146,7 @@ class JobRun:
         self.builder = builder
         self.schema = schema
         self.validate = validate
+        self.postprocess = postprocess
         self.store = store
         self.sink: Sink = OneStore(store) if isinstance(store, ResultStore) else store
         self.regenerate = regenerate
@@ -378,6 +380,8 @@ class JobRun:
             parsed = self.schema.parse(response.text, response.finish_reason)
         if self.validate is not None and response.ok and (parsed is None or parsed.valid):
             parsed = self._validated(item, response, parsed)
+        if self.postprocess is not None and response.ok and (parsed is None or parsed.valid):
+            parsed = self._postprocessed(item, response, parsed)
         if parsed is not None and not parsed.valid:
             if item.attempt < self.regenerate:
                 item.attempt += 1
@@ -425,7 +429,47 @@ class JobRun:
             ) from None
         return Parsed(values=values, valid=True)
 
-    def _note_refusal(self, error: Exception) -> None:
+    def _postprocessed(self, item: _Item, response: Response, parsed: Parsed | None) -> Parsed:
+        """The user's ``postprocess`` hook on one accepted answer, as a :class:`Parsed`
+        (its columns joined to the answer's); an exception it raises makes the answer
+        invalid, as a ``validate`` refusal does.
+
+        Raises:
+            ConfigurationError: It returned something other than a dict or None, or
+                columns that cannot be written (see :meth:`_validated`).
+        """
+        assert self.postprocess is not None
+        answer = dict(parsed.values) if parsed is not None else response.text
+        try:
+            added = self.postprocess(dict(item.values), answer)
+        except Exception as error:  # the user's hook refused it: any exception says so
+            self._note_refusal(error, "postprocess")
+            message = f"postprocess failed on the answer: {type(error).__name__}: {error}"
+            return Parsed(
+                values=dict(parsed.values) if parsed is not None else {},
+                valid=False,
+                error=message[:500],
+                kind=ErrorKind.INVALID_OUTPUT,
+            )
+        if added is None:
+            added = {}
+        if not isinstance(added, Mapping):
+            raise ConfigurationError(
+                f"postprocess returned {type(added).__name__} for row {item.id!r}; it "
+                "returns a dict of columns to add, or None"
+            )
+        self.accepted += 1
+        values = self.builder.validated(dict(added), parsed, item.values)
+        try:
+            orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)
+        except TypeError as error:
+            raise ConfigurationError(
+                f"postprocess returned columns for row {item.id!r} that cannot be written "
+                f"as JSON ({error}): return dicts, lists, strings, numbers, booleans or None"
+            ) from None
+        return Parsed(values=values, valid=True)
+
+    def _note_refusal(self, error: Exception, check: str = "validate") -> None:
         """Stop the job when the check has refused every answer so far, each time with
         the same kind of exception, ``_BUGGY_CHECK`` times."""
         if self.accepted:
@@ -434,7 +478,7 @@ class JobRun:
         self.refusals[kind] = self.refusals.get(kind, 0) + 1
         if len(self.refusals) == 1 and self.refusals[kind] >= _BUGGY_CHECK:
             raise ConfigurationError(
-                f"validate refused each of the first {_BUGGY_CHECK} answers with {kind} "
+                f"{check} refused each of the first {_BUGGY_CHECK} answers with {kind} "
                 f"({error}); that looks like a bug in the check rather than bad answers. "
                 "Try it on a few answers by hand (a trial with --limit), fix it, and run the "
                 "same command again: the rows written are kept."

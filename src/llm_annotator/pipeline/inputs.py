@@ -1,0 +1,320 @@
+"""A step's rows, written out before its job: generated prompts, an earlier step's
+answered rows, or a dataset filtered and reshaped.
+
+The rows are read and written batch by batch, so memory stays flat in their number.
+They go to ``OUTPUT_DIR/inputs/NAME.jsonl`` (one input), or to one file per unit in
+``OUTPUT_DIR/inputs/NAME/`` when what they come from is a corpus (the step is then a
+corpus job too, whose units other processes could claim). Each is written under a
+hidden name and renamed into place whole, so a file there is complete: a step resumed
+reads the very rows it began with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import pyarrow.parquet as pq
+import structlog
+
+from llm_annotator.errors import ConfigurationError, InputError
+from llm_annotator.jobs.answers.records import ANSWER_COLUMNS, VALID_COLUMN, VALIDATED_COLUMN
+from llm_annotator.jobs.files import check_entry
+from llm_annotator.jobs.rows.corpus import is_corpus, list_corpus
+from llm_annotator.jobs.rows.inputs import Row, open_input
+from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
+from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR
+from llm_annotator.pipeline.steps import Step
+from llm_annotator.pipeline.where import Where
+
+log = structlog.get_logger(__name__)
+
+ID = "id"
+"""The id column of a written step input (the step's job reads it as ``id_column``)."""
+PROMPT_ID = "prompt_id"
+"""With ``n`` answers or generation: the id of the row (prompt) an answer is to."""
+ANSWER_INDEX = "answer_index"
+"""With ``n`` answers or generation: which of the row's answers (0 to n - 1)."""
+RENAMED = ("response", VALIDATED_COLUMN, "input_file")
+"""An earlier step's columns that the step reading it gets as ``<step>_<column>``."""
+DROPPED = frozenset({*ANSWER_COLUMNS, VALID_COLUMN} - set(RENAMED))
+"""An earlier step's bookkeeping columns, left out of what a later step reads."""
+_BATCH = 2048
+
+
+@dataclass(slots=True)
+class Written:
+    """What writing a step's rows made.
+
+    Attributes:
+        data: What the step's job reads: the file, or the folder of unit files.
+        rows: Rows written.
+        read: Rows read before the filter, the hook and the ``n`` copies.
+        columns: The rows' columns besides the id, in first-seen order.
+    """
+
+    data: Path
+    rows: int = 0
+    read: int = 0
+    columns: dict[str, None] = field(default_factory=dict)
+
+
+def written_input(inputs_dir: Path, step: Step) -> Path | None:
+    """The rows written for ``step`` before, if complete (a file or a folder)."""
+    for path in (inputs_dir / f"{step.name}.jsonl", inputs_dir / step.name):
+        if path.exists():
+            check_entry(path, directory=path.suffix != ".jsonl")
+            return path
+    return None
+
+
+def remove_input(inputs_dir: Path, step: Step) -> None:
+    """Remove the rows written for ``step`` (its settings changed)."""
+    for path in (inputs_dir / f"{step.name}.jsonl", inputs_dir / step.name):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def write_input(step: Step, inputs_dir: Path, upstream: Path | None) -> Written:
+    """Write the rows ``step`` sends, from its prompts, its dataset or the run
+    directory ``upstream`` of the step it reads.
+
+    Raises:
+        InputError: A row of the dataset cannot be read, or the earlier step has no
+            output.
+        ConfigurationError: ``where`` names a column the rows lack, or ``preprocess``
+            returned something other than a dict or None.
+    """
+    parts = _parts(step, upstream)
+    first = next(parts)
+    where = Where(step.where) if step.where is not None else None
+    inputs_dir.mkdir(parents=True, exist_ok=True)
+    shape = _Shape(step, where)
+    if first[0] is None:
+        target = inputs_dir / f"{step.name}.jsonl"
+        written = Written(target)
+        with _replacing(target) as file:
+            shape.write(first[1], file, written)
+    else:
+        target = inputs_dir / step.name
+        written = Written(target)
+        hidden = inputs_dir / f".{step.name}.partial"
+        if hidden.exists():
+            shutil.rmtree(hidden)
+        hidden.mkdir()
+        for name, rows in _chain(first, parts):
+            assert name is not None
+            with (hidden / name).open("wb") as file:
+                shape.write(rows, file, written)
+                _durable(file)
+        os.replace(hidden, target)
+    log.info(
+        "step_input_written",
+        step=step.name,
+        rows=written.rows,
+        read=written.read,
+        path=str(target),
+    )
+    return written
+
+
+class _Shape:
+    """Turns the rows read into the rows sent: filter, hook, ``n`` copies."""
+
+    def __init__(self, step: Step, where: Where | None) -> None:
+        self.step = step
+        self.where = where
+        self.checked = where is None
+
+    def write(self, rows: Iterable[dict[str, Any]], file: IO[bytes], written: Written) -> None:
+        step, lines = self.step, []
+        for row in rows:
+            written.read += 1
+            if not self.checked:
+                self._check_where(row)
+            if self.where is not None and not self.where(row):
+                continue
+            if step.preprocess is not None:
+                kept = self._preprocessed(row)
+                if kept is None:
+                    continue
+                row = kept
+            for out in _answers(row, step.n, step):
+                written.rows += 1
+                for key in out:
+                    if key != ID and key not in written.columns:
+                        written.columns[key] = None
+                try:
+                    lines.append(orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY))
+                except TypeError as error:
+                    raise ConfigurationError(
+                        f"step {step.name}: row {out.get(ID)!r} cannot be written as JSON ({error})"
+                    ) from None
+            if len(lines) >= _BATCH:
+                file.write(b"\n".join(lines) + b"\n")
+                lines.clear()
+        if lines:
+            file.write(b"\n".join(lines) + b"\n")
+
+    def _check_where(self, row: dict[str, Any]) -> None:
+        assert self.where is not None
+        missing = [name for name in self.where.columns if name not in row]
+        if missing:
+            raise ConfigurationError(
+                f"step {self.step.name}: where {self.where.expression!r} names "
+                f"{', '.join(map(repr, missing))}, which the rows it reads do not have; "
+                f"they have {', '.join(name for name in row if name != ID)}"
+            )
+        self.checked = True
+
+    def _preprocessed(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        assert self.step.preprocess is not None
+        row_id = row[ID]
+        given = {key: value for key, value in row.items() if key != ID}
+        try:
+            out = self.step.preprocess(given)
+        except Exception as error:  # the user's hook: say which row, keep nothing half-done
+            raise ConfigurationError(
+                f"step {self.step.name}: preprocess failed on row {row_id!r}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if out is None:
+            return None
+        if not isinstance(out, dict):
+            raise ConfigurationError(
+                f"step {self.step.name}: preprocess must return a dict of columns or None "
+                f"(leave the row out), got {type(out).__name__} for row {row_id!r}"
+            )
+        return {ID: row_id, **{key: value for key, value in out.items() if key != ID}}
+
+
+def _answers(row: dict[str, Any], n: int, step: Step) -> Iterator[dict[str, Any]]:
+    """The rows one row becomes: itself, or ``n`` rows ``"<id>:<index>"``."""
+    if n == 1 and step.reads != "prompts":
+        yield row
+        return
+    row_id = row[ID]
+    rest = {key: value for key, value in row.items() if key != ID}
+    for index in range(n):
+        yield {ID: f"{row_id}:{index}", PROMPT_ID: row_id, ANSWER_INDEX: index, **rest}
+
+
+Part = tuple[str | None, Iterator[dict[str, Any]]]
+"""A unit's file name (None for one input) and its rows, each with its ``id``."""
+
+
+def _parts(step: Step, upstream: Path | None) -> Iterator[Part]:
+    """The rows the step reads, in parts; at least one (maybe empty)."""
+    if step.reads == "prompts":
+        assert step.prompts is not None
+        yield None, _generated(step.prompts, step.copies)
+    elif step.reads == "step":
+        assert upstream is not None and step.from_step is not None
+        yield from _from_step(upstream, step.from_step)
+    else:
+        yield from _from_data(step)
+
+
+def _generated(prompts: Iterable[str], copies: int) -> Iterator[dict[str, Any]]:
+    """Each prompt ``copies`` times, numbered from 0."""
+    number = 0
+    for prompt in prompts:
+        for _ in range(copies):
+            yield {ID: number, "prompt": prompt}
+            number += 1
+
+
+def _from_step(run_dir: Path, name: str) -> Iterator[Part]:
+    """The answered rows of an earlier step's output, its answer columns renamed."""
+    single = run_dir / PARQUET_FILE
+    folder = run_dir / ANNOTATIONS_DIR
+    if check_entry(single):
+        yield None, _answered(single, name)
+    elif check_entry(folder, directory=True):
+        files = sorted(
+            entry.name
+            for entry in os.scandir(folder)
+            if entry.name.endswith(".parquet") and not entry.name.startswith(("_", "."))
+        )
+        if not files:
+            yield None, iter(())
+        for file in files:
+            yield file.removesuffix(".parquet") + ".jsonl", _answered(folder / file, name)
+    else:
+        raise InputError(
+            f"step {name} has no output in {run_dir} ({PARQUET_FILE} or {ANNOTATIONS_DIR}/): "
+            "run it first"
+        )
+
+
+def _answered(path: Path, name: str) -> Iterator[dict[str, Any]]:
+    """The rows of one output file that have no error, reshaped for the next step."""
+    renamed = {column: f"{name}_{column}" for column in RENAMED}
+    parquet = pq.ParquetFile(path)
+    for batch in parquet.iter_batches(batch_size=_BATCH):
+        for record in batch.to_pylist():
+            if record.get("error") is not None:
+                continue
+            yield {
+                renamed.get(key, key): value for key, value in record.items() if key not in DROPPED
+            }
+
+
+def _from_data(step: Step) -> Iterator[Part]:
+    """The dataset's rows, with their ids, as the job would read them."""
+    if is_corpus(step.data):
+        corpus = list_corpus(step.data, skip_bad_files=step.skip_bad_files)
+        for unit in corpus.units:
+            name = unit.output_name.removesuffix(".parquet") + ".jsonl"
+            yield name, _with_ids(unit.read(step.id_column), step)
+        if not corpus.units:
+            yield None, iter(())
+    else:
+        yield None, _with_ids(open_input(step.data, id_column=step.id_column).rows(), step)
+
+
+def _with_ids(rows: Iterator[Row], step: Step) -> Iterator[dict[str, Any]]:
+    for row in rows:
+        if row.error is not None:
+            raise InputError(
+                f"step {step.name}: {row.error}; a step with where, preprocess or n reads "
+                "its rows before sending any: fix or remove the row"
+            )
+        values = dict(row.values)
+        if ID in values and step.id_column != ID:
+            values["input_id"] = values.pop(ID)
+        elif step.id_column == ID:
+            values.pop(ID)
+        yield {ID: row.id, **values}
+
+
+def _chain(first: Part, rest: Iterator[Part]) -> Iterator[Part]:
+    yield first
+    yield from rest
+
+
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[IO[bytes]]:
+    """A file written under a hidden name, made durable and renamed over ``path``."""
+    hidden = path.with_name(f".{path.name}.partial")
+    try:
+        with hidden.open("wb") as file:
+            yield file
+            _durable(file)
+        os.replace(hidden, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            hidden.unlink()
+
+
+def _durable(file: IO[bytes]) -> None:
+    file.flush()
+    os.fsync(file.fileno())

@@ -1,0 +1,490 @@
+"""A pipeline: steps run in order over one output directory, each a resumable job.
+
+The output directory holds::
+
+    OUTPUT_DIR/
+        pipeline.json          what each step ran with (its key and settings), and how far
+        report.json            each step's figures, written after every run
+        inputs/NAME.jsonl      a step's rows, written before its job (see pipeline.inputs)
+        inputs/NAME/           ... one file per unit, when they come from a corpus
+        steps/NAME/            the step's run directory: a job like ``llm-annotator run``'s
+
+A step starts when the step it reads is done (no streaming between steps: a step's
+input is then complete and fixed, so resuming it reads the very rows it began with).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from llm_annotator._constants import STOP_GRACE
+from llm_annotator.clients.base import Client
+from llm_annotator.errors import ConfigurationError, JobError, RunDirectoryError
+from llm_annotator.jobs.annotate import AnnotationResult, Annotator
+from llm_annotator.jobs.files import check_entry
+from llm_annotator.jobs.loop.summary import write_json
+from llm_annotator.jobs.spec import JobArgs
+from llm_annotator.jobs.watch.status import run_status
+from llm_annotator.pipeline.inputs import ID, remove_input, write_input, written_input
+from llm_annotator.pipeline.plan import Recorded, StepPlan, plan
+from llm_annotator.pipeline.steps import Step, ordered, step_key
+
+log = structlog.get_logger(__name__)
+
+PIPELINE_FILE = "pipeline.json"
+"""What each step ran with and how far it got."""
+REPORT_FILE = "report.json"
+"""Each step's figures."""
+STEPS_DIR = "steps"
+INPUTS_DIR = "inputs"
+_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What a run did with one step.
+
+    Attributes:
+        name: The step.
+        action: ``run``, ``resume``, ``redo``, ``skip`` (done before, unchanged) or
+            ``leave`` (not in ``steps``).
+        why: Why, in words.
+        output_dir: The step's run directory.
+        result: Its job's result, when it ran now.
+        figures: Its figures (rows, succeeded, failed, ...), now or from when it ran.
+    """
+
+    name: str
+    action: str
+    why: str
+    output_dir: Path
+    result: AnnotationResult | None
+    figures: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineResult:
+    """What a pipeline run did: each step, and the report."""
+
+    output_dir: Path
+    steps: tuple[StepResult, ...]
+    report_path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class StepView:
+    """How a step stands, for ``llm-annotator pipeline describe``.
+
+    Attributes:
+        name: The step.
+        reads: What it reads, in words.
+        state: ``done``, ``begun``, ``not run``.
+        next: What a run would do now (``skip``, ``resume``, ``run``, ``redo``) and why.
+        rows: Rows with a result in its run directory, if it began.
+        total: Rows it takes, if its job said.
+        failed: Error rows, if it began.
+        output_dir: Its run directory.
+    """
+
+    name: str
+    reads: str
+    state: str
+    next: StepPlan
+    rows: int | None
+    total: int | None
+    failed: int | None
+    output_dir: Path
+
+
+class Pipeline:
+    """Several annotation steps over one output directory, resumable as a whole.
+
+    Each step is a job (see :class:`Step`) with its own run directory in
+    ``output_dir/steps/``. Running the pipeline again skips the steps done with the
+    same settings, resumes a step begun, and refuses (without ``force``) to redo a
+    step whose settings changed, naming what changed and the steps that read it.
+
+    Args:
+        steps: The steps; a step may come before the one it reads (they run in an
+            order that puts each after what it reads).
+        output_dir: The pipeline's directory (created if needed).
+
+    Raises:
+        ConfigurationError: Two steps share a name, a step reads one that is not there,
+            or steps read each other in a cycle.
+
+    Examples:
+        >>> pipeline = Pipeline(
+        ...     [
+        ...         Step("label", "Positive or negative? {text}", data="reviews.jsonl"),
+        ...         Step("reason", "Why is this negative? {text}", from_step="label",
+        ...              where="label_response == 'negative'"),
+        ...     ],
+        ...     "runs/reviews",
+        ... )
+        >>> [step.name for step in pipeline.steps]
+        ['label', 'reason']
+    """
+
+    def __init__(self, steps: Sequence[Step], output_dir: str | os.PathLike[str]) -> None:
+        self.steps = ordered(steps)
+        self.output_dir = Path(output_dir)
+
+    def __repr__(self) -> str:
+        names = ", ".join(step.name for step in self.steps)
+        return f"<Pipeline {str(self.output_dir)!r} steps=[{names}]>"
+
+    def step_dir(self, name: str) -> Path:
+        """The run directory of step ``name``."""
+        return self.output_dir / STEPS_DIR / name
+
+    def plan(self, *, steps: Sequence[str] | None = None, force: bool = False) -> list[StepPlan]:
+        """What :meth:`run` would do with each step now, and why.
+
+        Raises:
+            ConfigurationError: As :meth:`run` would, before running anything.
+        """
+        keys, settings = self._keys()
+        return plan(
+            [(step.name, step.from_step) for step in self.steps],
+            keys,
+            settings,
+            self._recorded(),
+            selected=steps,
+            force=force,
+        )
+
+    def describe(self) -> list[StepView]:
+        """How each step stands, and what a run would do with it."""
+        plans = {p.name: p for p in self.plan(force=True)}
+        recorded = self._recorded()
+        views = []
+        for step in self.steps:
+            record = recorded.get(step.name)
+            rows = total = failed = None
+            directory = self.step_dir(step.name)
+            if record is not None:
+                try:
+                    status = run_status(directory)
+                except (JobError, RunDirectoryError):
+                    status = None
+                if status is not None:
+                    rows, total, failed = status.done, status.total, status.failed
+            views.append(
+                StepView(
+                    name=step.name,
+                    reads=step.describe_input(),
+                    state=record.state if record is not None else "not run",
+                    next=plans[step.name],
+                    rows=rows,
+                    total=total,
+                    failed=failed,
+                    output_dir=directory,
+                )
+            )
+        return views
+
+    def run(
+        self,
+        client: Client[Any],
+        *,
+        servers: Mapping[str, Client[Any]] | None = None,
+        steps: Sequence[str] | None = None,
+        force: bool = False,
+        progress: bool | None = None,
+        stop_grace: float = STOP_GRACE,
+        handle_signals: bool = True,
+    ) -> PipelineResult:
+        """Run the steps in order; skip those done, resume those begun.
+
+        Args:
+            client: The client that answers every step without ``servers``.
+            servers: Clients by name, for steps that name one (a server group).
+            steps: Run only these steps (each one they read must be done).
+            force: Redo the steps whose settings changed, replacing their results and
+                those of the steps that read them.
+            progress: As for :class:`Annotator`.
+            stop_grace: As for :class:`Annotator`.
+            handle_signals: Turn SIGINT/SIGTERM into a clean stop (main thread only).
+
+        Returns:
+            A :class:`PipelineResult`.
+
+        Raises:
+            ConfigurationError: Before anything runs: a step names a client not given,
+                a plan that would replace results without ``force`` (see
+                :meth:`plan`).
+            RunInterruptedError: A signal stopped a step; everything done is kept, and
+                running again resumes it.
+            PoolExhaustedError: Every server stayed down during a step; likewise.
+        """
+        plans, keys, settings = self._start(client, servers, steps, force)
+        results: list[StepResult] = []
+        for step, step_plan in zip(self.steps, plans, strict=True):
+            if step_plan.action in ("skip", "leave"):
+                results.append(self._kept(step, step_plan))
+                continue
+            data, job = self._begin(step, step_plan, keys, settings, force)
+            annotator = Annotator(
+                self._client(step, client, servers), progress=progress, stop_grace=stop_grace
+            )
+            log.info("step_started", step=step.name, action=step_plan.action)
+            result = annotator.annotate(
+                data,
+                step.template,
+                self.step_dir(step.name),
+                handle_signals=handle_signals,
+                **job,
+            )
+            results.append(self._finish(step, step_plan, keys, settings, result))
+        return self._report(results)
+
+    async def arun(
+        self,
+        client: Client[Any],
+        *,
+        servers: Mapping[str, Client[Any]] | None = None,
+        steps: Sequence[str] | None = None,
+        force: bool = False,
+        progress: bool | None = None,
+        stop_grace: float = STOP_GRACE,
+        stop: asyncio.Event | None = None,
+    ) -> PipelineResult:
+        """Async twin of :meth:`run`. Signals are the caller's: set ``stop`` for a
+        clean stop."""
+        plans, keys, settings = await asyncio.to_thread(
+            self._start, client, servers, steps, force
+        )
+        results: list[StepResult] = []
+        for step, step_plan in zip(self.steps, plans, strict=True):
+            if step_plan.action in ("skip", "leave"):
+                results.append(await asyncio.to_thread(self._kept, step, step_plan))
+                continue
+            data, job = await asyncio.to_thread(
+                self._begin, step, step_plan, keys, settings, force
+            )
+            annotator = Annotator(
+                self._client(step, client, servers), progress=progress, stop_grace=stop_grace
+            )
+            log.info("step_started", step=step.name, action=step_plan.action)
+            result = await annotator.aannotate(
+                data, step.template, self.step_dir(step.name), stop=stop, **job
+            )
+            results.append(
+                await asyncio.to_thread(self._finish, step, step_plan, keys, settings, result)
+            )
+        return await asyncio.to_thread(self._report, results)
+
+    def _start(
+        self,
+        client: Client[Any],
+        servers: Mapping[str, Client[Any]] | None,
+        steps: Sequence[str] | None,
+        force: bool,
+    ) -> tuple[list[StepPlan], dict[str, str], dict[str, dict[str, Any]]]:
+        """Check everything a run needs and decide each step's action, before any runs."""
+        for step in self.steps:
+            self._client(step, client, servers)
+        self._check_directory()
+        keys, settings = self._keys()
+        plans = plan(
+            [(step.name, step.from_step) for step in self.steps],
+            keys,
+            settings,
+            self._recorded(),
+            selected=steps,
+            force=force,
+        )
+        for step_plan in plans:
+            log.info(
+                "step_planned", step=step_plan.name, action=step_plan.action, why=step_plan.why
+            )
+        return plans, keys, settings
+
+    @staticmethod
+    def _client(
+        step: Step, client: Client[Any], servers: Mapping[str, Client[Any]] | None
+    ) -> Client[Any]:
+        if step.servers is None:
+            return client
+        if servers is None or step.servers not in servers:
+            given = ", ".join(servers or {}) or "none"
+            raise ConfigurationError(
+                f"step {step.name} asks for the servers {step.servers!r}, which are not "
+                f"given (servers given: {given})"
+            )
+        return servers[step.servers]
+
+    def _keys(self) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+        """Each step's settings and key; a step's settings hold the key of the step it
+        reads, so redoing a step changes the keys of all that read it."""
+        keys: dict[str, str] = {}
+        settings: dict[str, dict[str, Any]] = {}
+        for step in self.steps:
+            upstream = keys[step.from_step] if step.from_step is not None else None
+            settings[step.name] = step.settings(upstream)
+            keys[step.name] = step_key(settings[step.name])
+        return keys, settings
+
+    def _check_directory(self) -> None:
+        """Create the pipeline's directory, refusing links and FIFOs where its own
+        entries go."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        check_entry(self.output_dir / PIPELINE_FILE)
+        check_entry(self.output_dir / REPORT_FILE)
+        for folder in (STEPS_DIR, INPUTS_DIR):
+            if not check_entry(self.output_dir / folder, directory=True):
+                (self.output_dir / folder).mkdir()
+        for step in self.steps:
+            check_entry(self.step_dir(step.name), directory=True)
+
+    def _record(self) -> dict[str, Any]:
+        path = self.output_dir / PIPELINE_FILE
+        if not check_entry(path):
+            return {"format": _FORMAT, "steps": {}}
+        try:
+            record = orjson.loads(path.read_bytes())
+        except orjson.JSONDecodeError as error:
+            raise RunDirectoryError(
+                f"{path} is not a pipeline record ({error}); move it away to start the "
+                "pipeline afresh"
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("steps"), dict):
+            raise RunDirectoryError(f"{path} is not a pipeline record; move it away")
+        return record
+
+    def _recorded(self) -> dict[str, Recorded]:
+        found: dict[str, Recorded] = {}
+        for name, entry in self._record()["steps"].items():
+            if isinstance(entry, dict) and entry.get("state") in ("begun", "done"):
+                found[name] = Recorded(entry["key"], entry["state"], entry.get("settings", {}))
+        return found
+
+    def _save(self, name: str, entry: dict[str, Any]) -> None:
+        record = self._record()
+        record["steps"][name] = entry
+        record["format"] = _FORMAT
+        write_json(self.output_dir / PIPELINE_FILE, record)
+
+    def _begin(
+        self,
+        step: Step,
+        step_plan: StepPlan,
+        keys: Mapping[str, str],
+        settings: Mapping[str, dict[str, Any]],
+        force: bool,
+    ) -> tuple[Any, JobArgs]:
+        """Make ready to run a step: clear what a redo replaces, write its rows, record
+        it begun; return its job's input and arguments."""
+        inputs = self.output_dir / INPUTS_DIR
+        entry = self._record()["steps"].get(step.name) or {}
+        if step_plan.action == "redo":
+            log.warning("step_redone", step=step.name, why=step_plan.why)
+            directory = self.step_dir(step.name)
+            if check_entry(directory, directory=True):
+                shutil.rmtree(directory)
+            remove_input(inputs, step)
+            entry = {}
+        data: Any = step.data
+        columns = list(step.columns) if step.columns is not None else None
+        if step.rewrites_input:
+            existing = written_input(inputs, step)
+            if existing is None or entry.get("key") != keys[step.name]:
+                remove_input(inputs, step)
+                upstream = self.step_dir(step.from_step) if step.from_step is not None else None
+                written = write_input(step, inputs, upstream)
+                entry["input"] = {
+                    "rows": written.rows,
+                    "read": written.read,
+                    "columns": list(written.columns),
+                }
+                existing = written.data
+            data = str(existing)
+            if columns is None:
+                columns = list(entry.get("input", {}).get("columns", []))
+        entry.update(key=keys[step.name], state="begun", settings=settings[step.name])
+        self._save(step.name, entry)
+        job: JobArgs = {
+            "system_message": step.system_message,
+            "id_column": ID if step.rewrites_input else step.id_column,
+            "options": step.options,
+            "gen_kwargs": step.gen_kwargs,
+            "columns": columns,
+            "retry_errors": step.retry_errors,
+            "force": force,
+            "write_jsonl": step.write_jsonl,
+            "max_regenerations": step.max_regenerations,
+            "validate": step.validate,
+            "postprocess": step.postprocess,
+            "group_by": step.group_by,
+            "skip_bad_files": step.skip_bad_files and not step.rewrites_input,
+        }
+        return data, job
+
+    def _finish(
+        self,
+        step: Step,
+        step_plan: StepPlan,
+        keys: Mapping[str, str],
+        settings: Mapping[str, dict[str, Any]],
+        result: AnnotationResult,
+    ) -> StepResult:
+        figures = {
+            "rows": result.num_rows,
+            "succeeded": result.num_succeeded,
+            "failed": result.num_failed,
+            "sent": result.num_sent,
+            "resumed": result.num_resumed,
+            "seconds": round(result.seconds, 3),
+            "output": str(result.output_path),
+        }
+        entry = self._record()["steps"].get(step.name) or {}
+        entry.update(
+            key=keys[step.name],
+            state="done",
+            settings=settings[step.name],
+            figures=figures,
+            finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+        self._save(step.name, entry)
+        log.info("step_finished", step=step.name, **figures)
+        return StepResult(
+            step.name, step_plan.action, step_plan.why, result.output_dir, result, figures
+        )
+
+    def _kept(self, step: Step, step_plan: StepPlan) -> StepResult:
+        entry = self._record()["steps"].get(step.name) or {}
+        figures = entry.get("figures", {}) if isinstance(entry, dict) else {}
+        return StepResult(
+            step.name, step_plan.action, step_plan.why, self.step_dir(step.name), None, figures
+        )
+
+    def _report(self, results: Sequence[StepResult]) -> PipelineResult:
+        path = self.output_dir / REPORT_FILE
+        record = self._record()["steps"]
+        report = {
+            "steps": [
+                {
+                    "name": r.name,
+                    "reads": step.describe_input(),
+                    "action": r.action,
+                    "why": r.why,
+                    "output_dir": str(r.output_dir),
+                    "input": (record.get(r.name) or {}).get("input"),
+                    **r.figures,
+                }
+                for step, r in zip(self.steps, results, strict=True)
+            ]
+        }
+        write_json(path, report)
+        return PipelineResult(self.output_dir, tuple(results), path)

@@ -1,0 +1,216 @@
+"""A pipeline over a fake server: steps in order, skipped when done, redone only when
+forced, generated rows, ``n`` answers and hooks, each row once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+from aiohttp import web
+
+from llm_annotator import VLLMQueueAnnotator
+from llm_annotator.errors import ConfigurationError
+from llm_annotator.pipeline import Pipeline, Step
+from tests.unit.conftest import FakeServer, completion
+from tests.unit.helpers import FAST, write_jsonl
+
+
+async def _answers(request: dict[str, Any]) -> web.StreamResponse:
+    """'negative' for reviews whose number is odd; a reason; a verdict; a question."""
+    prompt = request["messages"][-1]["content"]
+    if prompt.startswith("Label: "):
+        number = int(prompt.rsplit(" ", 1)[1])
+        return completion("negative" if number % 2 else "positive")
+    if prompt.startswith("Why: "):
+        return completion(f"because {prompt.rsplit(' ', 1)[1]}")
+    if prompt.startswith("Judge: "):
+        return completion("yes")
+    return completion(f"answer to {prompt}")
+
+
+def _reviews(path: Path, count: int = 10) -> Path:
+    return write_jsonl(path, [{"id": f"r{i}", "text": f"review {i}"} for i in range(count)])
+
+
+def _steps(data: Path, reason: str = "Why: {text}") -> list[Step]:
+    return [
+        Step("label", "Label: {text}", data=str(data), id_column="id"),
+        Step("reason", reason, from_step="label", where="label_response == 'negative'"),
+        Step("judge", "Judge: {reason_response}", from_step="reason"),
+    ]
+
+
+def _rows(result_dir: Path) -> list[dict[str, Any]]:
+    return pq.read_table(result_dir / "annotations.parquet").to_pylist()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def pool(fake_server: FakeServer) -> Any:
+    fake_server.handler = _answers
+    client = VLLMQueueAnnotator([fake_server.base_url], batch_size=4, **FAST)
+    yield client
+    client.close()
+
+
+def test_three_steps_run_in_order_each_row_once(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    """The second step gets only the negative rows, with the first step's answer as
+    ``label_response``; the third reads the second's; each row is sent once."""
+    pipeline = Pipeline(_steps(_reviews(tmp_path / "r.jsonl")), tmp_path / "run")
+    result = pipeline.run(pool, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["run", "run", "run"]
+    label = _rows(pipeline.step_dir("label"))
+    reason = _rows(pipeline.step_dir("reason"))
+    judge = _rows(pipeline.step_dir("judge"))
+    assert sorted(r["id"] for r in label) == sorted(f"r{i}" for i in range(10))
+    assert sorted(r["id"] for r in reason) == sorted(f"r{i}" for i in range(1, 10, 2))
+    assert all(r["label_response"] == "negative" for r in reason)
+    assert {r["response"] for r in judge} == {"yes"}
+    assert sorted(r["id"] for r in judge) == sorted(r["id"] for r in reason)
+    assert len(fake_server.requests) == 10 + 5 + 5
+    report = orjson.loads((tmp_path / "run" / "report.json").read_bytes())
+    assert [(s["name"], s["rows"]) for s in report["steps"]] == [
+        ("label", 10),
+        ("reason", 5),
+        ("judge", 5),
+    ]
+
+
+def test_a_run_again_skips_every_step_done_and_sends_nothing(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    pipeline = Pipeline(_steps(_reviews(tmp_path / "r.jsonl")), tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    sent = len(fake_server.requests)
+    again = pipeline.run(pool, progress=False, handle_signals=False)
+    assert [s.action for s in again.steps] == ["skip", "skip", "skip"]
+    assert [s.figures["rows"] for s in again.steps] == [10, 5, 5]
+    assert len(fake_server.requests) == sent
+
+
+def test_a_changed_step_is_refused_naming_its_readers_then_redone_with_force(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    """Changing the second step's template is said before anything runs, with the step
+    that reads it; with force, the first step is kept and the other two redone."""
+    data = _reviews(tmp_path / "r.jsonl")
+    Pipeline(_steps(data), tmp_path / "run").run(pool, progress=False, handle_signals=False)
+    changed = Pipeline(_steps(data, reason="Why: {text} (briefly)"), tmp_path / "run")
+    sent = len(fake_server.requests)
+    with pytest.raises(ConfigurationError) as refused:
+        changed.run(pool, progress=False, handle_signals=False)
+    message = str(refused.value)
+    assert "step reason changed" in message and "prompt_template" in message
+    assert "judge" in message and "--force" in message
+    assert len(fake_server.requests) == sent
+    result = changed.run(pool, force=True, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["skip", "redo", "redo"]
+    assert len(fake_server.requests) == sent + 5 + 5
+    assert all(r["response"].startswith("because") for r in _rows(changed.step_dir("reason")))
+
+
+def test_steps_runs_only_those_named_and_needs_what_they_read_done(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    pipeline = Pipeline(_steps(_reviews(tmp_path / "r.jsonl")), tmp_path / "run")
+    with pytest.raises(ConfigurationError, match="reads step label, which is not done"):
+        pipeline.run(pool, steps=["reason"], progress=False, handle_signals=False)
+    with pytest.raises(ConfigurationError, match="nope is not a step"):
+        pipeline.run(pool, steps=["nope"], progress=False, handle_signals=False)
+    result = pipeline.run(pool, steps=["label"], progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["run", "leave", "leave"]
+    assert len(fake_server.requests) == 10
+    result = pipeline.run(pool, steps=["reason"], progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["leave", "run", "leave"]
+
+
+def test_generation_gives_each_answer_its_own_stable_id(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    """Two prompts, two copies each, three answers per prompt: 12 rows with ids
+    ``prompt_id:answer_index``, each sent once; a second run sends none."""
+    step = Step("ideas", prompts=["Name a fruit.", "Name a tree."], copies=2, n=3)
+    pipeline = Pipeline([step], tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    rows = _rows(pipeline.step_dir("ideas"))
+    assert sorted(r["id"] for r in rows) == sorted(f"{p}:{a}" for p in range(4) for a in range(3))
+    assert {(r["prompt_id"], r["answer_index"]) for r in rows} == {
+        (p, a) for p in range(4) for a in range(3)
+    }
+    assert {r["prompt"] for r in rows if r["prompt_id"] < 2} == {"Name a fruit."}
+    assert len(fake_server.requests) == 12
+    pipeline.run(pool, progress=False, handle_signals=False)
+    assert len(fake_server.requests) == 12
+
+
+def test_n_answers_per_row_of_a_dataset(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    step = Step(
+        "label", "Label: {text}", data=str(_reviews(tmp_path / "r.jsonl", 3)), id_column="id", n=2
+    )
+    pipeline = Pipeline([step], tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    rows = _rows(pipeline.step_dir("label"))
+    assert sorted(r["id"] for r in rows) == [f"r{i}:{a}" for i in range(3) for a in range(2)]
+    assert {r["prompt_id"] for r in rows} == {"r0", "r1", "r2"}
+
+
+def _short_only(row: dict[str, Any]) -> dict[str, Any] | None:
+    number = int(row["text"].rsplit(" ", 1)[1])
+    return None if number >= 4 else {**row, "text": row["text"].upper()}
+
+
+def _length(row: dict[str, Any], answer: Any) -> dict[str, Any]:
+    return {"answer_length": len(answer), "source": row["text"]}
+
+
+def test_hooks_leave_rows_out_reshape_them_and_add_columns(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    step = Step(
+        "label",
+        "Label: {text}",
+        data=str(_reviews(tmp_path / "r.jsonl")),
+        id_column="id",
+        preprocess=_short_only,
+        postprocess=_length,
+    )
+    pipeline = Pipeline([step], tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    rows = _rows(pipeline.step_dir("label"))
+    assert sorted(r["id"] for r in rows) == ["r0", "r1", "r2", "r3"]
+    assert all(r["text"].startswith("REVIEW") for r in rows)
+    assert all(r["answer_length"] == len(r["response"]) for r in rows)
+    assert all(r["source"] == r["text"] for r in rows)
+    settings = orjson.loads((tmp_path / "run" / "pipeline.json").read_bytes())
+    recorded = settings["steps"]["label"]["settings"]
+    assert recorded["preprocess"].endswith(":_short_only")
+    assert recorded["postprocess"].endswith(":_length")
+
+
+def test_a_where_on_a_column_the_rows_lack_is_said_with_the_columns_they_have(
+    tmp_path: Path, pool: VLLMQueueAnnotator
+) -> None:
+    steps = _steps(_reviews(tmp_path / "r.jsonl"))
+    steps[1] = Step("reason", "Why: {text}", from_step="label", where="sentiment == 'negative'")
+    pipeline = Pipeline(steps, tmp_path / "run")
+    with pytest.raises(ConfigurationError, match="'sentiment', which the rows it reads do not"):
+        pipeline.run(pool, progress=False, handle_signals=False)
+
+
+def test_a_step_naming_servers_not_given_is_refused_before_anything_runs(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    step = Step("label", "Label: {text}", data=str(_reviews(tmp_path / "r.jsonl")), servers="big")
+    with pytest.raises(ConfigurationError, match="servers 'big', which are not given"):
+        Pipeline([step], tmp_path / "run").run(pool, progress=False, handle_signals=False)
+    assert not fake_server.requests
+    result = Pipeline([step], tmp_path / "run").run(
+        pool, servers={"big": pool}, progress=False, handle_signals=False
+    )
+    assert result.steps[0].figures["rows"] == 10
