@@ -262,17 +262,13 @@ class Pipeline:
     ) -> PipelineResult:
         """Async twin of :meth:`run`. Signals are the caller's: set ``stop`` for a
         clean stop."""
-        plans, keys, settings = await asyncio.to_thread(
-            self._start, client, servers, steps, force
-        )
+        plans, keys, settings = await asyncio.to_thread(self._start, client, servers, steps, force)
         results: list[StepResult] = []
         for step, step_plan in zip(self.steps, plans, strict=True):
             if step_plan.action in ("skip", "leave"):
                 results.append(await asyncio.to_thread(self._kept, step, step_plan))
                 continue
-            data, job = await asyncio.to_thread(
-                self._begin, step, step_plan, keys, settings, force
-            )
+            data, job = await asyncio.to_thread(self._begin, step, step_plan, keys, settings, force)
             annotator = Annotator(
                 self._client(step, client, servers), progress=progress, stop_grace=stop_grace
             )
