@@ -11,6 +11,9 @@ Subcommands:
     Write the tiny test model (no download) into a folder.
 ``small-model``
     Write the small real model (SmolLM2-135M-Instruct, from a PyPI package) into a folder.
+``pipeline``
+    Run several annotation steps from one TOML file (``pipeline run FILE``), or say how
+    they stand (``pipeline describe FILE``).
 ``status``
     How a run directory stands: rows done, failed by type, per server.
 ``merge``
@@ -61,6 +64,12 @@ class Subcommand:
 
 SUBCOMMANDS = (
     Subcommand("run", "annotate a dataset over vLLM servers (resumable)", "run", "add_run"),
+    Subcommand(
+        "pipeline",
+        "run several annotation steps from one TOML file (run, describe)",
+        "pipeline",
+        "add_pipeline",
+    ),
     Subcommand(
         "status",
         "how a run directory stands: rows done, failed by type, per server",
@@ -168,11 +177,14 @@ def configure_logging(log_format: str | None = None) -> None:
 def _log_format(args: argparse.Namespace) -> str | None:
     """``--log-format``, or the job file's ``log_format``, when the command has one."""
     chosen: str | None = getattr(args, "log_format", None)
-    if chosen is None and getattr(args, "config", None):
+    config = getattr(args, "config", None) or (
+        getattr(args, "file", None) if args.command == "pipeline" else None
+    )
+    if chosen is None and config:
         try:
             import tomllib
 
-            with open(args.config, "rb") as file:
+            with open(config, "rb") as file:
                 value = tomllib.load(file).get("log_format")
         except (OSError, ValueError):
             return None  # the command reports the unreadable file

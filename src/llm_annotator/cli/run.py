@@ -483,29 +483,14 @@ def verify_from(settings: dict[str, Any]) -> Verify:
 def run_command(args: argparse.Namespace) -> int:
     """Run the job; the exit status is 0 when it finished, 128+signal when stopped."""
     from llm_annotator.cli._offline import offline_client
-    from llm_annotator.clients.vllm_offline_client import VLLMOfflineRuntimeOptions
-    from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
     from llm_annotator.jobs.annotate import Annotator
-    from llm_annotator.jobs.answers.schema import OutputSchema
     from llm_annotator.jobs.rows.corpus import is_corpus, list_corpus
     from llm_annotator.jobs.rows.inputs import open_input
     from llm_annotator.jobs.shards.shard import Shard
 
     settings = settings_from(args)
     validate = load_validator(settings["validate"]) if settings["validate"] else None
-    schema = None
-    if settings["output_schema"]:
-        schema = OutputSchema.from_file(settings["output_schema"]).schema
-    option_type = (
-        VLLMOfflineRuntimeOptions if settings["offline_model"] else VLLMOnlineRuntimeOptions
-    )
-    options = option_type(
-        max_completion_tokens=settings["max_completion_tokens"],
-        temperature=settings["temperature"],
-        top_p=settings["top_p"],
-        seed=settings["seed"],
-        output_schema=schema,
-    )
+    options = options_from(settings)
     data: str | list[str] = (
         settings["input"][0] if len(settings["input"]) == 1 else settings["input"]
     )
@@ -598,6 +583,32 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def options_from(settings: dict[str, Any]) -> Any:
+    """The runtime options the settings name (sampling, the output schema), for
+    servers or for the model in this process.
+
+    Raises:
+        ConfigurationError: The output schema file cannot be read or is not a schema.
+    """
+    from llm_annotator.clients.vllm_offline_client import VLLMOfflineRuntimeOptions
+    from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
+    from llm_annotator.jobs.answers.schema import OutputSchema
+
+    schema = None
+    if settings["output_schema"]:
+        schema = OutputSchema.from_file(settings["output_schema"]).schema
+    option_type = (
+        VLLMOfflineRuntimeOptions if settings["offline_model"] else VLLMOnlineRuntimeOptions
+    )
+    return option_type(
+        max_completion_tokens=settings["max_completion_tokens"],
+        temperature=settings["temperature"],
+        top_p=settings["top_p"],
+        seed=settings["seed"],
+        output_schema=schema,
+    )
+
+
 def _how_many_processes(settings: dict[str, Any], corpus: bool) -> int:
     """How many worker processes ``--processes`` asks for (1: this one alone).
 
@@ -681,9 +692,10 @@ def _pool(settings: dict[str, Any]) -> VLLMQueueAnnotator:
     )
 
 
-def load_validator(spec: str) -> Callable[[str], Any]:
-    """The callable that ``--validate`` names: ``module:function`` (the module found
-    from the working directory too) or ``path/to/file.py:function``.
+def load_validator(spec: str, flag: str = "--validate") -> Callable[..., Any]:
+    """The callable that ``--validate`` (or another ``flag``: a pipeline's hooks) names:
+    ``module:function`` (the module found from the working directory too) or
+    ``path/to/file.py:function``.
 
     Raises:
         ConfigurationError: The module cannot be imported, has no such name, or the
@@ -700,8 +712,7 @@ def load_validator(spec: str) -> Callable[[str], Any]:
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise ConfigurationError(
-            f"--validate {spec!r}: expected MODULE:FUNCTION (my_checks:parse_label) or "
-            "FILE.py:FUNCTION"
+            f"{flag} {spec!r}: expected MODULE:FUNCTION (my_checks:parse_label) or FILE.py:FUNCTION"
         )
     try:
         if where.endswith(".py"):
@@ -709,7 +720,7 @@ def load_validator(spec: str) -> Callable[[str], Any]:
             private = f"_llm_annotator_validate_{path.stem}"  # never shadows a real module
             loader = importlib.util.spec_from_file_location(private, path)
             if loader is None or loader.loader is None or not path.is_file():
-                raise ConfigurationError(f"--validate {spec!r}: no file {where}")
+                raise ConfigurationError(f"{flag} {spec!r}: no file {where}")
             module = importlib.util.module_from_spec(loader)
             sys.modules[loader.name] = module
             loader.loader.exec_module(module)
@@ -721,14 +732,14 @@ def load_validator(spec: str) -> Callable[[str], Any]:
         raise
     except Exception as error:  # the user's module: any failure is theirs to see
         raise ConfigurationError(
-            f"--validate {spec!r}: cannot import {where}: {type(error).__name__}: {error}"
+            f"{flag} {spec!r}: cannot import {where}: {type(error).__name__}: {error}"
         ) from error
     found = getattr(module, name, None)
     if found is None:
-        raise ConfigurationError(f"--validate {spec!r}: {where} has no {name!r}")
+        raise ConfigurationError(f"{flag} {spec!r}: {where} has no {name!r}")
     if not callable(found):
-        raise ConfigurationError(f"--validate {spec!r}: {where}.{name} is not callable")
-    validate: Callable[[str], Any] = found
+        raise ConfigurationError(f"{flag} {spec!r}: {where}.{name} is not callable")
+    validate: Callable[..., Any] = found
     return validate
 
 
