@@ -1,0 +1,151 @@
+"""A three-step pipeline on the small real model: label reviews, ask the negative ones
+for a reason as JSON, judge each reason. The pipeline process is SIGKILLed in step 2 and
+run again: step 1 is not redone, step 2 resumes, and every row of every step is written
+exactly once (the server's own request counter says what was sent)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+
+from llm_annotator.local import LocalServers
+from tests.cli import COMMAND
+from tests.integration.test_jobs_vllm import (
+    finished_requests,
+    start,
+    wait_until_idle,
+    written_ids,
+)
+
+REVIEWS = Path(__file__).parents[2] / "src" / "llm_annotator" / "cli" / "data" / "reviews.jsonl"
+ROWS = 60
+
+
+def _pipeline(tmp_path: Path, url: str) -> Path:
+    lines = REVIEWS.read_bytes().splitlines()[:ROWS]
+    (tmp_path / "reviews.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    schemas = {
+        "sentiment": {"sentiment": {"type": "string", "enum": ["positive", "negative"]}},
+        "reason": {"reason": {"type": "string", "minLength": 20, "maxLength": 200}},
+        "verdict": {"verdict": {"type": "string", "enum": ["yes", "no"]}},
+    }
+    for name, properties in schemas.items():
+        schema = {"type": "object", "properties": properties, "required": list(properties)}
+        (tmp_path / f"{name}.json").write_bytes(orjson.dumps(schema))
+    path = tmp_path / "pipeline.toml"
+    path.write_text(
+        f"""
+output_dir = "{tmp_path / "run"}"
+input = "{tmp_path / "reviews.jsonl"}"
+id_column = "id"
+servers = ["{url}"]
+model = "small"
+temperature = 0.0
+max_regenerations = 0
+hedge_tail = false
+log_format = "json"
+
+[steps.label]
+prompt_template = "Is the sentiment of this review positive or negative?\\n\\n{{text}}"
+output_schema = "{tmp_path / "sentiment.json"}"
+max_completion_tokens = 16
+
+[steps.reason]
+from = "label"
+where = "sentiment == 'negative'"
+prompt_template = '''This review is negative. In one sentence, what is the customer's main
+complaint?
+
+{{text}}'''
+output_schema = "{tmp_path / "reason.json"}"
+max_completion_tokens = 64
+
+[steps.judge]
+from = "reason"
+prompt_template = '''Review: {{text}}
+Stated complaint: {{reason}}
+Does the complaint match the review? Answer yes or no.'''
+output_schema = "{tmp_path / "verdict.json"}"
+max_completion_tokens = 16
+"""
+    )
+    return path
+
+
+def _table(run: Path, step: str) -> list[dict[str, Any]]:
+    return pq.read_table(run / "steps" / step / "annotations.parquet").to_pylist()  # type: ignore[no-any-return]
+
+
+def test_a_pipeline_killed_in_step_two_resumes_each_row_once(
+    small_server: LocalServers, tmp_path: Path
+) -> None:
+    wait_until_idle(small_server)
+    path = _pipeline(tmp_path, small_server.base_urls[0])
+    run = tmp_path / "run"
+    log = tmp_path / "pipeline.log"
+    args = [COMMAND, "pipeline", "run", str(path)]
+    first_sent = finished_requests(small_server)
+    process = start(args, log)
+    deadline = time.monotonic() + 300
+    while len(written_ids(run / "steps" / "reason")) < 2:
+        assert process.poll() is None, f"the pipeline ended early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    wait_until_idle(small_server)
+    label_sent = finished_requests(small_server) - first_sent
+    label = _table(run, "label")
+    assert sorted(row["id"] for row in label) == list(range(ROWS))
+    negative = sorted(
+        row["id"] for row in label if row["sentiment"] == "negative" and row["error"] is None
+    )
+    assert len(negative) >= 5, [r["response"] for r in label[:5]]
+    reason_done = written_ids(run / "steps" / "reason")
+    assert len(reason_done) == len(set(reason_done)) < len(negative)
+    assert not (run / "steps" / "judge").exists()
+
+    before = finished_requests(small_server)
+    second = subprocess.run(
+        args, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+    )
+    log.write_text(second.stdout + second.stderr)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "step label: skipped, done before" in second.stdout
+    assert "step reason: resume done" in second.stdout
+    wait_until_idle(small_server)
+    reason = _table(run, "reason")
+    assert sorted(row["id"] for row in reason) == negative  # each once, none lost
+    answered = sorted(row["id"] for row in reason if row["error"] is None)
+    judge = _table(run, "judge")
+    assert sorted(row["id"] for row in judge) == answered
+    assert {row["verdict"] for row in judge if row["error"] is None} <= {"yes", "no"}
+    assert all(row["sentiment"] == "negative" for row in judge)
+    sent = finished_requests(small_server) - before
+    assert sent == (len(negative) - len(reason_done)) + len(judge)
+    assert label_sent >= ROWS  # step 1 was sent once, in the first run only
+
+    report = orjson.loads((run / "report.json").read_bytes())
+    assert [(s["name"], s["action"], s["rows"]) for s in report["steps"]] == [
+        ("label", "skip", ROWS),
+        ("reason", "resume", len(negative)),
+        ("judge", "run", len(judge)),
+    ]
+    described = subprocess.run(
+        [COMMAND, "pipeline", "describe", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert described.returncode == 0, described.stderr
+    for step, rows in (("label", ROWS), ("reason", len(negative)), ("judge", len(judge))):
+        assert f"{step}: reads" in described.stdout
+        assert f"done: {rows} of {rows} rows" in described.stdout
+    assert described.stdout.count("a run would skip it") == 3
