@@ -30,7 +30,7 @@ ROWS = 60
 def _pipeline(tmp_path: Path, url: str) -> Path:
     lines = REVIEWS.read_bytes().splitlines()[:ROWS]
     (tmp_path / "reviews.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    schemas = {
+    schemas: dict[str, dict[str, Any]] = {
         "sentiment": {"sentiment": {"type": "string", "enum": ["positive", "negative"]}},
         "reason": {"reason": {"type": "string", "minLength": 20, "maxLength": 200}},
         "verdict": {"verdict": {"type": "string", "enum": ["yes", "no"]}},

@@ -196,7 +196,7 @@ class Step:
 
         Examples:
             >>> Step("j", "Fair? {x}", from_step="label", where="y == 1").describe_input()
-            "the rows of step label where y == 1"
+            'the rows of step label where y == 1'
             >>> Step("g", prompts=["a", "b"], copies=5, n=2).describe_input()
             '2 prompts x 5 copies, 2 answers each'
         """
