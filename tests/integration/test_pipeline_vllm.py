@@ -16,66 +16,30 @@ import pyarrow.parquet as pq
 
 from llm_annotator.local import LocalServers
 from tests.cli import COMMAND
-from tests.integration.test_jobs_vllm import (
-    finished_requests,
-    start,
-    wait_until_idle,
-    written_ids,
-)
+from tests.integration.test_jobs_vllm import finished_requests, wait_until_idle, written_ids
 
-REVIEWS = Path(__file__).parents[2] / "src" / "llm_annotator" / "cli" / "data" / "reviews.jsonl"
+ROOT = Path(__file__).parents[2]
+EXAMPLE = ROOT / "examples" / "pipeline" / "pipeline.toml"
+"""The documentation's example, run here as it is but for the settings overridden."""
+REVIEWS = ROOT / "src" / "llm_annotator" / "cli" / "data" / "reviews.jsonl"
 ROWS = 60
 
 
-def _pipeline(tmp_path: Path, url: str) -> Path:
+def _overrides(tmp_path: Path, url: str) -> list[str]:
+    """The example's settings for this test: a part of its reviews, a directory of its
+    own, the shared server, and exact request counts (no regenerations, no hedging)."""
     lines = REVIEWS.read_bytes().splitlines()[:ROWS]
     (tmp_path / "reviews.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    schemas: dict[str, dict[str, Any]] = {
-        "sentiment": {"sentiment": {"type": "string", "enum": ["positive", "negative"]}},
-        "reason": {"reason": {"type": "string", "minLength": 20, "maxLength": 200}},
-        "verdict": {"verdict": {"type": "string", "enum": ["yes", "no"]}},
+    settings = {
+        "output_dir": str(tmp_path / "run"),
+        "input": str(tmp_path / "reviews.jsonl"),
+        "servers": [url],
+        "model": "small",
+        "max_regenerations": 0,
+        "hedge_tail": False,
+        "log_format": "json",
     }
-    for name, properties in schemas.items():
-        schema = {"type": "object", "properties": properties, "required": list(properties)}
-        (tmp_path / f"{name}.json").write_bytes(orjson.dumps(schema))
-    path = tmp_path / "pipeline.toml"
-    path.write_text(
-        f"""
-output_dir = "{tmp_path / "run"}"
-input = "{tmp_path / "reviews.jsonl"}"
-id_column = "id"
-servers = ["{url}"]
-model = "small"
-temperature = 0.0
-max_regenerations = 0
-hedge_tail = false
-log_format = "json"
-
-[steps.label]
-prompt_template = "Is the sentiment of this review positive or negative?\\n\\n{{text}}"
-output_schema = "{tmp_path / "sentiment.json"}"
-max_completion_tokens = 16
-
-[steps.reason]
-from = "label"
-where = "sentiment == 'negative'"
-prompt_template = '''This review is negative. In one sentence, what is the customer's main
-complaint?
-
-{{text}}'''
-output_schema = "{tmp_path / "reason.json"}"
-max_completion_tokens = 64
-
-[steps.judge]
-from = "reason"
-prompt_template = '''Review: {{text}}
-Stated complaint: {{reason}}
-Does the complaint match the review? Answer yes or no.'''
-output_schema = "{tmp_path / "verdict.json"}"
-max_completion_tokens = 16
-"""
-    )
-    return path
+    return [f"--set={key}={orjson.dumps(value).decode()}" for key, value in settings.items()]
 
 
 def _table(run: Path, step: str) -> list[dict[str, Any]]:
@@ -86,12 +50,15 @@ def test_a_pipeline_killed_in_step_two_resumes_each_row_once(
     small_server: LocalServers, tmp_path: Path
 ) -> None:
     wait_until_idle(small_server)
-    path = _pipeline(tmp_path, small_server.base_urls[0])
+    overrides = _overrides(tmp_path, small_server.base_urls[0])
     run = tmp_path / "run"
     log = tmp_path / "pipeline.log"
-    args = [COMMAND, "pipeline", "run", str(path)]
+    args = [COMMAND, "pipeline", "run", str(EXAMPLE), *overrides]
     first_sent = finished_requests(small_server)
-    process = start(args, log)
+    with log.open("ab") as sink:  # from the repository's root, as the example says
+        process = subprocess.Popen(
+            args, stdout=sink, stderr=sink, stdin=subprocess.DEVNULL, cwd=ROOT
+        )
     deadline = time.monotonic() + 300
     while len(written_ids(run / "steps" / "reason")) < 2:
         assert process.poll() is None, f"the pipeline ended early:\n{log.read_text()[-3000:]}"
@@ -113,7 +80,7 @@ def test_a_pipeline_killed_in_step_two_resumes_each_row_once(
 
     before = finished_requests(small_server)
     second = subprocess.run(
-        args, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+        args, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, cwd=ROOT
     )
     log.write_text(second.stdout + second.stderr)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -138,7 +105,8 @@ def test_a_pipeline_killed_in_step_two_resumes_each_row_once(
         ("judge", "run", len(judge)),
     ]
     described = subprocess.run(
-        [COMMAND, "pipeline", "describe", str(path)],
+        [COMMAND, "pipeline", "describe", str(EXAMPLE), *overrides],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
