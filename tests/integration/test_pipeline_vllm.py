@@ -85,7 +85,7 @@ def test_a_pipeline_killed_in_step_two_resumes_each_row_once(
     log.write_text(second.stdout + second.stderr)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "step label: skipped, done before" in second.stdout
-    assert "step reason: resume done" in second.stdout
+    assert "step reason: resumed, done" in second.stdout
     wait_until_idle(small_server)
     reason = _table(run, "reason")
     assert sorted(row["id"] for row in reason) == negative  # each once, none lost

@@ -177,6 +177,10 @@ def configure_logging(log_format: str | None = None) -> None:
 def _log_format(args: argparse.Namespace) -> str | None:
     """``--log-format``, or the job file's ``log_format``, when the command has one."""
     chosen: str | None = getattr(args, "log_format", None)
+    for override in getattr(args, "set", None) or []:  # pipeline --set log_format=json
+        key, _, given = str(override).partition("=")
+        if key.strip() == "log_format":
+            chosen = given.strip().strip("\"'")
     config = getattr(args, "config", None) or (
         getattr(args, "file", None) if args.command == "pipeline" else None
     )

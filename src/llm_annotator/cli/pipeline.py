@@ -177,13 +177,17 @@ def pipeline_run(args: argparse.Namespace) -> int:
         if step.action == "leave":
             print(f"step {step.name}: left alone (not in --steps)")
             continue
-        done = "skipped, done before" if step.action == "skip" else f"{step.action} done"
+        done = _DONE.get(step.action, step.action)
         print(
             f"step {step.name}: {done}: {figures.get('rows')} rows ({figures.get('succeeded')} "
             f"succeeded, {figures.get('failed')} failed) in {step.output_dir}"
         )
     print(f"report: {result.report_path}")
     return 0
+
+
+_DONE = {"run": "done", "resume": "resumed, done", "redo": "redone", "skip": "skipped, done before"}
+"""How ``pipeline run`` says what it did with a step."""
 
 
 def pipeline_describe(args: argparse.Namespace) -> int:

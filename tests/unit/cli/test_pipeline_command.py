@@ -113,8 +113,8 @@ def test_run_describe_and_a_changed_step_refused_then_forced(
     path = _file(tmp_path, fake_server, _STEPS)
     assert _run("run", str(path)) == 0
     out = capsys.readouterr().out
-    assert "step label: run done: 6 rows (6 succeeded, 0 failed)" in out
-    assert "step reason: run done: 3 rows" in out and "step judge: run done: 3 rows" in out
+    assert "step label: done: 6 rows (6 succeeded, 0 failed)" in out
+    assert "step reason: done: 3 rows" in out and "step judge: done: 3 rows" in out
     assert len(fake_server.requests) == 12
     assert _run("describe", str(path)) == 0
     out = capsys.readouterr().out
