@@ -65,6 +65,36 @@ class Written:
     columns: dict[str, None] = field(default_factory=dict)
 
 
+def data_identity(step: Step) -> Any:
+    """What says that a step's dataset changed: a file's size and modification time,
+    or a digest of a corpus's listing (names, sizes, times); None for what is not read
+    from files (a list of dicts, a ``Dataset``) and for steps without a dataset.
+
+    Raises:
+        InputError: The dataset cannot be listed (a path that does not exist, ...).
+    """
+    data = step.data
+    if data is None:
+        return None
+    if isinstance(data, str) or hasattr(data, "__fspath__"):
+        paths = [data]
+    elif isinstance(data, list | tuple) and all(
+        isinstance(p, str) or hasattr(p, "__fspath__") for p in data
+    ):
+        paths = list(data)
+    else:
+        return None
+    if is_corpus(data):
+        return list_corpus(data, skip_bad_files=step.skip_bad_files).digest
+    try:
+        info = os.stat(paths[0])
+    except OSError as error:
+        raise InputError(
+            f"step {step.name}: cannot read its input {paths[0]}: {error.strerror or error}"
+        ) from None
+    return [info.st_size, info.st_mtime_ns]
+
+
 def written_input(inputs_dir: Path, step: Step) -> Path | None:
     """The rows written for ``step`` before, if complete (a file or a folder)."""
     for path in (inputs_dir / f"{step.name}.jsonl", inputs_dir / step.name):

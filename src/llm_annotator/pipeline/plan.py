@@ -122,7 +122,7 @@ def plan(
             if source in redone:
                 why = f"reads step {source}, which is redone"
             else:
-                lines = describe_changes(record.settings, settings[name])
+                lines = _said(describe_changes(record.settings, settings[name]))
                 why = "; ".join(lines) or "its settings changed"
             plans[name] = StepPlan(name, "redo", why)
     if not force:
@@ -167,3 +167,16 @@ def downstream(order: Sequence[tuple[str, str | None]], name: str) -> list[str]:
             found.append(step)
             wanted.add(step)
     return found
+
+
+def _said(lines: Sequence[str]) -> list[str]:
+    """Changes in words: a dataset's identity (sizes, times, a digest) as one line.
+
+    Examples:
+        >>> _said(["data_identity.0: 10 -> 12", "data_identity.1: 1 -> 2", "n: 1 -> 2"])
+        ['its dataset changed since it ran (size, time or files)', 'n: 1 -> 2']
+    """
+    said = [line for line in lines if not line.startswith("data_identity")]
+    if len(said) < len(lines):
+        said.insert(0, "its dataset changed since it ran (size, time or files)")
+    return said

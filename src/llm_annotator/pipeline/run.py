@@ -33,9 +33,18 @@ from llm_annotator.errors import ConfigurationError, JobError, RunDirectoryError
 from llm_annotator.jobs.annotate import AnnotationResult, Annotator
 from llm_annotator.jobs.files import check_entry
 from llm_annotator.jobs.loop.summary import write_json
+from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
+from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR
+from llm_annotator.jobs.rundir.store import DirectoryLock
 from llm_annotator.jobs.spec import JobArgs
 from llm_annotator.jobs.watch.status import run_status
-from llm_annotator.pipeline.inputs import ID, remove_input, write_input, written_input
+from llm_annotator.pipeline.inputs import (
+    ID,
+    data_identity,
+    remove_input,
+    write_input,
+    written_input,
+)
 from llm_annotator.pipeline.plan import Recorded, StepPlan, plan
 from llm_annotator.pipeline.steps import Step, ordered, step_key
 
@@ -228,26 +237,29 @@ class Pipeline:
                 running again resumes it.
             PoolExhaustedError: Every server stayed down during a step; likewise.
         """
-        plans, keys, settings = self._start(client, servers, steps, force)
-        results: list[StepResult] = []
-        for step, step_plan in zip(self.steps, plans, strict=True):
-            if step_plan.action in ("skip", "leave"):
-                results.append(self._kept(step, step_plan))
-                continue
-            data, job = self._begin(step, step_plan, keys, settings, force)
-            annotator = Annotator(
-                self._client(step, client, servers), progress=progress, stop_grace=stop_grace
-            )
-            log.info("step_started", step=step.name, action=step_plan.action)
-            result = annotator.annotate(
-                data,
-                step.template,
-                self.step_dir(step.name),
-                handle_signals=handle_signals,
-                **job,
-            )
-            results.append(self._finish(step, step_plan, keys, settings, result))
-        return self._report(results)
+        lock, plans, keys, settings = self._start(client, servers, steps, force)
+        try:
+            results: list[StepResult] = []
+            for step, step_plan in zip(self.steps, plans, strict=True):
+                if step_plan.action in ("skip", "leave"):
+                    results.append(self._kept(step, step_plan))
+                    continue
+                data, job = self._begin(step, step_plan, keys, settings, force)
+                annotator = Annotator(
+                    self._client(step, client, servers), progress=progress, stop_grace=stop_grace
+                )
+                log.info("step_started", step=step.name, action=step_plan.action)
+                result = annotator.annotate(
+                    data,
+                    step.template,
+                    self.step_dir(step.name),
+                    handle_signals=handle_signals,
+                    **job,
+                )
+                results.append(self._finish(step, step_plan, keys, settings, result))
+            return self._report(results)
+        finally:
+            lock.release()
 
     async def arun(
         self,
@@ -262,24 +274,31 @@ class Pipeline:
     ) -> PipelineResult:
         """Async twin of :meth:`run`. Signals are the caller's: set ``stop`` for a
         clean stop."""
-        plans, keys, settings = await asyncio.to_thread(self._start, client, servers, steps, force)
-        results: list[StepResult] = []
-        for step, step_plan in zip(self.steps, plans, strict=True):
-            if step_plan.action in ("skip", "leave"):
-                results.append(await asyncio.to_thread(self._kept, step, step_plan))
-                continue
-            data, job = await asyncio.to_thread(self._begin, step, step_plan, keys, settings, force)
-            annotator = Annotator(
-                self._client(step, client, servers), progress=progress, stop_grace=stop_grace
-            )
-            log.info("step_started", step=step.name, action=step_plan.action)
-            result = await annotator.aannotate(
-                data, step.template, self.step_dir(step.name), stop=stop, **job
-            )
-            results.append(
-                await asyncio.to_thread(self._finish, step, step_plan, keys, settings, result)
-            )
-        return await asyncio.to_thread(self._report, results)
+        lock, plans, keys, settings = await asyncio.to_thread(
+            self._start, client, servers, steps, force
+        )
+        try:
+            results: list[StepResult] = []
+            for step, step_plan in zip(self.steps, plans, strict=True):
+                if step_plan.action in ("skip", "leave"):
+                    results.append(await asyncio.to_thread(self._kept, step, step_plan))
+                    continue
+                data, job = await asyncio.to_thread(
+                    self._begin, step, step_plan, keys, settings, force
+                )
+                annotator = Annotator(
+                    self._client(step, client, servers), progress=progress, stop_grace=stop_grace
+                )
+                log.info("step_started", step=step.name, action=step_plan.action)
+                result = await annotator.aannotate(
+                    data, step.template, self.step_dir(step.name), stop=stop, **job
+                )
+                results.append(
+                    await asyncio.to_thread(self._finish, step, step_plan, keys, settings, result)
+                )
+            return await asyncio.to_thread(self._report, results)
+        finally:
+            lock.release()
 
     def _start(
         self,
@@ -287,25 +306,31 @@ class Pipeline:
         servers: Mapping[str, Client[Any]] | None,
         steps: Sequence[str] | None,
         force: bool,
-    ) -> tuple[list[StepPlan], dict[str, str], dict[str, dict[str, Any]]]:
-        """Check everything a run needs and decide each step's action, before any runs."""
+    ) -> tuple[DirectoryLock, list[StepPlan], dict[str, str], dict[str, dict[str, Any]]]:
+        """Check everything a run needs and decide each step's action, before any runs;
+        hold the pipeline's lock (one process runs a pipeline at a time)."""
         for step in self.steps:
             self._client(step, client, servers)
         self._check_directory()
-        keys, settings = self._keys()
-        plans = plan(
-            [(step.name, step.from_step) for step in self.steps],
-            keys,
-            settings,
-            self._recorded(),
-            selected=steps,
-            force=force,
-        )
+        lock = DirectoryLock.acquire(self.output_dir, "run the pipeline in")
+        try:
+            keys, settings = self._keys()
+            plans = plan(
+                [(step.name, step.from_step) for step in self.steps],
+                keys,
+                settings,
+                self._recorded(),
+                selected=steps,
+                force=force,
+            )
+        except BaseException:
+            lock.release()
+            raise
         for step_plan in plans:
             log.info(
                 "step_planned", step=step_plan.name, action=step_plan.action, why=step_plan.why
             )
-        return plans, keys, settings
+        return lock, plans, keys, settings
 
     @staticmethod
     def _client(
@@ -328,7 +353,7 @@ class Pipeline:
         settings: dict[str, dict[str, Any]] = {}
         for step in self.steps:
             upstream = keys[step.from_step] if step.from_step is not None else None
-            settings[step.name] = step.settings(upstream)
+            settings[step.name] = step.settings(upstream, data_identity(step))
             keys[step.name] = step_key(settings[step.name])
         return keys, settings
 
@@ -363,7 +388,10 @@ class Pipeline:
         found: dict[str, Recorded] = {}
         for name, entry in self._record()["steps"].items():
             if isinstance(entry, dict) and entry.get("state") in ("begun", "done"):
-                found[name] = Recorded(entry["key"], entry["state"], entry.get("settings", {}))
+                state = entry["state"]
+                if state == "done" and not _has_output(self.step_dir(name)):
+                    state = "begun"  # its output was removed since: its job makes it again
+                found[name] = Recorded(entry["key"], state, entry.get("settings", {}))
         return found
 
     def _save(self, name: str, entry: dict[str, Any]) -> None:
@@ -484,3 +512,8 @@ class Pipeline:
         }
         write_json(path, report)
         return PipelineResult(self.output_dir, tuple(results), path)
+
+
+def _has_output(run_dir: Path) -> bool:
+    """Whether a step's run directory holds its job's output."""
+    return (run_dir / PARQUET_FILE).is_file() or (run_dir / ANNOTATIONS_DIR).is_dir()

@@ -215,9 +215,10 @@ class Step:
             text += f", {self.n} answers each"
         return text
 
-    def settings(self, upstream: str | None) -> dict[str, Any]:
+    def settings(self, upstream: str | None, identity: Any = None) -> dict[str, Any]:
         """What defines the step's results, as a fingerprint (``upstream``: the key of
-        the step it reads, which changes when that step is redone).
+        the step it reads, which changes when that step is redone; ``identity``: what
+        says its dataset changed, see :func:`~llm_annotator.pipeline.inputs.data_identity`).
 
         Raises:
             ConfigurationError: A setting cannot be part of a fingerprint.
@@ -234,6 +235,7 @@ class Step:
         return make_fingerprint(
             reads=self.reads,
             data=_shown(self.data) if self.data is not None else None,
+            data_identity=identity,
             from_step=self.from_step,
             upstream=upstream,
             prompts=list(self.prompts) if self.prompts is not None else None,

@@ -214,3 +214,46 @@ def test_a_step_naming_servers_not_given_is_refused_before_anything_runs(
         pool, servers={"big": pool}, progress=False, handle_signals=False
     )
     assert result.steps[0].figures["rows"] == 10
+
+
+def test_a_changed_dataset_is_a_changed_step(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    """Rows added to the dataset after step 1 ran: the run refuses, naming the change,
+    rather than skip step 1 and feed the later steps stale rows."""
+    data = _reviews(tmp_path / "r.jsonl")
+    pipeline = Pipeline(_steps(data), tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    _reviews(data, 12)
+    with pytest.raises(
+        ConfigurationError, match=r"step label changed since it ran \(its dataset changed"
+    ):
+        pipeline.run(pool, progress=False, handle_signals=False)
+    result = pipeline.run(pool, force=True, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["redo", "redo", "redo"]
+    assert len(_rows(pipeline.step_dir("label"))) == 12
+
+
+def test_one_process_runs_a_pipeline_at_a_time(tmp_path: Path, pool: VLLMQueueAnnotator) -> None:
+    from llm_annotator.errors import JobError
+    from llm_annotator.jobs.rundir.store import DirectoryLock
+
+    pipeline = Pipeline(_steps(_reviews(tmp_path / "r.jsonl")), tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    held = DirectoryLock.acquire(tmp_path / "run", "hold")
+    try:
+        with pytest.raises(JobError, match=r"another run .* is using it"):
+            pipeline.run(pool, progress=False, handle_signals=False)
+    finally:
+        held.release()
+
+
+def test_a_step_whose_output_was_removed_is_resumed_not_skipped(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    pipeline = Pipeline(_steps(_reviews(tmp_path / "r.jsonl")), tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    (pipeline.step_dir("judge") / "annotations.parquet").unlink()
+    result = pipeline.run(pool, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["skip", "skip", "resume"]
+    assert len(_rows(pipeline.step_dir("judge"))) == 5

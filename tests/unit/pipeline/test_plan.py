@@ -154,7 +154,9 @@ def test_selected_steps_need_what_they_read_done_as_it_is_now() -> None:
 
 
 def test_a_pipeline_plans_from_its_record_without_a_client(tmp_path: Any) -> None:
-    pipeline = Pipeline([_step("b", "a"), _step("a")], tmp_path / "p")
+    (tmp_path / "d.jsonl").write_text('{"x": 1}\n')
+    steps = [_step("b", "a"), Step("a", "{x}", data=str(tmp_path / "d.jsonl"))]
+    pipeline = Pipeline(steps, tmp_path / "p")
     assert [(p.name, p.action) for p in pipeline.plan()] == [("a", "run"), ("b", "run")]
     assert [v.state for v in pipeline.describe()] == ["not run", "not run"]
     assert repr(pipeline).endswith("steps=[a, b]>")
