@@ -11,10 +11,14 @@ def _report(args: argparse.Namespace) -> int:
     import structlog
 
     from llm_annotator.jobs.run_report import write_html_report
+    from llm_annotator.pipeline.report import is_pipeline, write_pipeline_report
 
     # Reading a shard that a job is writing may meet a half-written last line: no warning.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    path = write_html_report(args.run_dir, args.output)
+    if is_pipeline(args.run_dir):
+        path = write_pipeline_report(args.run_dir, args.output)
+    else:
+        path = write_html_report(args.run_dir, args.output)
     print(f"report: {path}")
     return 0
 
@@ -29,7 +33,11 @@ def add_report(parser: argparse.ArgumentParser) -> None:
         "no network to open. The plots need matplotlib: pip install "
         "'llm-annotator[report]'."
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the job's --output-dir")
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="the job's --output-dir, or a pipeline's output_dir (every step on one page)",
+    )
     parser.add_argument(
         "--output", metavar="FILE", default=None, help="where to write it (RUN_DIR/report.html)"
     )

@@ -39,6 +39,7 @@ from llm_annotator.jobs.files import atomic_write, check_entry
 from llm_annotator.jobs.loop.summary import REPORT_NAME, read_report
 from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
 from llm_annotator.jobs.rundir.partitions import CORPUS_FILE
+from llm_annotator.jobs.rundir.store import JOB_FILE
 from llm_annotator.jobs.shards.merge import LISTED_SHARDS, is_merged, shard_states
 from llm_annotator.jobs.shards.shard import read_sharding
 from llm_annotator.jobs.watch.status import RunStatus, corpus_status, run_status
@@ -229,6 +230,49 @@ def write_html_report(
     return path
 
 
+def write_runs_report(
+    directory: str | os.PathLike[str],
+    title: str,
+    summary: tuple[Sequence[str], Sequence[Sequence[Any]]],
+    runs: Sequence[tuple[str, Path | None]],
+    output: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write several runs on one HTML page (a pipeline's steps): a summary table, then
+    each run's sections under its own heading; returns the page's path
+    (``directory/report.html`` by default).
+
+    Args:
+        directory: The directory the runs belong to.
+        title: The page's heading.
+        summary: The summary table: its header and rows.
+        runs: Each run's heading and run directory (None: not begun, said so).
+        output: Where to write the page, as for :func:`write_html_report`.
+
+    Raises:
+        RunDirectoryError: A file of a run directory, or the page's own path in
+            ``directory``, is a link or not a regular file.
+        ConfigurationError: matplotlib is not installed (the ``report`` extra).
+    """
+    folder = Path(directory)
+    path = folder / HTML_REPORT_NAME if output is None else Path(output).resolve()
+    check_entry(path)
+    e = html.escape
+    body = ["<h2>Summary</h2>", _table(*summary)]
+    for heading, run_dir in runs:
+        body.append(f"<h2>{e(heading)}</h2>")
+        corpus = corpus_status(run_dir) if run_dir is not None and run_dir.is_dir() else None
+        if corpus is not None:
+            body += _corpus_parts(run_dir, corpus)  # type: ignore[arg-type]
+        elif run_dir is not None and check_entry(run_dir / JOB_FILE):
+            body += _run_parts(run_dir, "h3")
+        else:
+            body.append('<p class="note">Not begun.</p>')
+    page = _page(folder, body, title)
+    with atomic_write(path, durable=False) as file:
+        file.write(page.encode("utf-8"))
+    return path
+
+
 def _plots(series: RunSeries) -> list[tuple[str, str]]:
     """(title, inline SVG) of each plot. Drawn on figures of their own (no pyplot), in
     a context of their own: a caller's backend, figures and settings stay as they are."""
@@ -410,14 +454,14 @@ figure { margin: 10px 0 18px 0; } svg { max-width: 100%; height: auto; }
 """
 
 
-def _page(directory: Path, body: list[str]) -> str:
+def _page(directory: Path, body: list[str], title: str = "Run report") -> str:
     e = html.escape
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>llm-annotator run report: {e(directory.name)}</title>",
+        f"<title>llm-annotator {e(title.lower())}: {e(directory.name)}</title>",
         f"<style>{_STYLE}</style></head><body>",
-        f"<h1>Run report: {e(str(directory))}</h1>",
+        f"<h1>{e(title)}: {e(str(directory))}</h1>",
         *body,
         f'<p class="note">Written {e(_now())} by llm-annotator report from '
         f"{TIMELINE_FILE}, the shards and {REPORT_NAME}.</p></body></html>",

@@ -138,6 +138,11 @@ def test_run_describe_and_a_changed_step_refused_then_forced(
     }
     report = orjson.loads((tmp_path / "run" / "report.json").read_bytes())
     assert [s["action"] for s in report["steps"]] == ["skip", "redo", "redo"]
+    assert main(["report", str(tmp_path / "run")]) == 0
+    page = (tmp_path / "run" / "report.html").read_text()
+    for step in ("label", "reason", "judge"):
+        assert f"<h2>Step {step}</h2>" in page
+    assert "<td>reason</td><td>the rows of step label where" in page
 
 
 def test_generation_and_hooks_from_the_file(
