@@ -9,6 +9,7 @@ a TOML file.
 """
 
 from llm_annotator.pipeline.plan import StepPlan
+from llm_annotator.pipeline.report import write_pipeline_report
 from llm_annotator.pipeline.run import Pipeline, PipelineResult, StepResult, StepView
 from llm_annotator.pipeline.steps import Step
 from llm_annotator.pipeline.where import Where
@@ -21,4 +22,5 @@ __all__ = [
     "StepResult",
     "StepView",
     "Where",
+    "write_pipeline_report",
 ]
