@@ -153,6 +153,14 @@ def pipeline_run(args: argparse.Namespace) -> int:
     except RunInterruptedError as stopped:
         print(f"llm-annotator pipeline: {stopped}", file=sys.stderr, flush=True)
         return 128 + (stopped.signum or int(signal.SIGINT))
+    except KeyboardInterrupt:  # between steps' jobs (writing a step's rows, say)
+        print(
+            f"llm-annotator pipeline: stopped by SIGINT; what is done is kept in "
+            f"{pipeline.output_dir}. Run the same command again to resume.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(signal.SIGINT)
     except ServersUnusableError as unusable:
         print(
             f"llm-annotator pipeline: error: {unusable}\nFix the settings named above and run "
