@@ -69,6 +69,7 @@ NOT_IN_PIPELINE = (
     "shuffle_seed",
     "metrics_port",
     "metrics_host",
+    "force",
 )
 """Settings of ``run`` a pipeline does not take (its steps run in this process, whole)."""
 _CLIENT_SETTINGS = (
@@ -269,6 +270,8 @@ def load_pipeline(path: Path, overrides: list[str] | None = None) -> Loaded:
         where = f"steps.{name}"
         own = {key.replace("-", "_"): value for key, value in raw.items()}
         group = own.pop("server_group", None)
+        if group is not None and not isinstance(group, str):
+            raise ConfigurationError(f"{path}: {where}.server_group must be a group's name")
         if group is not None and group not in group_settings:
             raise ConfigurationError(
                 f"{path}: {where}.server_group {group!r} is not a [server_groups.NAME] table; "
@@ -359,7 +362,9 @@ def _checked(
         if refused:
             if name in known or name in PIPELINE_ONLY:
                 why = "is not a setting here"
-                if name in NOT_IN_PIPELINE:
+                if name == "force":
+                    why = "is not a setting of the file: give --force to pipeline run"
+                elif name in NOT_IN_PIPELINE:
                     why = "is a setting of llm-annotator run that a pipeline does not take"
                 elif name in PIPELINE_ONLY:
                     why = "is a setting of the whole pipeline: set it at the top of the file"
@@ -401,7 +406,8 @@ def _step(
         raise ConfigurationError(f"{path}: {where}.prompts must be a list of strings")
     data = special.get("input")
     if data is not None and not (
-        isinstance(data, str) or (isinstance(data, list) and all(isinstance(d, str) for d in data))
+        (isinstance(data, str) and data)
+        or (isinstance(data, list) and data and all(isinstance(d, str) and d for d in data))
     ):
         raise ConfigurationError(f"{path}: {where}.input must be a path or a list of paths")
     hooks: dict[str, Any] = {}

@@ -12,6 +12,7 @@ reads the very rows it began with.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 from collections.abc import Iterable, Iterator
@@ -46,6 +47,7 @@ RENAMED = ("response", VALIDATED_COLUMN, "input_file")
 DROPPED = frozenset({*ANSWER_COLUMNS, VALID_COLUMN} - set(RENAMED))
 """An earlier step's bookkeeping columns, left out of what a later step reads."""
 _BATCH = 2048
+_SORTED = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 @dataclass(slots=True)
@@ -78,14 +80,25 @@ def data_identity(step: Step) -> Any:
         return None
     if isinstance(data, str) or hasattr(data, "__fspath__"):
         paths = [data]
-    elif isinstance(data, list | tuple) and all(
-        isinstance(p, str) or hasattr(p, "__fspath__") for p in data
+    elif (
+        isinstance(data, list | tuple)
+        and data
+        and all(isinstance(p, str) or hasattr(p, "__fspath__") for p in data)
     ):
         paths = list(data)
-    else:
-        return None
+    elif isinstance(data, list | tuple):  # rows in memory: a digest of their content
+        digest = hashlib.blake2b(digest_size=16)
+        for row in data:
+            try:
+                digest.update(orjson.dumps(row, option=_SORTED))
+            except TypeError:
+                digest.update(repr(row).encode("utf-8", "backslashreplace"))
+        return f"rows:{len(data)}:{digest.hexdigest()}"
+    else:  # a datasets.Dataset says its own content's fingerprint
+        fingerprint = getattr(data, "_fingerprint", None)
+        return f"dataset:{fingerprint}" if isinstance(fingerprint, str) else None
     if is_corpus(data):
-        return list_corpus(data, skip_bad_files=step.skip_bad_files).digest
+        return list_corpus(data, skip_bad_files=step.skip_bad_files).digest()
     try:
         info = os.stat(paths[0])
     except OSError as error:
@@ -133,6 +146,7 @@ def write_input(step: Step, inputs_dir: Path, upstream: Path | None) -> Written:
         written = Written(target)
         with _replacing(target) as file:
             shape.write(first[1], file, written)
+            shape.check()
     else:
         target = inputs_dir / step.name
         written = Written(target)
@@ -145,6 +159,7 @@ def write_input(step: Step, inputs_dir: Path, upstream: Path | None) -> Written:
             with (hidden / name).open("wb") as file:
                 shape.write(rows, file, written)
                 _durable(file)
+        shape.check()
         os.replace(hidden, target)
     log.info(
         "step_input_written",
@@ -162,14 +177,17 @@ class _Shape:
     def __init__(self, step: Step, where: Where | None) -> None:
         self.step = step
         self.where = where
-        self.checked = where is None
+        self.unseen = set(where.columns) if where is not None else set()
+        """The filter's columns no row read so far has (some rows may lack one)."""
+        self.seen: dict[str, None] = {}
 
     def write(self, rows: Iterable[dict[str, Any]], file: IO[bytes], written: Written) -> None:
         step, lines = self.step, []
         for row in rows:
             written.read += 1
-            if not self.checked:
-                self._check_where(row)
+            if self.unseen:
+                self.unseen.difference_update(row)
+                self.seen.update(dict.fromkeys(row))
             if self.where is not None and not self.where(row):
                 continue
             if step.preprocess is not None:
@@ -194,16 +212,17 @@ class _Shape:
         if lines:
             file.write(b"\n".join(lines) + b"\n")
 
-    def _check_where(self, row: dict[str, Any]) -> None:
-        assert self.where is not None
-        missing = [name for name in self.where.columns if name not in row]
-        if missing:
-            raise ConfigurationError(
-                f"step {self.step.name}: where {self.where.expression!r} names "
-                f"{', '.join(map(repr, missing))}, which the rows it reads do not have; "
-                f"they have {', '.join(name for name in row if name != ID)}"
-            )
-        self.checked = True
+    def check(self) -> None:
+        """Refuse a filter on a column no row had (a typo, most likely), once every row
+        is read: a column some rows lack is fine (it reads as None there)."""
+        if self.where is None or not self.unseen or not self.seen:
+            return
+        have = ", ".join(name for name in self.seen if name != ID)
+        raise ConfigurationError(
+            f"step {self.step.name}: where {self.where.expression!r} names "
+            f"{', '.join(map(repr, sorted(self.unseen)))}, which none of the rows it reads "
+            f"has; they have {have}"
+        )
 
     def _preprocessed(self, row: dict[str, Any]) -> dict[str, Any] | None:
         assert self.step.preprocess is not None
@@ -232,9 +251,13 @@ def _answers(row: dict[str, Any], n: int, step: Step) -> Iterator[dict[str, Any]
         yield row
         return
     row_id = row[ID]
-    rest = {key: value for key, value in row.items() if key != ID}
+    rest = {
+        (f"input_{key}" if key in (PROMPT_ID, ANSWER_INDEX) else key): value
+        for key, value in row.items()
+        if key != ID
+    }  # an earlier step's prompt_id and answer_index stay, renamed
     for index in range(n):
-        yield {ID: f"{row_id}:{index}", PROMPT_ID: row_id, ANSWER_INDEX: index, **rest}
+        yield {ID: f"{row_id}:{index}", **rest, PROMPT_ID: row_id, ANSWER_INDEX: index}
 
 
 Part = tuple[str | None, Iterator[dict[str, Any]]]

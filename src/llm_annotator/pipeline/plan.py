@@ -19,7 +19,10 @@ from llm_annotator.jobs.rundir.fingerprint import describe_changes
 Action = Literal["run", "resume", "skip", "redo", "leave"]
 """``run`` a step never begun, ``resume`` one begun, ``skip`` one done, ``redo`` one
 whose settings changed (its results replaced), ``leave`` one not selected."""
-State = Literal["begun", "done"]
+State = Literal["begun", "done", "stale"]
+"""``stale``: a step the step it reads was redone under since it ran (its rows are no
+longer what it read): it is redone at its next run, without ``force`` (that was given
+when the step it reads was redone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +31,7 @@ class Recorded:
 
     Attributes:
         key: The key of the settings it ran with.
-        state: ``begun`` (its job may hold rows) or ``done``.
+        state: ``begun`` (its job may hold rows), ``done`` or ``stale``.
         settings: Those settings, to say what changed.
     """
 
@@ -53,6 +56,7 @@ def plan(
     recorded: Mapping[str, Recorded],
     *,
     selected: Collection[str] | None = None,
+    retrying: Collection[str] = (),
     force: bool = False,
 ) -> list[StepPlan]:
     """Decide each step's action.
@@ -64,6 +68,8 @@ def plan(
         settings: Each step's settings now.
         recorded: What the record says of the steps that began.
         selected: The steps to run (``--steps``); None for all.
+        retrying: The steps with ``retry_errors``: done, they are resumed to send their
+            error rows again, and the steps that read them redone.
         force: Allow replacing a changed step's results.
 
     Returns:
@@ -97,10 +103,9 @@ def plan(
             f"step; the steps are {', '.join(names)}"
         )
     plans: dict[str, StepPlan] = {}
-    redone: set[str] = set()
+    moved: dict[str, str] = {}  # steps whose rows change in this run, and how
     for name, source in order:
         record = recorded.get(name)
-        current = record is not None and record.key == keys[name]
         if name not in wanted:
             plans[name] = StepPlan(name, "leave", "not in --steps")
             continue
@@ -111,20 +116,28 @@ def plan(
                     f"step {name} reads step {source}, which is not done as the pipeline "
                     f"says it now; add {source} to --steps"
                 )
-        if record is None:
+        if source is not None and source in moved:
+            why = f"reads step {source}, {moved[source]}"
+            plans[name] = StepPlan(name, "run" if record is None else "redo", why)
+            moved[name] = "which is redone"
+        elif record is None:
             plans[name] = StepPlan(name, "run", "not run yet")
-        elif current and record.state == "done":
+        elif record.state == "stale":
+            why = "the step it reads was redone since it ran"
+            plans[name] = StepPlan(name, "redo", why)
+            moved[name] = "which is redone"
+        elif record.key == keys[name] and record.state == "done" and name in retrying:
+            why = "retry_errors: its error rows are sent again"
+            plans[name] = StepPlan(name, "resume", why)
+            moved[name] = "whose error rows are sent again"
+        elif record.key == keys[name] and record.state == "done":
             plans[name] = StepPlan(name, "skip", "done, settings unchanged")
-        elif current:
+        elif record.key == keys[name]:
             plans[name] = StepPlan(name, "resume", "begun, settings unchanged")
         else:
-            redone.add(name)
-            if source in redone:
-                why = f"reads step {source}, which is redone"
-            else:
-                lines = _said(describe_changes(record.settings, settings[name]))
-                why = "; ".join(lines) or "its settings changed"
-            plans[name] = StepPlan(name, "redo", why)
+            lines = _said(describe_changes(record.settings, settings[name]))
+            plans[name] = StepPlan(name, "redo", "; ".join(lines) or "its settings changed")
+            moved[name] = "which is redone"
     if not force:
         _refuse_replacing([plans[name] for name in names], order, recorded)
     return [plans[name] for name in names]
@@ -136,16 +149,24 @@ def _refuse_replacing(
     recorded: Mapping[str, Recorded],
 ) -> None:
     """Refuse a plan that replaces results, saying which and why."""
-    changed = [p for p in plans if p.action == "redo" and not p.why.startswith("reads step")]
-    if not changed:
-        return
     lines = []
-    for step in changed:
-        later = [name for name in downstream(order, step.name) if name in recorded]
-        line = f"step {step.name} changed since it ran ({step.why})"
+    for step in plans:
+        later = [
+            name
+            for name in downstream(order, step.name)
+            if name in recorded and recorded[name].state != "stale"
+        ]
+        if step.action == "redo" and not step.why.startswith(("reads step", "the step it")):
+            line = f"step {step.name} changed since it ran ({step.why})"
+        elif step.action == "resume" and step.why.startswith("retry_errors") and later:
+            line = f"step {step.name} sends its error rows again (retry_errors)"
+        else:
+            continue
         if later:
             line += f"; the steps that read it ({', '.join(later)}) would be redone too"
         lines.append(line)
+    if not lines:
+        return
     raise ConfigurationError(
         "; ".join(lines) + ". Their results would be replaced: run again with --force "
         "(force=True) to do so, or restore the settings to resume."
@@ -170,13 +191,18 @@ def downstream(order: Sequence[tuple[str, str | None]], name: str) -> list[str]:
 
 
 def _said(lines: Sequence[str]) -> list[str]:
-    """Changes in words: a dataset's identity (sizes, times, a digest) as one line.
+    """Changes in words: a dataset's identity (sizes, times, a digest) as one line, and
+    the key of the step it reads as that step having been redone.
 
     Examples:
         >>> _said(["data_identity.0: 10 -> 12", "data_identity.1: 1 -> 2", "n: 1 -> 2"])
         ['its dataset changed since it ran (size, time or files)', 'n: 1 -> 2']
+        >>> _said(["upstream: 'a1' -> 'b2'"])
+        ['the step it reads ran with other settings since']
     """
-    said = [line for line in lines if not line.startswith("data_identity")]
-    if len(said) < len(lines):
+    said = [line for line in lines if not line.startswith(("data_identity", "upstream:"))]
+    if any(line.startswith("upstream:") for line in lines):
+        said.insert(0, "the step it reads ran with other settings since")
+    if any(line.startswith("data_identity") for line in lines):
         said.insert(0, "its dataset changed since it ran (size, time or files)")
     return said

@@ -29,7 +29,12 @@ import structlog
 
 from llm_annotator._constants import STOP_GRACE
 from llm_annotator.clients.base import Client
-from llm_annotator.errors import ConfigurationError, JobError, RunDirectoryError
+from llm_annotator.errors import (
+    ConfigurationError,
+    FingerprintMismatchError,
+    JobError,
+    RunDirectoryError,
+)
 from llm_annotator.jobs.annotate import AnnotationResult, Annotator
 from llm_annotator.jobs.files import check_entry
 from llm_annotator.jobs.loop.summary import write_json
@@ -45,7 +50,7 @@ from llm_annotator.pipeline.inputs import (
     write_input,
     written_input,
 )
-from llm_annotator.pipeline.plan import Recorded, StepPlan, plan
+from llm_annotator.pipeline.plan import Recorded, StepPlan, downstream, plan
 from llm_annotator.pipeline.steps import Step, ordered, step_key
 
 log = structlog.get_logger(__name__)
@@ -165,11 +170,12 @@ class Pipeline:
         """
         keys, settings = self._keys()
         return plan(
-            [(step.name, step.from_step) for step in self.steps],
+            self._order(),
             keys,
             settings,
             self._recorded(),
             selected=steps,
+            retrying=[step.name for step in self.steps if step.retry_errors],
             force=force,
         )
 
@@ -240,23 +246,33 @@ class Pipeline:
         lock, plans, keys, settings = self._start(client, servers, steps, force)
         try:
             results: list[StepResult] = []
+            moved: set[str] = set()  # steps whose rows changed in this run
             for step, step_plan in zip(self.steps, plans, strict=True):
+                step_plan = _now(step, step_plan, moved)
                 if step_plan.action in ("skip", "leave"):
                     results.append(self._kept(step, step_plan))
                     continue
-                data, job = self._begin(step, step_plan, keys, settings, force)
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
-                log.info("step_started", step=step.name, action=step_plan.action)
-                result = annotator.annotate(
-                    data,
-                    step.template,
-                    self.step_dir(step.name),
-                    handle_signals=handle_signals,
-                    **job,
-                )
+                for attempt in (1, 2):
+                    data, job = self._begin(step, step_plan, keys, settings)
+                    log.info("step_started", step=step.name, action=step_plan.action)
+                    try:
+                        result = annotator.annotate(
+                            data,
+                            step.template,
+                            self.step_dir(step.name),
+                            handle_signals=handle_signals,
+                            **job,
+                        )
+                    except FingerprintMismatchError as error:
+                        step_plan = self._mismatch(step, error, force, attempt)
+                        continue
+                    break
                 results.append(self._finish(step, step_plan, keys, settings, result))
+                if step_plan.action != "resume" or step.retry_errors:
+                    moved.add(step.name)
             return self._report(results)
         finally:
             lock.release()
@@ -279,26 +295,51 @@ class Pipeline:
         )
         try:
             results: list[StepResult] = []
+            moved: set[str] = set()
             for step, step_plan in zip(self.steps, plans, strict=True):
+                step_plan = _now(step, step_plan, moved)
                 if step_plan.action in ("skip", "leave"):
                     results.append(await asyncio.to_thread(self._kept, step, step_plan))
                     continue
-                data, job = await asyncio.to_thread(
-                    self._begin, step, step_plan, keys, settings, force
-                )
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
-                log.info("step_started", step=step.name, action=step_plan.action)
-                result = await annotator.aannotate(
-                    data, step.template, self.step_dir(step.name), stop=stop, **job
-                )
+                for attempt in (1, 2):
+                    data, job = await asyncio.to_thread(
+                        self._begin, step, step_plan, keys, settings
+                    )
+                    log.info("step_started", step=step.name, action=step_plan.action)
+                    try:
+                        result = await annotator.aannotate(
+                            data, step.template, self.step_dir(step.name), stop=stop, **job
+                        )
+                    except FingerprintMismatchError as error:
+                        step_plan = self._mismatch(step, error, force, attempt)
+                        continue
+                    break
                 results.append(
                     await asyncio.to_thread(self._finish, step, step_plan, keys, settings, result)
                 )
+                if step_plan.action != "resume" or step.retry_errors:
+                    moved.add(step.name)
             return await asyncio.to_thread(self._report, results)
         finally:
             lock.release()
+
+    def _mismatch(
+        self, step: Step, error: FingerprintMismatchError, force: bool, attempt: int
+    ) -> StepPlan:
+        """A step's job refused to resume: its directory holds results of other
+        settings than the pipeline's record knows (another model, say). With ``force``
+        the step is redone once; without, the refusal says so."""
+        changes = "; ".join(error.changes) or str(error).splitlines()[0]
+        if not force or attempt > 1:
+            raise ConfigurationError(
+                f"step {step.name} was begun with other settings than it has now "
+                f"({changes}); run again with --force (force=True) to redo it and the "
+                "steps that read it"
+            ) from None
+        return StepPlan(step.name, "redo", changes)
 
     def _start(
         self,
@@ -316,11 +357,12 @@ class Pipeline:
         try:
             keys, settings = self._keys()
             plans = plan(
-                [(step.name, step.from_step) for step in self.steps],
+                self._order(),
                 keys,
                 settings,
                 self._recorded(),
                 selected=steps,
+                retrying=[step.name for step in self.steps if step.retry_errors],
                 force=force,
             )
         except BaseException:
@@ -387,12 +429,28 @@ class Pipeline:
     def _recorded(self) -> dict[str, Recorded]:
         found: dict[str, Recorded] = {}
         for name, entry in self._record()["steps"].items():
-            if isinstance(entry, dict) and entry.get("state") in ("begun", "done"):
+            if isinstance(entry, dict) and entry.get("state") in ("begun", "done", "stale"):
                 state = entry["state"]
                 if state == "done" and not _has_output(self.step_dir(name)):
                     state = "begun"  # its output was removed since: its job makes it again
                 found[name] = Recorded(entry["key"], state, entry.get("settings", {}))
         return found
+
+    def _order(self) -> list[tuple[str, str | None]]:
+        return [(step.name, step.from_step) for step in self.steps]
+
+    def _mark_stale(self, names: Sequence[str]) -> None:
+        """Record the steps that read a step being redone as stale: their rows are no
+        longer what they read, so they are redone at their next run."""
+        record = self._record()
+        changed = False
+        for name in names:
+            entry = record["steps"].get(name)
+            if isinstance(entry, dict) and entry.get("state") in ("begun", "done"):
+                entry["state"] = "stale"
+                changed = True
+        if changed:
+            write_json(self.output_dir / PIPELINE_FILE, record)
 
     def _save(self, name: str, entry: dict[str, Any]) -> None:
         record = self._record()
@@ -406,7 +464,6 @@ class Pipeline:
         step_plan: StepPlan,
         keys: Mapping[str, str],
         settings: Mapping[str, dict[str, Any]],
-        force: bool,
     ) -> tuple[Any, JobArgs]:
         """Make ready to run a step: clear what a redo replaces, write its rows, record
         it begun; return its job's input and arguments."""
@@ -414,6 +471,7 @@ class Pipeline:
         entry = self._record()["steps"].get(step.name) or {}
         if step_plan.action == "redo":
             log.warning("step_redone", step=step.name, why=step_plan.why)
+            self._mark_stale(downstream(self._order(), step.name))
             directory = self.step_dir(step.name)
             if check_entry(directory, directory=True):
                 shutil.rmtree(directory)
@@ -445,7 +503,7 @@ class Pipeline:
             "gen_kwargs": step.gen_kwargs,
             "columns": columns,
             "retry_errors": step.retry_errors,
-            "force": force,
+            "force": False,  # the pipeline's force redoes steps; it never mixes results
             "write_jsonl": step.write_jsonl,
             "max_regenerations": step.max_regenerations,
             "validate": step.validate,
@@ -517,3 +575,11 @@ class Pipeline:
 def _has_output(run_dir: Path) -> bool:
     """Whether a step's run directory holds its job's output."""
     return (run_dir / PARQUET_FILE).is_file() or (run_dir / ANNOTATIONS_DIR).is_dir()
+
+
+def _now(step: Step, step_plan: StepPlan, moved: set[str]) -> StepPlan:
+    """A step's plan as this run has gone: one that reads a step whose rows changed
+    here (redone after its job refused to resume) is redone too."""
+    if step.from_step in moved and step_plan.action in ("skip", "resume"):
+        return StepPlan(step.name, "redo", f"reads step {step.from_step}, which is redone")
+    return step_plan

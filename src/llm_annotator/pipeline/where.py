@@ -8,9 +8,13 @@ and grouped by parentheses, pass. Anything else (a call, an attribute, an index,
 a bare name) is refused with the part named. The checked tree is then evaluated by this
 module's own walk over it, so no code of the expression ever runs.
 
-A comparison that cannot be made (a missing value against a number, a string against a
-number) is false, as ``NULL`` comparisons are in SQL: ``score > 0.5`` keeps no row whose
-score is missing.
+Logic is SQL's three-valued one: a comparison with a missing value (None, other than by
+``is``), or between values of kinds that do not compare (a string and a number), is
+*unknown*; ``not`` unknown is unknown, ``and``/``or`` treat it as SQL does, and a row is
+kept only when the whole filter is true. So ``score > 0.5`` and ``score != 0.5`` both
+keep no row whose score is missing; write ``score is None or ...`` to keep them. A list
+value compares with a list literal (``tags == ['a', 'b']``) and ``'a' in tags`` looks
+in it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ _COMPARE: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
 _LITERALS = (str, int, float, bool, type(None))
 _MAX_LENGTH = 4000
 """Longest expression taken (a filter, not a program)."""
+_MAX_DEPTH = 64
+"""Deepest nesting taken (parentheses, ``not``, signs): evaluation recurses this deep."""
 
 
 class Where:
@@ -81,11 +87,19 @@ class Where:
             with warnings.catch_warnings():  # "is" with a literal: refused below, by name
                 warnings.simplefilter("ignore", SyntaxWarning)
                 tree = ast.parse(expression.strip(), mode="eval").body
+            if _depth(tree) > _MAX_DEPTH:
+                raise RecursionError
         except SyntaxError as error:
             raise ConfigurationError(
                 f"where {expression!r} is not an expression ({error.msg}); write a comparison "
                 "such as label == 'negative' or score >= 0.5"
             ) from None
+        except (RecursionError, MemoryError):
+            raise ConfigurationError(
+                f"where is nested more than {_MAX_DEPTH} deep; a filter is a few comparisons"
+            ) from None
+        except (UnicodeError, ValueError) as error:  # a lone surrogate, a NUL
+            raise ConfigurationError(f"where cannot be read: {error}") from None
         columns: list[str] = []
         _check_condition(tree, expression, columns)
         self.expression = expression
@@ -96,8 +110,9 @@ class Where:
         return f"Where({self.expression!r})"
 
     def __call__(self, row: Mapping[str, Any]) -> bool:
-        """Whether ``row`` passes (a column it lacks reads as None)."""
-        return _holds(self._tree, row)
+        """Whether ``row`` passes: the filter is true (not false, not unknown) on it; a
+        column it lacks reads as None."""
+        return _holds(self._tree, row) is True
 
 
 def _check_condition(node: ast.expr, expression: str, columns: list[str]) -> None:
@@ -183,31 +198,63 @@ def _refuse(expression: str, what: str) -> None:
     )
 
 
-def _holds(node: ast.expr, row: Mapping[str, Any]) -> bool:
-    """Evaluate a checked condition on one row."""
+def _depth(node: ast.AST) -> int:
+    """How deep a tree nests (iteratively: a deep tree must not overflow the stack)."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        current, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > _MAX_DEPTH:
+            break
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(current))
+    return deepest
+
+
+def _holds(node: ast.expr, row: Mapping[str, Any]) -> bool | None:
+    """Evaluate a checked condition on one row: True, False, or None (unknown)."""
     if isinstance(node, ast.BoolOp):
+        values = [_holds(value, row) for value in node.values]
         if isinstance(node.op, ast.And):
-            return all(_holds(value, row) for value in node.values)
-        return any(_holds(value, row) for value in node.values)
+            return False if False in values else (None if None in values else True)
+        return True if True in values else (None if None in values else False)
     if isinstance(node, ast.UnaryOp):  # not (the only unary condition the check lets by)
-        return not _holds(node.operand, row)
+        inner = _holds(node.operand, row)
+        return None if inner is None else not inner
     assert isinstance(node, ast.Compare)
     left = _value(node.left, row)
     for op, comparator in zip(node.ops, node.comparators, strict=True):
         right = _value(comparator, row)
-        try:
-            if not _COMPARE[type(op)](left, right):
-                return False
-        except TypeError:  # None < 1, 'a' < 1, 1 in 'abc': false, as NULL in SQL
+        if isinstance(op, ast.Is | ast.IsNot):
+            holds = (left is right) == isinstance(op, ast.Is)
+        elif left is None or right is None or not _comparable(left, right, op):
+            return None
+        else:
+            try:
+                holds = _COMPARE[type(op)](left, right)
+            except TypeError:
+                return None
+        if not holds:
             return False
         left = right
     return True
 
 
+def _comparable(left: Any, right: Any, op: ast.cmpop) -> bool:
+    """Whether two values compare: numbers with numbers, like with like; ``in`` looks
+    for a value in a list or a string."""
+    if isinstance(op, ast.In | ast.NotIn):
+        return isinstance(right, tuple) or (isinstance(right, str) and isinstance(left, str))
+    numbers = (int, float)
+    if isinstance(left, numbers) and isinstance(right, numbers):
+        return True
+    return type(left) is type(right)
+
+
 def _value(node: ast.expr, row: Mapping[str, Any]) -> Any:
-    """An operand's value: a column's, or a literal's."""
+    """An operand's value: a column's (a list as a tuple), or a literal's."""
     if isinstance(node, ast.Name):
-        return row.get(node.id)
+        value = row.get(node.id)
+        return tuple(value) if isinstance(value, list) else value
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.UnaryOp):

@@ -82,6 +82,19 @@ def _run(*argv: str) -> int:
             _STEPS.replace("[steps.judge]", '[steps.judge]\nserver_group = "big"'),
             "steps.judge.server_group 'big' is not a [server_groups.NAME] table",
         ),
+        (
+            _STEPS.replace("[steps.judge]", '[steps.judge]\nserver_group = ["a"]'),
+            "steps.judge.server_group must be a group's name",
+        ),
+        (
+            _STEPS.replace("[steps.label]", "[steps.label]\ninput = []"),
+            "steps.label.input must be a path or a list of paths",
+        ),
+        ("force = true\n" + _STEPS, "force is not a setting of the file: give --force"),
+        (
+            _STEPS.replace("[steps.judge]", "[steps.judge]\nn = 0"),
+            "step 'judge': n must be an integer >= 1",
+        ),
     ],
 )
 def test_a_bad_file_is_one_line_naming_the_step_and_key(

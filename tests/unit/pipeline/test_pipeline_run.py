@@ -13,6 +13,7 @@ from aiohttp import web
 
 from llm_annotator import VLLMQueueAnnotator
 from llm_annotator.errors import ConfigurationError
+from llm_annotator.jobs import run_status
 from llm_annotator.pipeline import Pipeline, Step
 from tests.unit.conftest import FakeServer, completion
 from tests.unit.helpers import FAST, write_jsonl
@@ -199,7 +200,9 @@ def test_a_where_on_a_column_the_rows_lack_is_said_with_the_columns_they_have(
     steps = _steps(_reviews(tmp_path / "r.jsonl"))
     steps[1] = Step("reason", "Why: {text}", from_step="label", where="sentiment == 'negative'")
     pipeline = Pipeline(steps, tmp_path / "run")
-    with pytest.raises(ConfigurationError, match="'sentiment', which the rows it reads do not"):
+    with pytest.raises(
+        ConfigurationError, match="'sentiment', which none of the rows it reads has"
+    ):
         pipeline.run(pool, progress=False, handle_signals=False)
 
 
@@ -257,3 +260,138 @@ def test_a_step_whose_output_was_removed_is_resumed_not_skipped(
     result = pipeline.run(pool, progress=False, handle_signals=False)
     assert [s.action for s in result.steps] == ["skip", "skip", "resume"]
     assert len(_rows(pipeline.step_dir("judge"))) == 5
+
+
+def test_a_corpus_runs_as_corpus_jobs_through_the_steps(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    """A folder of files: step 1 is a corpus job, step 2 reads its units (filtered)
+    into a unit file each and is a corpus job too; each row once per step."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    write_jsonl(corpus / "a.jsonl", [{"id": f"a{i}", "text": f"review {i}"} for i in range(4)])
+    write_jsonl(
+        corpus / "sub" / "b.jsonl", [{"id": f"b{i}", "text": f"review {i}"} for i in range(6)]
+    )
+    steps = [
+        Step("label", "Label: {text}", data=str(corpus), id_column="id"),
+        Step("reason", "Why: {text}", from_step="label", where="label_response == 'negative'"),
+    ]
+    pipeline = Pipeline(steps, tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    label = pq.read_table(pipeline.step_dir("label") / "annotations").to_pylist()
+    reason = pq.read_table(pipeline.step_dir("reason") / "annotations").to_pylist()
+    assert sorted(r["id"] for r in label) == sorted(
+        [f"a{i}" for i in range(4)] + [f"b{i}" for i in range(6)]
+    )
+    assert sorted(r["id"] for r in reason) == ["a1", "a3", "b1", "b3", "b5"]
+    assert {r["label_input_file"] for r in reason} == {"a.jsonl", "sub/b.jsonl"}
+    assert len(fake_server.requests) == 15
+    again = pipeline.run(pool, progress=False, handle_signals=False)
+    assert [s.action for s in again.steps] == ["skip", "skip"]
+
+
+def test_a_reader_is_redone_when_what_it_reads_is_redone_under_an_old_key(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    """Step 1 redone alone (--steps) to other settings, then back to the first: step 2
+    read the first run's rows, which are gone, so it is redone, never skipped."""
+    data = _reviews(tmp_path / "r.jsonl")
+
+    def two(template: str) -> list[Step]:
+        return (
+            _steps(data, reason="Why: {text}")[:2]
+            if template == "A"
+            else [
+                Step("label", "Label: {text}", data=str(data), id_column="id", system_message="B"),
+                _steps(data)[1],
+            ]
+        )
+
+    run = tmp_path / "run"
+    Pipeline(two("A"), run).run(pool, progress=False, handle_signals=False)
+    with pytest.raises(ConfigurationError, match=r"the steps that read it \(reason\)"):
+        Pipeline(two("B"), run).run(pool, steps=["label"], progress=False, handle_signals=False)
+    Pipeline(two("B"), run).run(
+        pool, steps=["label"], force=True, progress=False, handle_signals=False
+    )
+    back = Pipeline(two("A"), run)
+    assert [p.action for p in back.plan(force=True)] == ["redo", "redo"]
+    result = back.run(pool, force=True, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["redo", "redo"]
+
+
+def test_n_after_n_keeps_each_levels_ids(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    steps = [
+        Step("ideas", prompts=["Name a fruit."], n=2),
+        Step("more", "More: {ideas_response}", from_step="ideas", n=3),
+    ]
+    pipeline = Pipeline(steps, tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    rows = _rows(pipeline.step_dir("more"))
+    assert sorted((r["id"], r["prompt_id"], r["answer_index"]) for r in rows) == [
+        (f"0:{a}:{b}", f"0:{a}", b) for a in range(2) for b in range(3)
+    ]
+    assert sorted((r["input_prompt_id"], r["input_answer_index"]) for r in rows) == sorted(
+        (0, a) for a in range(2) for _ in range(3)
+    )
+
+
+def test_a_step_begun_on_another_model_is_refused_and_redone_only_with_force(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    """The pipeline's --force never lets a job mix two models' answers."""
+    data = _reviews(tmp_path / "r.jsonl")
+    pipeline = Pipeline(_steps(data), tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    (pipeline.step_dir("judge") / "annotations.parquet").unlink()  # judge: begun again
+    fake_server.models = ["other-model"]
+    with VLLMQueueAnnotator([fake_server.base_url], batch_size=4, **FAST) as other:
+        with pytest.raises(ConfigurationError, match="step judge was begun with other settings"):
+            pipeline.run(other, progress=False, handle_signals=False)
+        result = pipeline.run(other, force=True, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["skip", "skip", "redo"]
+    assert run_status(pipeline.step_dir("judge")).model == "other-model"
+    assert len(_rows(pipeline.step_dir("judge"))) == 5
+
+
+async def _fail_some(request: dict[str, Any]) -> web.StreamResponse:
+    prompt = request["messages"][-1]["content"]
+    if prompt == "Label: review 3":
+        return web.Response(status=400, text="bad request")
+    return await _answers(request)
+
+
+def test_retry_errors_resumes_a_done_step_and_redoes_its_readers_with_force(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    fake_server.handler = _fail_some
+    data = _reviews(tmp_path / "r.jsonl")
+    pipeline = Pipeline(_steps(data), tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    assert len(_rows(pipeline.step_dir("reason"))) == 4  # r3 failed in step 1
+    fake_server.handler = _answers
+    steps = _steps(data)
+    steps[0] = Step("label", "Label: {text}", data=str(data), id_column="id", retry_errors=True)
+    retried = Pipeline(steps, tmp_path / "run")
+    with pytest.raises(ConfigurationError, match=r"step label sends its error rows again"):
+        retried.run(pool, progress=False, handle_signals=False)
+    result = retried.run(pool, force=True, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["resume", "redo", "redo"]
+    assert len(_rows(pipeline.step_dir("reason"))) == 5
+
+
+def test_rows_in_memory_that_change_make_a_changed_step(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    rows = [{"text": f"review {i}"} for i in range(3)]
+    Pipeline([Step("label", "Label: {text}", data=rows)], tmp_path / "run").run(
+        pool, progress=False, handle_signals=False
+    )
+    edited = [{"text": f"review {i + 1}"} for i in range(3)]
+    with pytest.raises(ConfigurationError, match="its dataset changed"):
+        Pipeline([Step("label", "Label: {text}", data=edited)], tmp_path / "run").run(
+            pool, progress=False, handle_signals=False
+        )

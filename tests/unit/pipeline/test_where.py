@@ -10,7 +10,14 @@ import pytest
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.pipeline import Where
 
-ROW = {"sentiment": "negative", "score": 0.4, "votes": 3, "tags": "a", "missing": None}
+ROW = {
+    "sentiment": "negative",
+    "score": 0.4,
+    "votes": 3,
+    "tags": "a",
+    "labels": ["x", "y"],
+    "missing": None,
+}
 
 
 @pytest.mark.parametrize(
@@ -36,6 +43,20 @@ ROW = {"sentiment": "negative", "score": 0.4, "votes": 3, "tags": "a", "missing"
         ("'x' == sentiment", False),
         ("sentiment == tags", False),  # two columns
         ("votes == True", False),
+        # SQL's three values: a missing value or unlike kinds make a comparison unknown,
+        # and a row is kept only when the filter is true.
+        ("missing != 1", False),
+        ("missing not in [1, 2]", False),
+        ("not (missing > 0.5)", False),
+        ("not (score > 'a')", False),
+        ("votes != 'a'", False),
+        ("missing is None or missing > 3", True),
+        ("missing > 3 or votes == 3", True),
+        ("missing > 3 and votes == 3", False),
+        ("not (missing > 3 and votes == 2)", True),
+        ("labels == ['x', 'y']", True),
+        ("'y' in labels", True),
+        ("'z' not in labels", True),
     ],
 )
 def test_comparisons_hold_as_python_would_and_false_where_they_cannot(
@@ -75,10 +96,33 @@ def test_anything_but_a_comparison_of_columns_and_literals_is_refused_by_name(
     assert named in str(refused.value)
 
 
-@pytest.mark.parametrize("expression", ["", "   ", "sentiment ==", "x" * 5000])
-def test_empty_broken_or_huge_expressions_are_refused(expression: Any) -> None:
-    with pytest.raises(ConfigurationError):
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "",
+        "   ",
+        "sentiment ==",
+        "x" * 5000,
+        "x == " + "-" * 995 + "1",
+        "not " * 993 + "x == 1",
+        "x == '\ud800'",
+        "x == 1\x00",
+        3,
+    ],
+)
+def test_empty_broken_deep_or_huge_expressions_are_one_clear_error(expression: Any) -> None:
+    with pytest.raises(ConfigurationError, match="where"):
         Where(expression)
+
+
+def test_a_filter_nested_as_deep_as_allowed_evaluates_deep_in_a_stack() -> None:
+    """The depth cap bounds evaluation: 60 nots work even called from deep down."""
+    where = Where("not " * 60 + "votes == 3")
+
+    def nested(depth: int) -> bool:
+        return where(ROW) if depth == 0 else nested(depth - 1)
+
+    assert nested(800) is True
 
 
 def test_the_columns_read_are_listed_once_in_order() -> None:

@@ -87,7 +87,11 @@ class RecordBuilder:
         return names
 
     def validated(
-        self, value: Any, parsed: Parsed | None, inputs: Mapping[str, Any]
+        self,
+        value: Any,
+        parsed: Parsed | None,
+        inputs: Mapping[str, Any],
+        check: str = "validate",
     ) -> dict[str, Any]:
         """The columns of what a ``validate`` check returned, after the schema's.
 
@@ -96,6 +100,8 @@ class RecordBuilder:
             parsed: The schema's columns, if there is a schema.
             inputs: The row's input values (their names must not be the check's keys:
                 the input column would then move between rows).
+            check: Which callable returned it, for the message (``validate`` or
+                ``postprocess``).
 
         Raises:
             ConfigurationError: The check returned a dict with a key that is not a
@@ -133,7 +139,7 @@ class RecordBuilder:
             else:
                 continue
             raise ConfigurationError(
-                f"validate returned a dict with the key {key!r}, which is {why}: its keys "
+                f"{check} returned a dict with the key {key!r}, which is {why}: its keys "
                 "become columns of their own"
             )
         values.update(value)

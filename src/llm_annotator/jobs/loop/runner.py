@@ -459,7 +459,7 @@ class JobRun:
                 "returns a dict of columns to add, or None"
             )
         self.accepted += 1
-        values = self.builder.validated(dict(added), parsed, item.values)
+        values = self.builder.validated(dict(added), parsed, item.values, "postprocess")
         try:
             orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)
         except TypeError as error:
