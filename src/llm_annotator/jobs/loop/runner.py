@@ -418,16 +418,7 @@ class JobRun:
                 error=message[:500],
                 kind=ErrorKind.INVALID_OUTPUT,
             )
-        self.accepted += 1
-        values = self.builder.validated(value, parsed, item.values)
-        try:
-            orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)
-        except TypeError as error:
-            raise ConfigurationError(
-                f"validate returned a value for row {item.id!r} that cannot be written as "
-                f"JSON ({error}): return dicts, lists, strings, numbers, booleans or None"
-            ) from None
-        return Parsed(values=values, valid=True)
+        return self._accepted(value, parsed, item, "validate")
 
     def _postprocessed(self, item: _Item, response: Response, parsed: Parsed | None) -> Parsed:
         """The user's ``postprocess`` hook on one accepted answer, as a :class:`Parsed`
@@ -458,14 +449,23 @@ class JobRun:
                 f"postprocess returned {type(added).__name__} for row {item.id!r}; it "
                 "returns a dict of columns to add, or None"
             )
+        return self._accepted(dict(added), parsed, item, "postprocess")
+
+    def _accepted(self, value: Any, parsed: Parsed | None, item: _Item, check: str) -> Parsed:
+        """What a user's ``check`` made of an answer it accepted, as the row's columns.
+
+        Raises:
+            ConfigurationError: They cannot be a row's columns (a key that names a
+                column, a value that is not JSON).
+        """
         self.accepted += 1
-        values = self.builder.validated(dict(added), parsed, item.values, "postprocess")
+        values = self.builder.validated(value, parsed, item.values, check)
         try:
             orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)
         except TypeError as error:
             raise ConfigurationError(
-                f"postprocess returned columns for row {item.id!r} that cannot be written "
-                f"as JSON ({error}): return dicts, lists, strings, numbers, booleans or None"
+                f"{check} returned a value for row {item.id!r} that cannot be written as "
+                f"JSON ({error}): return dicts, lists, strings, numbers, booleans or None"
             ) from None
         return Parsed(values=values, valid=True)
 
