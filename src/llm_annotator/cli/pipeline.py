@@ -126,6 +126,13 @@ def add_pipeline(parser: argparse.ArgumentParser) -> None:
         )
     run.add_argument("--steps", default=None, help="run only these steps: NAME[,NAME...]")
     run.add_argument(
+        "--redo",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="redo these steps and the steps that read them, whatever is recorded (a step "
+        "begun on other servers, say)",
+    )
+    run.add_argument(
         "--force",
         action="store_true",
         help="redo the steps whose settings changed, replacing their results and those "
@@ -139,8 +146,9 @@ def pipeline_run(args: argparse.Namespace) -> int:
     """Run the pipeline; 0 when every step selected is done, 128+signal when stopped."""
     loaded = load_pipeline(Path(args.file), args.set)
     steps = [name.strip() for name in args.steps.split(",")] if args.steps else None
+    redo = [name.strip() for name in args.redo.split(",")] if args.redo else []
     pipeline = loaded.pipeline
-    pipeline.plan(steps=steps, force=args.force)  # refused now, before any client starts
+    pipeline.plan(steps=steps, redo=redo, force=args.force)  # refused before clients start
     clients = {name: _client(settings) for name, settings in loaded.clients.items()}
     try:
         default = next(iter(clients.values()))
@@ -148,6 +156,7 @@ def pipeline_run(args: argparse.Namespace) -> int:
             default,
             servers=clients,
             steps=steps,
+            redo=redo,
             force=args.force,
             stop_grace=loaded.stop_grace,
         )

@@ -251,11 +251,13 @@ def _answers(row: dict[str, Any], n: int, step: Step) -> Iterator[dict[str, Any]
         yield row
         return
     row_id = row[ID]
-    rest = {
-        (f"input_{key}" if key in (PROMPT_ID, ANSWER_INDEX) else key): value
-        for key, value in row.items()
-        if key != ID
-    }  # an earlier step's prompt_id and answer_index stay, renamed
+    rest = {key: value for key, value in row.items() if key != ID}
+    for key in (PROMPT_ID, ANSWER_INDEX):  # earlier levels' ids stay, one input_ deeper
+        chain = [key]
+        while chain[-1] in rest:
+            chain.append(f"input_{chain[-1]}")
+        for older, newer in zip(reversed(chain[1:]), reversed(chain[:-1]), strict=True):
+            rest[older] = rest.pop(newer)
     for index in range(n):
         yield {ID: f"{row_id}:{index}", **rest, PROMPT_ID: row_id, ANSWER_INDEX: index}
 

@@ -19,10 +19,11 @@ from llm_annotator.jobs.rundir.fingerprint import describe_changes
 Action = Literal["run", "resume", "skip", "redo", "leave"]
 """``run`` a step never begun, ``resume`` one begun, ``skip`` one done, ``redo`` one
 whose settings changed (its results replaced), ``leave`` one not selected."""
-State = Literal["begun", "done", "stale"]
+State = Literal["begun", "done", "stale", "lost"]
 """``stale``: a step the step it reads was redone under since it ran (its rows are no
 longer what it read): it is redone at its next run, without ``force`` (that was given
-when the step it reads was redone)."""
+when the step it reads was redone). ``lost``: done, but its output is gone: its job
+makes its rows again, so the steps that read it are redone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +43,25 @@ class Recorded:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What a run does with one step, and why (for messages and ``describe``)."""
+    """What a run does with one step, and why (for messages and ``describe``).
+
+    Attributes:
+        name: The step.
+        action: What the run does with it.
+        why: Why, in words.
+        rows_change: Its rows may differ from what the steps that read it read (it
+            runs anew, is redone, sends its error rows again, or makes a lost output
+            again): those steps are marked stale when it begins.
+        needs_force: Running it replaces results because of a change of the step
+            itself (its settings, its dataset, ``retry_errors``, a lost output): refused
+            without ``force``.
+    """
 
     name: str
     action: Action
     why: str
+    rows_change: bool = False
+    needs_force: bool = False
 
 
 def plan(
@@ -57,6 +72,7 @@ def plan(
     *,
     selected: Collection[str] | None = None,
     retrying: Collection[str] = (),
+    redo: Collection[str] = (),
     force: bool = False,
 ) -> list[StepPlan]:
     """Decide each step's action.
@@ -70,6 +86,8 @@ def plan(
         selected: The steps to run (``--steps``); None for all.
         retrying: The steps with ``retry_errors``: done, they are resumed to send their
             error rows again, and the steps that read them redone.
+        redo: Steps to redo whatever their record says (``--redo``), with the steps
+            that read them: asked by name, so not refused without ``force``.
         force: Allow replacing a changed step's results.
 
     Returns:
@@ -96,12 +114,13 @@ def plan(
     """
     names = [name for name, _ in order]
     wanted = set(names) if selected is None else set(selected)
-    unknown = sorted(wanted - set(names))
-    if unknown:
-        raise ConfigurationError(
-            f"--steps: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a "
-            f"step; the steps are {', '.join(names)}"
-        )
+    for flag, asked in (("--steps", wanted), ("--redo", set(redo))):
+        unknown = sorted(asked - set(names))
+        if unknown:
+            raise ConfigurationError(
+                f"{flag}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not "
+                f"a step; the steps are {', '.join(names)}"
+            )
     plans: dict[str, StepPlan] = {}
     moved: dict[str, str] = {}  # steps whose rows change in this run, and how
     for name, source in order:
@@ -116,28 +135,35 @@ def plan(
                     f"step {name} reads step {source}, which is not done as the pipeline "
                     f"says it now; add {source} to --steps"
                 )
+        same = record is not None and record.key == keys[name]
         if source is not None and source in moved:
             why = f"reads step {source}, {moved[source]}"
-            plans[name] = StepPlan(name, "run" if record is None else "redo", why)
-            moved[name] = "which is redone"
+            step = StepPlan(name, "run" if record is None else "redo", why, rows_change=True)
         elif record is None:
-            plans[name] = StepPlan(name, "run", "not run yet")
+            step = StepPlan(name, "run", "not run yet", rows_change=True)
+        elif name in redo:
+            step = StepPlan(name, "redo", "asked with --redo", rows_change=True)
         elif record.state == "stale":
             why = "the step it reads was redone since it ran"
-            plans[name] = StepPlan(name, "redo", why)
-            moved[name] = "which is redone"
-        elif record.key == keys[name] and record.state == "done" and name in retrying:
+            step = StepPlan(name, "redo", why, rows_change=True)
+        elif same and record.state == "lost":
+            why = "done, but its output is gone: its rows are made again"
+            step = StepPlan(name, "resume", why, rows_change=True, needs_force=True)
+        elif same and record.state == "done" and name in retrying:
             why = "retry_errors: its error rows are sent again"
-            plans[name] = StepPlan(name, "resume", why)
-            moved[name] = "whose error rows are sent again"
-        elif record.key == keys[name] and record.state == "done":
-            plans[name] = StepPlan(name, "skip", "done, settings unchanged")
-        elif record.key == keys[name]:
-            plans[name] = StepPlan(name, "resume", "begun, settings unchanged")
+            step = StepPlan(name, "resume", why, rows_change=True, needs_force=True)
+        elif same and record.state == "done":
+            step = StepPlan(name, "skip", "done, settings unchanged")
+        elif same:
+            step = StepPlan(name, "resume", "begun, settings unchanged")
         else:
-            lines = _said(describe_changes(record.settings, settings[name]))
-            plans[name] = StepPlan(name, "redo", "; ".join(lines) or "its settings changed")
-            moved[name] = "which is redone"
+            lines = describe_changes(record.settings, settings[name])
+            own = [line for line in lines if not line.startswith("upstream:")]
+            why = "; ".join(_said(lines)) or "its settings changed"
+            step = StepPlan(name, "redo", why, rows_change=True, needs_force=bool(own))
+        plans[name] = step
+        if step.rows_change:
+            moved[name] = "whose rows change"
     if not force:
         _refuse_replacing([plans[name] for name in names], order, recorded)
     return [plans[name] for name in names]
@@ -156,12 +182,12 @@ def _refuse_replacing(
             for name in downstream(order, step.name)
             if name in recorded and recorded[name].state != "stale"
         ]
-        if step.action == "redo" and not step.why.startswith(("reads step", "the step it")):
-            line = f"step {step.name} changed since it ran ({step.why})"
-        elif step.action == "resume" and step.why.startswith("retry_errors") and later:
-            line = f"step {step.name} sends its error rows again (retry_errors)"
-        else:
+        if not step.needs_force or (step.action == "resume" and not later):
             continue
+        if step.action == "redo":
+            line = f"step {step.name} changed since it ran ({step.why})"
+        else:
+            line = f"step {step.name} makes rows again ({step.why})"
         if later:
             line += f"; the steps that read it ({', '.join(later)}) would be redone too"
         lines.append(line)

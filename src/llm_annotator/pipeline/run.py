@@ -16,13 +16,14 @@ input is then complete and fixed, so resuming it reads the very rows it began wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import structlog
@@ -54,6 +55,7 @@ from llm_annotator.pipeline.plan import Recorded, StepPlan, downstream, plan
 from llm_annotator.pipeline.steps import Step, ordered, step_key
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 PIPELINE_FILE = "pipeline.json"
 """What each step ran with and how far it got."""
@@ -162,13 +164,29 @@ class Pipeline:
         """The run directory of step ``name``."""
         return self.output_dir / STEPS_DIR / name
 
-    def plan(self, *, steps: Sequence[str] | None = None, force: bool = False) -> list[StepPlan]:
+    def plan(
+        self,
+        *,
+        steps: Sequence[str] | None = None,
+        redo: Sequence[str] = (),
+        force: bool = False,
+    ) -> list[StepPlan]:
         """What :meth:`run` would do with each step now, and why.
 
         Raises:
             ConfigurationError: As :meth:`run` would, before running anything.
         """
         keys, settings = self._keys()
+        return self._plan(keys, settings, steps, redo, force)
+
+    def _plan(
+        self,
+        keys: Mapping[str, str],
+        settings: Mapping[str, dict[str, Any]],
+        steps: Sequence[str] | None,
+        redo: Sequence[str],
+        force: bool,
+    ) -> list[StepPlan]:
         return plan(
             self._order(),
             keys,
@@ -176,6 +194,7 @@ class Pipeline:
             self._recorded(),
             selected=steps,
             retrying=[step.name for step in self.steps if step.retry_errors],
+            redo=redo,
             force=force,
         )
 
@@ -215,6 +234,7 @@ class Pipeline:
         *,
         servers: Mapping[str, Client[Any]] | None = None,
         steps: Sequence[str] | None = None,
+        redo: Sequence[str] = (),
         force: bool = False,
         progress: bool | None = None,
         stop_grace: float = STOP_GRACE,
@@ -226,6 +246,8 @@ class Pipeline:
             client: The client that answers every step without ``servers``.
             servers: Clients by name, for steps that name one (a server group).
             steps: Run only these steps (each one they read must be done).
+            redo: Redo these steps (and the steps that read them) whatever their
+                record says: a step begun on other servers, say.
             force: Redo the steps whose settings changed, replacing their results and
                 those of the steps that read them.
             progress: As for :class:`Annotator`.
@@ -238,41 +260,35 @@ class Pipeline:
         Raises:
             ConfigurationError: Before anything runs: a step names a client not given,
                 a plan that would replace results without ``force`` (see
-                :meth:`plan`).
+                :meth:`plan`). During a run: a step's job was begun with other
+                settings than the pipeline knows (another model): see ``redo``.
             RunInterruptedError: A signal stopped a step; everything done is kept, and
                 running again resumes it.
             PoolExhaustedError: Every server stayed down during a step; likewise.
         """
-        lock, plans, keys, settings = self._start(client, servers, steps, force)
+        lock, plans, keys, settings = self._start(client, servers, steps, redo, force)
         try:
             results: list[StepResult] = []
-            moved: set[str] = set()  # steps whose rows changed in this run
             for step, step_plan in zip(self.steps, plans, strict=True):
-                step_plan = _now(step, step_plan, moved)
                 if step_plan.action in ("skip", "leave"):
                     results.append(self._kept(step, step_plan))
                     continue
+                data, job = self._begin(step, step_plan, keys, settings)
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
-                for attempt in (1, 2):
-                    data, job = self._begin(step, step_plan, keys, settings)
-                    log.info("step_started", step=step.name, action=step_plan.action)
-                    try:
-                        result = annotator.annotate(
-                            data,
-                            step.template,
-                            self.step_dir(step.name),
-                            handle_signals=handle_signals,
-                            **job,
-                        )
-                    except FingerprintMismatchError as error:
-                        step_plan = self._mismatch(step, error, force, attempt)
-                        continue
-                    break
+                log.info("step_started", step=step.name, action=step_plan.action)
+                try:
+                    result = annotator.annotate(
+                        data,
+                        step.template,
+                        self.step_dir(step.name),
+                        handle_signals=handle_signals,
+                        **job,
+                    )
+                except FingerprintMismatchError as error:
+                    raise _mismatch(step, error) from None
                 results.append(self._finish(step, step_plan, keys, settings, result))
-                if step_plan.action != "resume" or step.retry_errors:
-                    moved.add(step.name)
             return self._report(results)
         finally:
             lock.release()
@@ -283,69 +299,48 @@ class Pipeline:
         *,
         servers: Mapping[str, Client[Any]] | None = None,
         steps: Sequence[str] | None = None,
+        redo: Sequence[str] = (),
         force: bool = False,
         progress: bool | None = None,
         stop_grace: float = STOP_GRACE,
         stop: asyncio.Event | None = None,
     ) -> PipelineResult:
         """Async twin of :meth:`run`. Signals are the caller's: set ``stop`` for a
-        clean stop."""
-        lock, plans, keys, settings = await asyncio.to_thread(
-            self._start, client, servers, steps, force
+        clean stop. Cancelled, it lets the file work in hand finish before it lets go
+        of the pipeline's lock."""
+        lock, plans, keys, settings = await _settled(
+            self._start, client, servers, steps, redo, force
         )
         try:
             results: list[StepResult] = []
-            moved: set[str] = set()
             for step, step_plan in zip(self.steps, plans, strict=True):
-                step_plan = _now(step, step_plan, moved)
                 if step_plan.action in ("skip", "leave"):
-                    results.append(await asyncio.to_thread(self._kept, step, step_plan))
+                    results.append(await _settled(self._kept, step, step_plan))
                     continue
+                data, job = await _settled(self._begin, step, step_plan, keys, settings)
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
-                for attempt in (1, 2):
-                    data, job = await asyncio.to_thread(
-                        self._begin, step, step_plan, keys, settings
+                log.info("step_started", step=step.name, action=step_plan.action)
+                try:
+                    result = await annotator.aannotate(
+                        data, step.template, self.step_dir(step.name), stop=stop, **job
                     )
-                    log.info("step_started", step=step.name, action=step_plan.action)
-                    try:
-                        result = await annotator.aannotate(
-                            data, step.template, self.step_dir(step.name), stop=stop, **job
-                        )
-                    except FingerprintMismatchError as error:
-                        step_plan = self._mismatch(step, error, force, attempt)
-                        continue
-                    break
+                except FingerprintMismatchError as error:
+                    raise _mismatch(step, error) from None
                 results.append(
-                    await asyncio.to_thread(self._finish, step, step_plan, keys, settings, result)
+                    await _settled(self._finish, step, step_plan, keys, settings, result)
                 )
-                if step_plan.action != "resume" or step.retry_errors:
-                    moved.add(step.name)
-            return await asyncio.to_thread(self._report, results)
+            return await _settled(self._report, results)
         finally:
             lock.release()
-
-    def _mismatch(
-        self, step: Step, error: FingerprintMismatchError, force: bool, attempt: int
-    ) -> StepPlan:
-        """A step's job refused to resume: its directory holds results of other
-        settings than the pipeline's record knows (another model, say). With ``force``
-        the step is redone once; without, the refusal says so."""
-        changes = "; ".join(error.changes) or str(error).splitlines()[0]
-        if not force or attempt > 1:
-            raise ConfigurationError(
-                f"step {step.name} was begun with other settings than it has now "
-                f"({changes}); run again with --force (force=True) to redo it and the "
-                "steps that read it"
-            ) from None
-        return StepPlan(step.name, "redo", changes)
 
     def _start(
         self,
         client: Client[Any],
         servers: Mapping[str, Client[Any]] | None,
         steps: Sequence[str] | None,
+        redo: Sequence[str],
         force: bool,
     ) -> tuple[DirectoryLock, list[StepPlan], dict[str, str], dict[str, dict[str, Any]]]:
         """Check everything a run needs and decide each step's action, before any runs;
@@ -356,15 +351,7 @@ class Pipeline:
         lock = DirectoryLock.acquire(self.output_dir, "run the pipeline in")
         try:
             keys, settings = self._keys()
-            plans = plan(
-                self._order(),
-                keys,
-                settings,
-                self._recorded(),
-                selected=steps,
-                retrying=[step.name for step in self.steps if step.retry_errors],
-                force=force,
-            )
+            plans = self._plan(keys, settings, steps, redo, force)
         except BaseException:
             lock.release()
             raise
@@ -432,7 +419,7 @@ class Pipeline:
             if isinstance(entry, dict) and entry.get("state") in ("begun", "done", "stale"):
                 state = entry["state"]
                 if state == "done" and not _has_output(self.step_dir(name)):
-                    state = "begun"  # its output was removed since: its job makes it again
+                    state = "lost"  # its output was removed since: its job makes it again
                 found[name] = Recorded(entry["key"], state, entry.get("settings", {}))
         return found
 
@@ -469,9 +456,10 @@ class Pipeline:
         it begun; return its job's input and arguments."""
         inputs = self.output_dir / INPUTS_DIR
         entry = self._record()["steps"].get(step.name) or {}
+        if step_plan.rows_change:
+            self._mark_stale(downstream(self._order(), step.name))
         if step_plan.action == "redo":
             log.warning("step_redone", step=step.name, why=step_plan.why)
-            self._mark_stale(downstream(self._order(), step.name))
             directory = self.step_dir(step.name)
             if check_entry(directory, directory=True):
                 shutil.rmtree(directory)
@@ -577,9 +565,24 @@ def _has_output(run_dir: Path) -> bool:
     return (run_dir / PARQUET_FILE).is_file() or (run_dir / ANNOTATIONS_DIR).is_dir()
 
 
-def _now(step: Step, step_plan: StepPlan, moved: set[str]) -> StepPlan:
-    """A step's plan as this run has gone: one that reads a step whose rows changed
-    here (redone after its job refused to resume) is redone too."""
-    if step.from_step in moved and step_plan.action in ("skip", "resume"):
-        return StepPlan(step.name, "redo", f"reads step {step.from_step}, which is redone")
-    return step_plan
+def _mismatch(step: Step, error: FingerprintMismatchError) -> ConfigurationError:
+    """A step's job refused to resume: its directory holds results of other settings
+    than the pipeline knows (another model, say), which the pipeline never mixes."""
+    changes = "; ".join(error.changes) or str(error).splitlines()[0]
+    return ConfigurationError(
+        f"step {step.name} was begun with other settings than it has now ({changes}); "
+        f"a step never mixes them: run again with --redo {step.name} (redo=[...]) to redo "
+        "it and the steps that read it, or give it the servers it began with"
+    )
+
+
+async def _settled(function: Callable[..., _T], *args: Any) -> _T:
+    """``function(*args)`` in a thread; cancelled, it waits for the thread to end (a
+    thread cannot be stopped half way) before the cancellation goes on."""
+    work = asyncio.ensure_future(asyncio.to_thread(function, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            await work
+        raise

@@ -221,22 +221,31 @@ def _holds(node: ast.expr, row: Mapping[str, Any]) -> bool | None:
         inner = _holds(node.operand, row)
         return None if inner is None else not inner
     assert isinstance(node, ast.Compare)
-    left = _value(node.left, row)
-    for op, comparator in zip(node.ops, node.comparators, strict=True):
-        right = _value(comparator, row)
-        if isinstance(op, ast.Is | ast.IsNot):
-            holds = (left is right) == isinstance(op, ast.Is)
-        elif left is None or right is None or not _comparable(left, right, op):
+    values = [_value(node.left, row), *(_value(c, row) for c in node.comparators)]
+    links = [
+        _compare(op, values[i], values[i + 1]) for i, op in enumerate(node.ops)
+    ]  # a chain is its links joined by and, each evaluated, as SQL would
+    return False if False in links else (None if None in links else True)
+
+
+def _compare(op: ast.cmpop, left: Any, right: Any) -> bool | None:
+    """One comparison: True, False, or None (unknown)."""
+    if isinstance(op, ast.Is | ast.IsNot):
+        return (left is right) == isinstance(op, ast.Is)
+    if left is None or right is None:
+        return None
+    if isinstance(op, ast.In | ast.NotIn) and isinstance(right, tuple):
+        # SQL's IN: true if it equals an element; else unknown if the list holds a NULL
+        found = any(_compare(ast.Eq(), left, element) for element in right)
+        if not found and any(element is None for element in right):
             return None
-        else:
-            try:
-                holds = _COMPARE[type(op)](left, right)
-            except TypeError:
-                return None
-        if not holds:
-            return False
-        left = right
-    return True
+        return found if isinstance(op, ast.In) else not found
+    if not _comparable(left, right, op):
+        return None
+    try:
+        return bool(_COMPARE[type(op)](left, right))
+    except TypeError:
+        return None
 
 
 def _comparable(left: Any, right: Any, op: ast.cmpop) -> bool:
@@ -250,11 +259,17 @@ def _comparable(left: Any, right: Any, op: ast.cmpop) -> bool:
     return type(left) is type(right)
 
 
+def _frozen(value: Any) -> Any:
+    """A column's value with its lists, at any depth, as tuples (as literals are)."""
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
 def _value(node: ast.expr, row: Mapping[str, Any]) -> Any:
     """An operand's value: a column's (a list as a tuple), or a literal's."""
     if isinstance(node, ast.Name):
-        value = row.get(node.id)
-        return tuple(value) if isinstance(value, list) else value
+        return _frozen(row.get(node.id))
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.UnaryOp):

@@ -141,7 +141,7 @@ def test_run_describe_and_a_changed_step_refused_then_forced(
     assert "(judge) would be redone too" in err
     assert len(fake_server.requests) == 12
     assert _run("describe", str(path), *changed) == 0
-    assert "a run would redo it (reads step reason, which is redone)" in capsys.readouterr().out
+    assert "a run would redo it (reads step reason, whose rows change)" in capsys.readouterr().out
     assert _run("run", str(path), *changed, "--force") == 0
     assert "step label: skipped, done before: 6 rows" in capsys.readouterr().out
     assert len(fake_server.requests) == 18

@@ -3,6 +3,7 @@ forced, generated rows, ``n`` answers and hooks, each row once."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -251,15 +252,24 @@ def test_one_process_runs_a_pipeline_at_a_time(tmp_path: Path, pool: VLLMQueueAn
         held.release()
 
 
-def test_a_step_whose_output_was_removed_is_resumed_not_skipped(
+def test_a_step_whose_output_was_removed_is_made_again_and_its_readers_redone(
     tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
 ) -> None:
+    """Its rows are made again and may differ, so what reads them is redone (asked
+    with --force, as it replaces results); a last step is simply made again."""
     pipeline = Pipeline(_steps(_reviews(tmp_path / "r.jsonl")), tmp_path / "run")
     pipeline.run(pool, progress=False, handle_signals=False)
     (pipeline.step_dir("judge") / "annotations.parquet").unlink()
     result = pipeline.run(pool, progress=False, handle_signals=False)
     assert [s.action for s in result.steps] == ["skip", "skip", "resume"]
     assert len(_rows(pipeline.step_dir("judge"))) == 5
+    shutil.rmtree(pipeline.step_dir("label"))
+    with pytest.raises(
+        ConfigurationError, match=r"step label makes rows again .* \(reason, judge\)"
+    ):
+        pipeline.run(pool, progress=False, handle_signals=False)
+    result = pipeline.run(pool, force=True, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["resume", "redo", "redo"]
 
 
 def test_a_corpus_runs_as_corpus_jobs_through_the_steps(
@@ -339,22 +349,35 @@ def test_n_after_n_keeps_each_levels_ids(
     )
 
 
-def test_a_step_begun_on_another_model_is_refused_and_redone_only_with_force(
+def test_a_step_begun_on_another_model_is_refused_and_redone_only_when_named(
     tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
 ) -> None:
-    """The pipeline's --force never lets a job mix two models' answers."""
+    """The pipeline never lets a job mix two models' answers: --force (given for
+    something else) does not redo it; --redo names it."""
     data = _reviews(tmp_path / "r.jsonl")
     pipeline = Pipeline(_steps(data), tmp_path / "run")
     pipeline.run(pool, progress=False, handle_signals=False)
     (pipeline.step_dir("judge") / "annotations.parquet").unlink()  # judge: begun again
     fake_server.models = ["other-model"]
     with VLLMQueueAnnotator([fake_server.base_url], batch_size=4, **FAST) as other:
-        with pytest.raises(ConfigurationError, match="step judge was begun with other settings"):
-            pipeline.run(other, progress=False, handle_signals=False)
-        result = pipeline.run(other, force=True, progress=False, handle_signals=False)
+        for force in (False, True):
+            with pytest.raises(ConfigurationError, match="--redo judge"):
+                pipeline.run(other, force=force, progress=False, handle_signals=False)
+        result = pipeline.run(other, redo=["judge"], progress=False, handle_signals=False)
     assert [s.action for s in result.steps] == ["skip", "skip", "redo"]
     assert run_status(pipeline.step_dir("judge")).model == "other-model"
     assert len(_rows(pipeline.step_dir("judge"))) == 5
+
+
+def test_redo_redoes_a_step_and_its_readers(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    pipeline = Pipeline(_steps(_reviews(tmp_path / "r.jsonl")), tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    result = pipeline.run(pool, redo=["reason"], progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["skip", "redo", "redo"]
+    with pytest.raises(ConfigurationError, match="--redo: nope is not a step"):
+        pipeline.run(pool, redo=["nope"], progress=False, handle_signals=False)
 
 
 async def _fail_some(request: dict[str, Any]) -> web.StreamResponse:
@@ -376,7 +399,7 @@ def test_retry_errors_resumes_a_done_step_and_redoes_its_readers_with_force(
     steps = _steps(data)
     steps[0] = Step("label", "Label: {text}", data=str(data), id_column="id", retry_errors=True)
     retried = Pipeline(steps, tmp_path / "run")
-    with pytest.raises(ConfigurationError, match=r"step label sends its error rows again"):
+    with pytest.raises(ConfigurationError, match=r"step label makes rows again \(retry_errors"):
         retried.run(pool, progress=False, handle_signals=False)
     result = retried.run(pool, force=True, progress=False, handle_signals=False)
     assert [s.action for s in result.steps] == ["resume", "redo", "redo"]
@@ -395,3 +418,44 @@ def test_rows_in_memory_that_change_make_a_changed_step(
         Pipeline([Step("label", "Label: {text}", data=edited)], tmp_path / "run").run(
             pool, progress=False, handle_signals=False
         )
+
+
+def test_a_retry_of_one_step_alone_leaves_its_readers_stale_not_skipped(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    """--steps label with retry_errors: reason is not run now, but marked stale, so
+    the next run redoes it with the row the retry answered."""
+    fake_server.handler = _fail_some
+    data = _reviews(tmp_path / "r.jsonl")
+    Pipeline(_steps(data), tmp_path / "run").run(pool, progress=False, handle_signals=False)
+    fake_server.handler = _answers
+    steps = _steps(data)
+    steps[0] = Step("label", "Label: {text}", data=str(data), id_column="id", retry_errors=True)
+    retried = Pipeline(steps, tmp_path / "run")
+    retried.run(pool, steps=["label"], force=True, progress=False, handle_signals=False)
+    plain = Pipeline(_steps(data), tmp_path / "run")
+    result = plain.run(pool, progress=False, handle_signals=False)
+    assert [s.action for s in result.steps] == ["skip", "redo", "redo"]
+    assert sorted(r["id"] for r in _rows(plain.step_dir("reason"))) == [
+        "r1",
+        "r3",
+        "r5",
+        "r7",
+        "r9",
+    ]
+
+
+def test_three_levels_of_n_keep_every_levels_ids(
+    tmp_path: Path, fake_server: FakeServer, pool: VLLMQueueAnnotator
+) -> None:
+    steps = [
+        Step("a", prompts=["Name a fruit."], n=2),
+        Step("b", "More: {a_response}", from_step="a", n=2),
+        Step("c", "More: {b_response}", from_step="b", n=2),
+    ]
+    pipeline = Pipeline(steps, tmp_path / "run")
+    pipeline.run(pool, progress=False, handle_signals=False)
+    row = next(r for r in _rows(pipeline.step_dir("c")) if r["id"] == "0:1:0:1")
+    assert (row["prompt_id"], row["answer_index"]) == ("0:1:0", 1)
+    assert (row["input_prompt_id"], row["input_answer_index"]) == ("0:1", 0)
+    assert (row["input_input_prompt_id"], row["input_input_answer_index"]) == (0, 1)

@@ -130,7 +130,7 @@ def test_a_changed_step_is_refused_naming_what_changed_and_its_readers() -> None
         ("c", "redo"),
         ("d", "run"),
     ]
-    assert forced[2].why == "reads step b, which is redone"
+    assert forced[2].why == "reads step b, whose rows change"
 
 
 def test_a_changed_step_never_begun_needs_no_force() -> None:

@@ -16,6 +16,7 @@ ROW = {
     "votes": 3,
     "tags": "a",
     "labels": ["x", "y"],
+    "nested": [[1, 2], [3]],
     "missing": None,
 }
 
@@ -57,6 +58,12 @@ ROW = {
         ("labels == ['x', 'y']", True),
         ("'y' in labels", True),
         ("'z' not in labels", True),
+        ("sentiment not in ['a', None]", False),  # SQL: unknown, a NULL in the list
+        ("not (sentiment in ['a', None])", False),
+        ("sentiment in ['negative', None]", True),
+        ("not (missing == tags == 'b')", True),  # unknown and false: false; not: true
+        ("nested == [[1, 2], [3]]", True),
+        ("[1, 2] in nested", True),
     ],
 )
 def test_comparisons_hold_as_python_would_and_false_where_they_cannot(
