@@ -3,7 +3,9 @@ forced, generated rows, ``n`` answers and hooks, each row once."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from aiohttp import web
 from llm_annotator import VLLMQueueAnnotator
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.jobs import run_status
+from llm_annotator.jobs.rundir.store import DirectoryLock
 from llm_annotator.pipeline import Pipeline, Step
 from tests.unit.conftest import FakeServer, completion
 from tests.unit.helpers import FAST, write_jsonl
@@ -459,3 +462,42 @@ def test_three_levels_of_n_keep_every_levels_ids(
     assert (row["prompt_id"], row["answer_index"]) == ("0:1:0", 1)
     assert (row["input_prompt_id"], row["input_answer_index"]) == ("0:1", 0)
     assert (row["input_input_prompt_id"], row["input_input_answer_index"]) == (0, 1)
+
+
+_HOOK_CALLS: list[float] = []
+
+
+def _slow_copy(row: dict[str, Any]) -> dict[str, Any]:
+    time.sleep(0.02)
+    _HOOK_CALLS.append(time.monotonic())
+    return row
+
+
+async def test_a_cancelled_arun_lets_its_file_work_finish_before_the_lock_goes(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """Cancelled while a step's rows are being written (in a thread that cannot be
+    stopped half way), arun waits for that work before it lets go of the pipeline's
+    lock: no other run can start while this one still writes."""
+    fake_server.handler = _answers
+    data = _reviews(tmp_path / "r.jsonl", 40)
+    steps = [
+        Step("label", "Label: {text}", data=str(data), id_column="id"),
+        Step("reason", "Why: {text}", from_step="label", preprocess=_slow_copy),
+    ]
+    pipeline = Pipeline(steps, tmp_path / "run")
+    _HOOK_CALLS.clear()
+    async with VLLMQueueAnnotator([fake_server.base_url], batch_size=4, **FAST) as pool:
+        task = asyncio.ensure_future(pipeline.arun(pool, progress=False))
+        for _ in range(3000):  # bounded: until the hook runs (the rows are being written)
+            if _HOOK_CALLS:
+                break
+            await asyncio.sleep(0.01)
+        assert _HOOK_CALLS, "the step's rows were never written"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    released = time.monotonic()
+    assert len(_HOOK_CALLS) == 40 and _HOOK_CALLS[-1] <= released
+    assert (tmp_path / "run" / "inputs" / "reason.jsonl").is_file()
+    DirectoryLock.acquire(tmp_path / "run", "check").release()
