@@ -355,6 +355,8 @@ def _checked(
 ) -> dict[str, Any]:
     """A table's settings, each converted as ``run`` converts it; an unknown key, or
     one this table does not take, is refused by name."""
+    from llm_annotator.cli.run import converted
+
     prefix = f"{where}." if where else ""
     out: dict[str, Any] = {}
     for key, value in table.items():
@@ -385,10 +387,7 @@ def _checked(
             raise ConfigurationError(
                 f"{path}: unknown setting {prefix}{key}; known settings: {', '.join(accepted)}"
             )
-        try:
-            out[name] = known[name].kind(value)
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-            raise ConfigurationError(f"{path}: setting {prefix}{key}: {exc}") from None
+        out[name] = converted(known[name], value, f"{path}: setting {prefix}{key}")
     return out
 
 

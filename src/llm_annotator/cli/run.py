@@ -397,10 +397,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
                 raise ConfigurationError(
                     f"{path}: unknown setting {key!r}; known settings: {', '.join(known)}"
                 )
-            try:
-                merged[name] = known[name].kind(value)
-            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-                raise ConfigurationError(f"{path}: setting {key!r}: {exc}") from None
+            merged[name] = converted(known[name], value, f"{path}: setting {key!r}")
     for name in known:
         value = getattr(args, name, None)
         if value is not None:
@@ -424,6 +421,19 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     if merged["ca_bundle"] and not merged["verify_tls"]:
         raise ConfigurationError("give --ca-bundle or --no-verify-tls, not both")
     return merged
+
+
+def converted(setting: _Setting, value: Any, said: str) -> Any:
+    """A file's value for ``setting``, converted as its flag's would be.
+
+    Raises:
+        ConfigurationError: The value is of the wrong type or out of range; the
+            message begins with ``said`` (the file and the key).
+    """
+    try:
+        return setting.kind(value)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        raise ConfigurationError(f"{said}: {exc}") from None
 
 
 def api_key_from(settings: dict[str, Any]) -> str | None:
