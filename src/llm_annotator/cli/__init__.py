@@ -5,6 +5,7 @@ and ``tiny-model`` (:mod:`~llm_annotator.cli.serve_local`), ``demo``
 (:mod:`~llm_annotator.cli.demo`).
 """
 
-from llm_annotator.cli.main import build_parser, configure_logging, main
+from llm_annotator.cli._logging import configure_logging
+from llm_annotator.cli.main import build_parser, main
 
 __all__ = ["build_parser", "configure_logging", "main"]

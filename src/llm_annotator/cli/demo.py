@@ -12,7 +12,6 @@ other servers or another model.
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
+from llm_annotator.cli._logging import HumanLines
 from llm_annotator.cli._signals import Interrupted, signals_ignored, signals_interrupt
 from llm_annotator.errors import ConfigurationError, RunInterruptedError
 
@@ -52,6 +52,14 @@ _STATUS_EVERY = 3.0
 """Seconds between two status lines while answers come in."""
 _STATUS_QUIET = 10.0
 """Seconds between two status lines while none do (the first answers take a while)."""
+
+HUMAN_LINES = HumanLines(
+    said=frozenset(
+        {"member_evicted", "member_disabled", "member_down", "job_interrupted", "pool_exhausted"}
+    )
+)
+"""What the demo's own lines say (every change of a server's state, a stop by a signal,
+every server gone), so no log record says it again; other warnings are shown in words."""
 
 
 def labelled_reviews() -> list[dict[str, Any]]:
@@ -400,10 +408,6 @@ def _summary(
 
 
 def _demo(args: argparse.Namespace) -> int:
-    # The demo prints its own lines; of the log, warnings only (an eviction is one).
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     settings = DemoSettings(
         model=args.model,
         num_servers=args.num_servers,
@@ -456,4 +460,17 @@ def add_demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-dir", default=None, help="run directory (default: a new temporary one)"
     )
-    parser.set_defaults(handler=_demo)
+    parser.add_argument(
+        "--log-file",
+        default=None,
+        metavar="PATH",
+        help="append every log record to this file (JSON unless --log-format console)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("json", "console"),
+        default=None,
+        help="every log record on stderr in this format (default: only the warnings the "
+        "demo's lines do not say, in words); with --log-file, the file's format",
+    )
+    parser.set_defaults(handler=_demo, human_lines=HUMAN_LINES)

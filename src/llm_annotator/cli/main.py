@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, cast
 
+from llm_annotator.cli._logging import configure_logging
 from llm_annotator.errors import LLMAnnotatorError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -145,41 +146,13 @@ def _named_command(argv: Sequence[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
-def configure_logging(log_format: str | None = None) -> None:
-    """Render log events on stderr: ``"console"`` (readable) or ``"json"`` (one JSON
-    object a line); by default readable on a terminal, JSON otherwise.
-
-    Leaves an existing structlog configuration alone.
-    """
-    import structlog  # here, not at the top: --help needs no logging (0.2 s of imports)
-
-    if structlog.is_configured():
-        return
-    if log_format is None:
-        log_format = "console" if sys.stderr.isatty() else "json"
-    renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-        if log_format == "console"
-        else structlog.processors.JSONRenderer()
-    )
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        # Not cached: a logger made before this call (or in a test) must follow it.
-        cache_logger_on_first_use=False,
-    )
-
-
-def _log_format(args: argparse.Namespace) -> str | None:
-    """``--log-format``, or the job file's ``log_format``, when the command has one."""
-    chosen: str | None = getattr(args, "log_format", None)
+def _logging_setting(args: argparse.Namespace, key: str) -> str | None:
+    """``log_format`` or ``log_file``: the flag, a pipeline's ``--set``, or the job
+    file's key, when the command has one; None when not given or not a word."""
+    chosen: str | None = getattr(args, key, None)
     for override in getattr(args, "set", None) or []:  # pipeline --set log_format=json
-        key, _, given = str(override).partition("=")
-        if key.strip() == "log_format":
+        name, _, given = str(override).partition("=")
+        if name.strip() == key:
             chosen = given.strip().strip("\"'")
     config = getattr(args, "config", None) or (
         getattr(args, "file", None) if args.command == "pipeline" else None
@@ -189,11 +162,13 @@ def _log_format(args: argparse.Namespace) -> str | None:
             import tomllib
 
             with open(config, "rb") as file:
-                value = tomllib.load(file).get("log_format")
+                value = tomllib.load(file).get(key)
         except (OSError, ValueError):
             return None  # the command reports the unreadable file
         chosen = value if isinstance(value, str) else None
-    return chosen if chosen in ("json", "console") else None
+    if key == "log_format":
+        return chosen if chosen in ("json", "console") else None
+    return chosen or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,9 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(given).parse_args(given)
     args.argv = given  # a command that starts copies of itself (run --processes) reuses them
-    configure_logging(_log_format(args))
     handler: Handler = args.handler
     try:
+        args.log_plan = configure_logging(
+            _logging_setting(args, "log_format"),
+            log_file=_logging_setting(args, "log_file"),
+            lines=getattr(args, "human_lines", None),  # what the command shows people
+            prog=f"llm-annotator {args.command}",
+        )
         return handler(args)
     except LLMAnnotatorError as error:
         print(f"llm-annotator {args.command}: error: {error}", file=sys.stderr, flush=True)

@@ -59,7 +59,7 @@ STEP_KEYS = (
     "server_group",
 )
 """A step's own keys, besides the settings of ``run``."""
-PIPELINE_ONLY = ("output_dir", "log_format", "stop_grace")
+PIPELINE_ONLY = ("output_dir", "log_format", "log_file", "stop_grace")
 """Settings of the whole pipeline, not of one step."""
 NOT_IN_PIPELINE = (
     "shard",
@@ -105,6 +105,8 @@ _CLIENT_SETTINGS = (
 
 def add_pipeline(parser: argparse.ArgumentParser) -> None:
     """Declare ``llm-annotator pipeline run|describe`` on its parser."""
+    from llm_annotator.cli.run import HUMAN_LINES
+
     parser.description = (
         "Run several annotation steps from one TOML file: each step reads the corpus, "
         "an earlier step's answered rows (filtered with where) or prompts to generate "
@@ -138,12 +140,14 @@ def add_pipeline(parser: argparse.ArgumentParser) -> None:
         help="redo the steps whose settings changed, replacing their results and those "
         "of the steps that read them",
     )
-    run.set_defaults(handler=pipeline_run)
+    run.set_defaults(handler=pipeline_run, human_lines=HUMAN_LINES)
     describe.set_defaults(handler=pipeline_describe)
 
 
 def pipeline_run(args: argparse.Namespace) -> int:
     """Run the pipeline; 0 when every step selected is done, 128+signal when stopped."""
+    from llm_annotator.cli.run import progress_display
+
     loaded = load_pipeline(Path(args.file), args.set)
     steps = [name.strip() for name in args.steps.split(",")] if args.steps else None
     redo = [name.strip() for name in args.redo.split(",")] if args.redo else []
@@ -159,6 +163,7 @@ def pipeline_run(args: argparse.Namespace) -> int:
             redo=redo,
             force=args.force,
             stop_grace=loaded.stop_grace,
+            progress=progress_display(args),
         )
     except RunInterruptedError as stopped:
         print(f"llm-annotator pipeline: {stopped}", file=sys.stderr, flush=True)

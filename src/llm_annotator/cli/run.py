@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_annotator import _constants as default
+from llm_annotator.cli._logging import HumanLines, LogPlan
 from llm_annotator.errors import (
     ConfigurationError,
     PoolExhaustedError,
@@ -308,7 +309,18 @@ _SETTINGS: tuple[_Setting, ...] = (
         f"seconds to wait when every server is down (default {default.ALL_DOWN_TIMEOUT:g})",
         default.ALL_DOWN_TIMEOUT,
     ),
-    _Setting("log_format", _log_format, "json or console (default: console on a terminal)"),
+    _Setting(
+        "log_format",
+        _log_format,
+        "json or console: every log record on stderr in this format (default: stderr has "
+        "the progress and, in words, the warnings only); with --log-file, the file's format",
+    ),
+    _Setting(
+        "log_file",
+        _text,
+        "append every log record to this file (JSON unless --log-format console); stderr "
+        "keeps the progress and the warnings in words",
+    ),
     _Setting(
         "shard",
         _text,
@@ -342,6 +354,14 @@ _SETTINGS: tuple[_Setting, ...] = (
 )
 _REQUIRED = ("input", "prompt_template", "output_dir")
 
+HUMAN_LINES = HumanLines(
+    shown=frozenset({"progress", "metrics_serving", "step_started"}),
+    said=frozenset({"job_interrupted", "pool_exhausted"}),
+)
+"""What ``run`` and ``pipeline run`` show people on stderr besides warnings: the
+progress where no bar is drawn, the port of live metrics, each step as it begins; what
+their closing lines say already: a stop by a signal, every server gone."""
+
 
 def add_run(parser: argparse.ArgumentParser) -> None:
     """Declare ``llm-annotator run`` on its parser."""
@@ -371,7 +391,7 @@ def add_run(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs=setting.nargs, default=None, help=setting.help)
         else:
             parser.add_argument(flag, type=setting.kind, default=None, help=setting.help)
-    parser.set_defaults(handler=run_command)
+    parser.set_defaults(handler=run_command, human_lines=HUMAN_LINES)
 
 
 def settings_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -532,6 +552,7 @@ def run_command(args: argparse.Namespace) -> int:
             stop_grace=settings["stop_grace"],
             metrics_port=settings["metrics_port"],
             metrics_host=settings["metrics_host"] or "127.0.0.1",
+            progress=progress_display(args),
         )
         result = annotator.annotate(
             data,
@@ -591,6 +612,13 @@ def run_command(args: argparse.Namespace) -> int:
             "(from a run over another input; they stay in the run directory's shards)"
         )
     return 0
+
+
+def progress_display(args: argparse.Namespace) -> bool | None:
+    """The job's ``progress``: a bar on a terminal (None), unless every log record
+    goes to stderr (False: the progress is one of them)."""
+    plan: LogPlan | None = getattr(args, "log_plan", None)
+    return False if plan is not None and plan.records_on_stderr else None
 
 
 def options_from(settings: dict[str, Any]) -> Any:
