@@ -4,9 +4,11 @@ answered rows, or a dataset filtered and reshaped.
 The rows are read and written batch by batch, so memory stays flat in their number.
 They go to ``OUTPUT_DIR/inputs/NAME.jsonl`` (one input), or to one file per unit in
 ``OUTPUT_DIR/inputs/NAME/`` when what they come from is a corpus (the step is then a
-corpus job too, whose units other processes could claim). Each is written under a
-hidden name and renamed into place whole, so a file there is complete: a step resumed
-reads the very rows it began with.
+corpus job too, whose units other processes could claim). Each is written to a
+temporary of a fresh random name (``.NAME.jsonl.<random>.tmp``, ``.NAME.<random>.tmp/``)
+made by an exclusive create, never through a link, and renamed into place whole, so a
+file there is complete: a step resumed reads the very rows it began with. A temporary
+left by a run that was killed is removed when the step's rows are written again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import contextlib
 import hashlib
 import os
 import shutil
+import stat
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +30,13 @@ import structlog
 
 from llm_annotator.errors import ConfigurationError, InputError
 from llm_annotator.jobs.answers.records import ANSWER_COLUMNS, VALID_COLUMN, VALIDATED_COLUMN
-from llm_annotator.jobs.files import check_entry
+from llm_annotator.jobs.files import (
+    atomic_write,
+    check_entry,
+    fsync_directory,
+    make_directory,
+    open_file,
+)
 from llm_annotator.jobs.rows.corpus import is_corpus, list_corpus
 from llm_annotator.jobs.rows.inputs import Row, open_input
 from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
@@ -108,21 +118,65 @@ def data_identity(step: Step) -> Any:
     return [info.st_size, info.st_mtime_ns]
 
 
+def input_entries(inputs_dir: Path, name: str) -> tuple[tuple[Path, bool], ...]:
+    """Where the rows of step ``name`` go, each with whether it is a folder: the file of
+    one input, the folder of a corpus's units.
+
+    Examples:
+        >>> [(str(path), folder) for path, folder in input_entries(Path("in"), "label")]
+        [('in/label.jsonl', False), ('in/label', True)]
+    """
+    return (inputs_dir / f"{name}.jsonl", False), (inputs_dir / name, True)
+
+
+def is_leftover(entry: str, name: str) -> bool:
+    """Whether ``entry`` in the inputs folder is a temporary of step ``name`` that a
+    killed run left: ``.NAME.jsonl.<random>.tmp``, ``.NAME.<random>.tmp``, or the
+    fixed ``.NAME.jsonl.partial`` and ``.NAME.partial`` of earlier versions (a step's
+    name has no dot, so no step's temporaries are another's).
+
+    Examples:
+        >>> entries = [".label.jsonl.k2x9a_1q.tmp", ".label.x81bqz0e.tmp", ".label.jsonl.partial"]
+        >>> [is_leftover(entry, "label") for entry in entries]
+        [True, True, True]
+        >>> others = ["label.jsonl", ".label.jsonl", ".labels.tmp", ".reason.jsonl.partial"]
+        >>> [is_leftover(entry, "label") for entry in others]
+        [False, False, False, False]
+    """
+    parts = entry.split(".")
+    return len(parts) >= 3 and parts[:2] == ["", name] and parts[-1] in ("tmp", "partial")
+
+
 def written_input(inputs_dir: Path, step: Step) -> Path | None:
-    """The rows written for ``step`` before, if complete (a file or a folder)."""
-    for path in (inputs_dir / f"{step.name}.jsonl", inputs_dir / step.name):
-        if path.exists():
-            check_entry(path, directory=path.suffix != ".jsonl")
+    """The rows written for ``step`` before, if complete (a file or a folder).
+
+    Raises:
+        RunDirectoryError: A link or a special file is where they go.
+    """
+    for path, folder in input_entries(inputs_dir, step.name):
+        if check_entry(path, directory=folder):
             return path
     return None
 
 
 def remove_input(inputs_dir: Path, step: Step) -> None:
-    """Remove the rows written for ``step`` (its settings changed)."""
-    for path in (inputs_dir / f"{step.name}.jsonl", inputs_dir / step.name):
-        if path.is_dir() and not path.is_symlink():
+    """Remove the rows written for ``step`` (its settings changed), and any temporary of
+    its that a killed run left; a link is removed, never what it leads to."""
+    leftovers: list[Path] = []
+    with contextlib.suppress(FileNotFoundError):
+        leftovers = [
+            inputs_dir / entry for entry in os.listdir(inputs_dir) if is_leftover(entry, step.name)
+        ]
+    if leftovers:
+        log.info("step_input_leftovers_removed", step=step.name, paths=list(map(str, leftovers)))
+    for path in [path for path, _ in input_entries(inputs_dir, step.name)] + leftovers:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(info.st_mode):
             shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
+        else:
             path.unlink()
 
 
@@ -139,28 +193,33 @@ def write_input(step: Step, inputs_dir: Path, upstream: Path | None) -> Written:
     parts = _parts(step, upstream)
     first = next(parts)
     where = Where(step.where) if step.where is not None else None
-    inputs_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(inputs_dir)
     shape = _Shape(step, where)
     if first[0] is None:
         target = inputs_dir / f"{step.name}.jsonl"
         written = Written(target)
-        with _replacing(target) as file:
+        with atomic_write(target) as file:
             shape.write(first[1], file, written)
             shape.check()
     else:
         target = inputs_dir / step.name
         written = Written(target)
-        hidden = inputs_dir / f".{step.name}.partial"
-        if hidden.exists():
-            shutil.rmtree(hidden)
-        hidden.mkdir()
-        for name, rows in _chain(first, parts):
-            assert name is not None
-            with (hidden / name).open("wb") as file:
-                shape.write(rows, file, written)
-                _durable(file)
-        shape.check()
-        os.replace(hidden, target)
+        check_entry(target, directory=True)
+        hidden = Path(tempfile.mkdtemp(prefix=f".{step.name}.", suffix=".tmp", dir=inputs_dir))
+        try:
+            for name, rows in _chain(first, parts):
+                assert name is not None
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                with os.fdopen(open_file(hidden / name, flags), "wb") as file:
+                    shape.write(rows, file, written)
+                    _durable(file)
+            shape.check()
+            fsync_directory(hidden)
+            os.replace(hidden, target)
+        except BaseException:
+            shutil.rmtree(hidden, ignore_errors=True)
+            raise
+        fsync_directory(inputs_dir)
     log.info(
         "step_input_written",
         step=step.name,
@@ -354,20 +413,6 @@ def _with_ids(rows: Iterator[Row], step: Step) -> Iterator[dict[str, Any]]:
 def _chain(first: Part, rest: Iterator[Part]) -> Iterator[Part]:
     yield first
     yield from rest
-
-
-@contextlib.contextmanager
-def _replacing(path: Path) -> Iterator[IO[bytes]]:
-    """A file written under a hidden name, made durable and renamed over ``path``."""
-    hidden = path.with_name(f".{path.name}.partial")
-    try:
-        with hidden.open("wb") as file:
-            yield file
-            _durable(file)
-        os.replace(hidden, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            hidden.unlink()
 
 
 def _durable(file: IO[bytes]) -> None:

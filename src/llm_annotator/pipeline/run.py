@@ -11,6 +11,11 @@ The output directory holds::
 
 A step starts when the step it reads is done (no streaming between steps: a step's
 input is then complete and fixed, so resuming it reads the very rows it began with).
+
+The directory is shared ground, as a job's is (see ``jobs.files``): before any step
+sends a request, every name the pipeline or a step's job writes, for every step, is
+checked, and a link, a FIFO, a device or a folder where a file goes is refused with one
+line naming it (:class:`RunDirectoryError`); nothing is written through a link.
 """
 
 from __future__ import annotations
@@ -36,17 +41,18 @@ from llm_annotator.errors import (
     JobError,
     RunDirectoryError,
 )
-from llm_annotator.jobs.annotate import AnnotationResult, Annotator
-from llm_annotator.jobs.files import check_entry
+from llm_annotator.jobs.annotate import RUN_FILES, AnnotationResult, Annotator
+from llm_annotator.jobs.files import check_entry, make_directory, read_run_file, refused
 from llm_annotator.jobs.loop.summary import write_json
 from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
-from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR
-from llm_annotator.jobs.rundir.store import DirectoryLock
+from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, CORPUS_FILE, UNITS_DIR
+from llm_annotator.jobs.rundir.store import LOCK_FILE, SHARDS_DIR, DirectoryLock
 from llm_annotator.jobs.spec import JobArgs
 from llm_annotator.jobs.watch.status import run_status
 from llm_annotator.pipeline.inputs import (
     ID,
     data_identity,
+    input_entries,
     remove_input,
     write_input,
     written_input,
@@ -262,6 +268,9 @@ class Pipeline:
                 a plan that would replace results without ``force`` (see
                 :meth:`plan`). During a run: a step's job was begun with other
                 settings than the pipeline knows (another model): see ``redo``.
+            RunDirectoryError: Before anything runs: a link, a FIFO, a device or a
+                folder where the pipeline or a step's job writes a file (or a file
+                where it keeps a folder), for any step.
             RunInterruptedError: A signal stopped a step; everything done is kept, and
                 running again resumes it.
             PoolExhaustedError: Every server stayed down during a step; likewise.
@@ -387,23 +396,22 @@ class Pipeline:
         return keys, settings
 
     def _check_directory(self) -> None:
-        """Create the pipeline's directory, refusing links and FIFOs where its own
-        entries go."""
+        """Create the pipeline's directory, refusing, before any step sends a request, a
+        link, a FIFO, a device or a folder where a file goes (or a file where a folder
+        goes) under any name the pipeline or one of its steps' jobs writes."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        check_entry(self.output_dir / PIPELINE_FILE)
-        check_entry(self.output_dir / REPORT_FILE)
-        for folder in (STEPS_DIR, INPUTS_DIR):
-            if not check_entry(self.output_dir / folder, directory=True):
-                (self.output_dir / folder).mkdir()
-        for step in self.steps:
-            check_entry(self.step_dir(step.name), directory=True)
+        for path, folder in own_entries(self.output_dir, [step.name for step in self.steps]):
+            _check_entry(path, folder)
+        for folder_name in (STEPS_DIR, INPUTS_DIR):
+            make_directory(self.output_dir / folder_name)
 
     def _record(self) -> dict[str, Any]:
         path = self.output_dir / PIPELINE_FILE
-        if not check_entry(path):
+        data = read_run_file(path)
+        if data is None:
             return {"format": _FORMAT, "steps": {}}
         try:
-            record = orjson.loads(path.read_bytes())
+            record = orjson.loads(data)
         except orjson.JSONDecodeError as error:
             raise RunDirectoryError(
                 f"{path} is not a pipeline record ({error}); move it away to start the "
@@ -558,6 +566,39 @@ class Pipeline:
         }
         write_json(path, report)
         return PipelineResult(self.output_dir, tuple(results), path)
+
+
+def own_entries(output_dir: Path, names: Sequence[str]) -> list[tuple[Path, bool]]:
+    """Every entry a run of the pipeline of steps ``names`` writes, each with whether it
+    is a folder, folders before what they hold: the pipeline's own files, each step's
+    rows and run directory, and the names the step's job writes there.
+
+    Examples:
+        >>> entries = dict(own_entries(Path("out"), ["label"]))
+        >>> entries[Path("out/inputs/label.jsonl")], entries[Path("out/inputs/label")]
+        (False, True)
+        >>> entries[Path("out/steps/label/job.json")], entries[Path("out/steps/label/shards")]
+        (False, True)
+    """
+    entries = [(output_dir / name, False) for name in (LOCK_FILE, PIPELINE_FILE, REPORT_FILE)]
+    entries += [(output_dir / STEPS_DIR, True), (output_dir / INPUTS_DIR, True)]
+    for name in names:
+        entries += input_entries(output_dir / INPUTS_DIR, name)
+        run_dir = output_dir / STEPS_DIR / name
+        entries.append((run_dir, True))
+        entries += [(run_dir / file, False) for file in (*RUN_FILES, CORPUS_FILE)]
+        entries += [(run_dir / folder, True) for folder in (SHARDS_DIR, ANNOTATIONS_DIR, UNITS_DIR)]
+    return entries
+
+
+def _check_entry(path: Path, folder: bool) -> None:
+    """:func:`check_entry`, saying a file where a folder goes in those words."""
+    try:
+        check_entry(path, directory=folder)
+    except RunDirectoryError:
+        if folder and path.is_file() and not path.is_symlink():
+            raise refused(path, "a file where the pipeline keeps a folder") from None
+        raise
 
 
 def _has_output(run_dir: Path) -> bool:
