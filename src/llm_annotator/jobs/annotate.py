@@ -7,8 +7,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -27,6 +26,7 @@ from llm_annotator._validate import positive_int
 from llm_annotator.clients.base import Client
 from llm_annotator.errors import (
     ConfigurationError,
+    FingerprintMismatchError,
     JobError,
     RunInterruptedError,
 )
@@ -47,13 +47,15 @@ from llm_annotator.jobs.loop.summary import (
 from llm_annotator.jobs.protocols import ModelSource
 from llm_annotator.jobs.result import AnnotationResult
 from llm_annotator.jobs.rows.corpus import is_corpus
-from llm_annotator.jobs.rows.inputs import RowSource, open_input
+from llm_annotator.jobs.rows.inputs import Row, open_input
 from llm_annotator.jobs.rows.prompts import PromptTemplate, check_job_columns
 from llm_annotator.jobs.rows.sample import Sample
+from llm_annotator.jobs.rundir.changes import InputChanges, compare
 from llm_annotator.jobs.rundir.consolidate import (
     INPUT_IDS_FILE,
     JSONL_FILE,
     PARQUET_FILE,
+    STALE_FILE,
     consolidate,
 )
 from llm_annotator.jobs.rundir.fingerprint import job_fingerprint
@@ -340,9 +342,22 @@ class Annotator:
             spec = dataclasses.replace(spec, output_dir=shard.directory(run_dir))
             await asyncio.to_thread(check_run_directory, spec.output_dir)
         store = await _open_store(spec, fingerprint, retry, source.identity.to_json())
-        resumed, keep = store.num_done, None
-        if store.mixed_inputs or resumed > total:  # results of rows not in this input
-            keep, resumed = await asyncio.to_thread(_input_ids, source, store)
+
+        def job_rows() -> Iterator[Row]:
+            return sample.rows(source, input_rows) if selection is None else source.rows(selection)
+
+        resumed, keep, stale = store.num_done, None, None
+        if store.num_records:  # resumed: what changed in the input since?
+            try:
+                changes = await asyncio.to_thread(_changes, job_rows(), store)
+                _accept_changes(changes, spec)
+            except BaseException:
+                await asyncio.to_thread(store.close)
+                raise
+            store.redo(changes.redo)
+            resumed, stale = changes.done, changes.stale
+            if store.mixed_inputs or changes.left_out:  # results of rows not in this input
+                keep = changes.keep
         status = StatusFile(spec.output_dir, total)
         log.info(
             "job_started",
@@ -361,7 +376,7 @@ class Annotator:
                 flush_interval=self.flush_interval,
                 sync_interval=self.sync_interval,
             ),
-            rows=sample.rows(source, input_rows) if selection is None else source.rows(selection),
+            rows=job_rows(),
             template=template,
             system_message=spec.system_message,
             group_by=spec.group_by,
@@ -387,7 +402,7 @@ class Annotator:
             publish=metrics.publish if metrics is not None else None,
         )
         async with Observer(status, watch, job.progress.figures).kept():
-            result = await self._run(spec, job, interrupt, status, resumed, started, keep)
+            result = await self._run(spec, job, interrupt, status, resumed, started, keep, stale)
         if shard is not None:  # the last shard to finish merges them all
             merged = await asyncio.to_thread(merge_if_complete, run_dir, jsonl=spec.write_jsonl)
             if merged is not None:
@@ -419,9 +434,10 @@ class Annotator:
         resumed: int,
         started: float,
         keep: np.ndarray[Any, np.dtype[np.uint64]] | None,
+        stale: np.ndarray[Any, np.dtype[np.uint64]] | None,
     ) -> AnnotationResult:
-        """Run the job, consolidate its results (only the ids to ``keep``, if given)
-        and write its report."""
+        """Run the job, consolidate its results (only the ids to ``keep``, if given,
+        never the ``stale`` records) and write its report."""
         store, total = job.store, status.total
         assert isinstance(store, ResultStore)  # a one-file job's
         hedged_before = hedged_requests(self.client)
@@ -459,6 +475,7 @@ class Annotator:
                 jsonl=spec.write_jsonl,
                 column_order=job.builder.output_columns(),
                 keep=keep,
+                stale=stale,
             )
         except OSError as error:
             raise output_write_error(
@@ -564,6 +581,7 @@ RUN_FILES = (
     JSONL_FILE,
     SHARDING_FILE,
     INPUT_IDS_FILE,
+    STALE_FILE,
 )
 """The files a run writes at the top of its directory (``report.html`` is written by
 ``llm-annotator report``, which checks it then)."""
@@ -587,18 +605,41 @@ def check_run_directory(directory: Path) -> None:
         )
 
 
-def _input_ids(
-    source: RowSource, store: ResultStore
-) -> tuple[np.ndarray[Any, np.dtype[np.uint64]], int]:
-    """The input's ids, hashed and sorted (what consolidation keeps of a directory that
-    also holds another input's results), and how many of them are done already."""
-    hashes, done = array("Q"), 0
-    for row_id in source.ids():
-        hashes.append(hash_id(row_id))
-        done += store.is_done(row_id)
-    keep = np.frombuffer(hashes, dtype=np.uint64).copy()
-    keep.sort()
-    return keep, done
+def _changes(rows: Iterator[Row], store: ResultStore) -> InputChanges:
+    """The job's input compared with the records its run directory holds."""
+    stored = store.records()
+    return compare(
+        ((row.id, hash_id(row.id), row.content(), store.is_done(row.id)) for row in rows),
+        stored,
+    )
+
+
+def _accept_changes(changes: InputChanges, spec: JobSpec) -> None:
+    """Refuse, unless forced, to replace answers of rows whose content changed; log
+    what changed either way.
+
+    Raises:
+        FingerprintMismatchError: Answers would be replaced and ``spec.force`` is False.
+    """
+    if not changes.changed and not changes.left_out:
+        return
+    shown = ", ".join(repr(row_id) for row_id in changes.examples)
+    more = ", ..." if changes.changed > len(changes.examples) else ""
+    if changes.replaced and not spec.force:
+        raise FingerprintMismatchError(
+            f"{spec.output_dir} holds answers to {changes.replaced} rows whose content "
+            f"changed since they were annotated (ids {shown}{more}): pass force=True (CLI "
+            "--force) to annotate them again, or choose a new output directory",
+            changes=[f"{changes.replaced} rows changed"],
+        )
+    log.warning(
+        "input_changed",
+        output_dir=str(spec.output_dir),
+        changed=changes.changed,
+        answers_replaced=changes.replaced,
+        left_out=changes.left_out,
+        examples=list(changes.examples),
+    )
 
 
 async def _open_store(

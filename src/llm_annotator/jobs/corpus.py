@@ -34,6 +34,7 @@ from llm_annotator.errors import (
     ConfigurationError,
     FingerprintMismatchError,
     InputError,
+    JobError,
     RunInterruptedError,
 )
 from llm_annotator.jobs.answers.records import RecordBuilder
@@ -64,6 +65,7 @@ from llm_annotator.jobs.rundir.partitions import (
     write_manifest,
 )
 from llm_annotator.jobs.rundir.store import JOB_FILE, DirectoryLock, output_write_error
+from llm_annotator.jobs.shards.merge import remove_corpus_leftovers
 from llm_annotator.jobs.shards.shard import Shard, claim, read_sharding
 from llm_annotator.jobs.shards.split import SPLIT_RULE, units_of_shard
 from llm_annotator.jobs.spec import JobSpec, retry_choice
@@ -312,7 +314,13 @@ async def _run(
                 this.add(record)
     else:  # a worker's: the units it finished
         this = store.finished_now
-    manifest = await asyncio.to_thread(write_manifest, run_dir, plan.corpus.listing())
+    listing = plan.corpus.listing()
+    manifest = await asyncio.to_thread(write_manifest, run_dir, listing)
+    if manifest["complete"]:  # no unit is written any more: what killed workers left goes
+        try:
+            await asyncio.to_thread(remove_corpus_leftovers, run_dir, set(listing["units"]))
+        except (OSError, JobError) as error:  # the annotations are whole all the same
+            log.warning("leftovers_not_removed", output_dir=str(run_dir), error=str(error))
     output = run_dir / ANNOTATIONS_DIR
     result = this.consolidated(output)
     seconds = time.monotonic() - plan.started
@@ -376,8 +384,9 @@ async def _claimed_rows(
     """The rows of the units this worker claims, one unit after another, in the
     corpus's order. Units another worker holds go to the back of the line; when every
     unit left is held by a live worker, it waits (a lease at most) for one to finish or
-    to be left to take over, and ends once all are finished. While it waits it hands the
-    loop a None whenever the job has regenerations to send (they must not wait on it)."""
+    to be left to take over, and ends once all are finished; once a lease it says which
+    units it waits on, held by whom and until when. While it waits it hands the loop a
+    None whenever the job has regenerations to send (they must not wait on it)."""
     pending = deque(units)
     misses = 0
     while pending:
@@ -392,6 +401,8 @@ async def _claimed_rows(
                 misses += 1
             if misses >= len(pending) and pending:  # every unit left is held elsewhere
                 misses = 0
+                keys = [left.output_name.removesuffix(".parquet") for left in pending]
+                await asyncio.to_thread(claims.report_waiting, keys)
                 async for nothing in _idle(job, min(claims.lease / 4, 5.0)):
                     yield nothing
             continue

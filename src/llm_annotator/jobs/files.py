@@ -28,6 +28,7 @@ import errno
 import fcntl
 import io
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -195,6 +196,26 @@ def atomic_write(path: Path, *, durable: bool = True) -> Iterator[IO[bytes]]:
         raise
     if durable:
         fsync_directory(path.parent)
+
+
+_TEMPORARY = re.compile(r"\.(.+)\.[A-Za-z0-9_]+\.tmp")
+"""The name :func:`atomic_write` gives a temporary: the file's, between a dot and a
+random part (:func:`tempfile.mkstemp`'s letters, digits and underscores)."""
+
+
+def temporary_of(name: str) -> str | None:
+    """The name of the file an :func:`atomic_write` temporary named ``name`` was made
+    for, or None if ``name`` is not such a temporary (one is left behind only by a
+    process killed while it wrote).
+
+    Examples:
+        >>> temporary_of(".job.json.k3x_9qa1.tmp"), temporary_of("job.json")
+        ('job.json', None)
+        >>> temporary_of("..a.parquet.new.0ab_cdef.tmp")
+        '.a.parquet.new'
+    """
+    match = _TEMPORARY.fullmatch(name)
+    return match[1] if match else None
 
 
 def fsync_directory(path: Path) -> None:

@@ -193,9 +193,9 @@ def test_only_the_job_writes_the_store_and_many_bad_rows_stay_bounded(
         writers.add(asyncio.current_task())
         original_append(self, record)
 
-    async def put_ready(self: Any, record: dict[str, Any], row: Any) -> None:
+    async def put_ready(self: Any, record: dict[str, Any], row: Any, content: str) -> None:
         waiting.append(len(self.ready))
-        await original_put(self, record, row)
+        await original_put(self, record, row, content)
 
     monkeypatch.setattr(ResultStore, "append", append)
     monkeypatch.setattr(job_module.JobRun, "_put_ready", put_ready)

@@ -10,15 +10,18 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pyarrow.dataset as ds
 import pytest
+import structlog
 
 from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN
+from llm_annotator.jobs.rundir.claims import Claims
 from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, UNITS_DIR, read_manifest
 from tests.unit.conftest import FakeServer
 from tests.unit.helpers import FAST, command, delayed_echo, sent_texts, write_jsonl
@@ -229,3 +232,46 @@ def test_workers_waiting_for_units_still_send_their_regenerations(
     assert table.num_rows == len(texts)
     assert set(table.column("error_type").to_pylist()) == {"invalid_output"}
     assert table.schema.field("label").type == "string"  # null in every row: typed anyway
+
+
+def test_a_worker_waiting_on_a_unit_held_by_another_says_which_by_whom_until_when(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """A worker that has finished every unit but one held by another worker logs that
+    unit, its holder (as the claim file names it) and the end of its lease; once the
+    holder stops renewing, the worker takes the unit over and finishes the corpus."""
+    texts = corpus(tmp_path / "c", files=2, rows=10)
+    run = tmp_path / "run"
+    run.mkdir()
+    other = Claims(run, lease=1.0)
+    held = other.try_claim("part-001.jsonl")
+    assert held is not None
+
+    async def scenario(logs: list[MutableMapping[str, Any]]) -> Any:
+        async def renew_until_waited_on() -> None:
+            for _ in range(400):  # the other worker is alive until the first one waits
+                if any(log["event"] == "waiting_for_units" for log in logs):
+                    return
+                assert held is not None and other.renew(held)
+                await asyncio.sleep(0.05)
+
+        pool = VLLMQueueAnnotator([fake_server.base_url], batch_size=4, **FAST)
+        async with pool:
+            renewing = asyncio.ensure_future(renew_until_waited_on())
+            result = await pool.aannotate(
+                tmp_path / "c", TEMPLATE, run, shard="claim", claim_lease=1.0, progress=False
+            )
+            await renewing
+            return result
+
+    with structlog.testing.capture_logs() as logs:
+        result = asyncio.run(asyncio.wait_for(scenario(logs), 60))
+    waited = [log for log in logs if log["event"] == "waiting_for_units"]
+    assert waited, [log["event"] for log in logs]
+    assert waited[0]["units"] == 1
+    [entry] = waited[0]["held"]
+    assert entry["unit"] == "part-001.jsonl" and entry["owner"] == other.owner
+    assert datetime.fromisoformat(entry["until"]).tzinfo is not None
+    assert any(log["event"] == "unit_taken_over" for log in logs)
+    assert result.num_rows == len(texts)
+    assert Counter(r["text"] for r in output(run)) == Counter(texts)

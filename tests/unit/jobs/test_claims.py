@@ -3,10 +3,17 @@ expire, a takeover that the old holder notices before it writes again."""
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 
-from llm_annotator.jobs.rundir.claims import Claims
+import pytest
+import structlog
+
+from llm_annotator.jobs.rundir.claims import Claims, lease_state
 
 
 class Clocks:
@@ -130,3 +137,172 @@ def test_a_unit_lost_and_claimed_again_is_done_whole_by_its_first_worker(tmp_pat
     asyncio.run(scenario())
     table = pq.read_table(run / ANNOTATIONS_DIR / unit.output_name)
     assert sorted(table.column("id").to_pylist()) == list(range(10))
+
+
+@pytest.mark.parametrize(
+    ("age", "unchanged", "state"),
+    [
+        (0.0, 0.0, "held"),
+        (9.9, 100.0, "held"),  # renewed within a lease: held, however long unchanged
+        (10.0, 0.0, "expired"),
+        (86_400.0, 0.0, "expired"),
+        (-5.0, 0.0, "held"),  # a holder's clock a little ahead: an ordinary claim
+        (-10.0, 100.0, "held"),
+        (-10.1, 0.0, "ahead"),  # more than a lease ahead: a clock fault
+        (-86_400.0, 9.9, "ahead"),
+        (-86_400.0, 10.0, "stale"),  # seen unchanged for a lease: its holder stopped
+    ],
+)
+def test_a_claims_state_follows_its_age_and_how_long_it_was_seen_unchanged(
+    age: float, unchanged: float, state: str
+) -> None:
+    assert lease_state(age, 10.0, unchanged) == state
+
+
+def ahead(claims: Claims, key: str, seconds: float) -> None:
+    """Set the unit's claim file's time as its holder's clock, ``seconds`` ahead, would."""
+    generation, renewed = claims.holder(key)
+    assert renewed is not None
+    path = claims.folder / f"{key}.{generation}"
+    os.utime(path, (renewed + seconds, renewed + seconds))
+
+
+def test_a_claim_a_day_ahead_of_this_hosts_clock_is_logged_and_taken_over_after_a_lease(
+    tmp_path: Path,
+) -> None:
+    """A claim written by a host whose clock is a day ahead is a clock fault: the
+    other worker logs it (the unit, the holder and its host, how far ahead) once, and
+    takes the unit over once it has seen the claim unchanged for a lease, not a day."""
+    clocks = Clocks()
+    first = Claims(tmp_path, lease=10, clock=clocks.clock, wall=clocks.wall)
+    second = Claims(tmp_path, lease=10, clock=clocks.clock, wall=clocks.wall)
+    assert first.try_claim("u") is not None
+    ahead(first, "u", 86_400)
+    with structlog.testing.capture_logs() as logs:
+        assert second.try_claim("u") is None
+        clocks.advance(6)
+        assert second.try_claim("u") is None
+        clocks.advance(4)  # unchanged for a lease on the second worker's own clock
+        taken = second.try_claim("u")
+    assert taken is not None and taken.generation == 2
+    faults = [log for log in logs if log["event"] == "claim_clock_ahead"]
+    assert len(faults) == 1
+    assert faults[0]["unit"] == "u" and faults[0]["owner"] == first.owner
+    assert faults[0]["host"] == socket.gethostname()
+    assert faults[0]["ahead_seconds"] == pytest.approx(86_400, abs=1)
+    over = [log for log in logs if log["event"] == "unit_taken_over"]
+    assert over[0]["reason"] == "clock_ahead" and over[0]["previous"] == first.owner
+
+
+def test_a_live_holder_whose_clock_is_ahead_keeps_its_unit_while_it_renews(
+    tmp_path: Path,
+) -> None:
+    """A holder a day ahead that goes on renewing changes its claim's file each time:
+    the other worker never sees it unchanged for a lease, and leaves the unit to it."""
+    clocks = Clocks()
+    first = Claims(tmp_path, lease=10, clock=clocks.clock, wall=lambda: clocks.wall() + 86_400)
+    second = Claims(tmp_path, lease=10, clock=clocks.clock, wall=clocks.wall)
+    claim = first.try_claim("u")
+    assert claim is not None
+    for _ in range(10):
+        assert second.try_claim("u") is None
+        clocks.advance(3)
+        assert first.renew(claim)
+    assert second.try_claim("u") is None
+    assert first.valid(claim)
+
+
+def test_a_waiting_worker_says_which_units_by_whom_until_when_once_a_lease(
+    tmp_path: Path,
+) -> None:
+    """A worker that waits on units held by others logs each one's holder and the end
+    of its lease (wall-clock ISO time), at its first look and then once a lease, not at
+    each of its looks."""
+    clocks = Clocks()
+    holder = Claims(tmp_path, lease=10, clock=clocks.clock, wall=clocks.wall)
+    waiting = Claims(tmp_path, lease=10, clock=clocks.clock, wall=clocks.wall)
+    claims = [holder.try_claim(key) for key in ("a", "b")]
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(25):  # a look every second for 25 s, the holder renewing
+            waiting.report_waiting(["a", "b"])
+            clocks.advance(1)
+            for claim in claims:
+                assert claim is not None and holder.renew(claim)
+    said = [log for log in logs if log["event"] == "waiting_for_units"]
+    assert len(said) == 3  # at 0, 10 and 20 s
+    expiry = datetime.fromtimestamp(1_000_000.0 + 10, UTC).isoformat(timespec="seconds")
+    assert said[0]["held"] == [
+        {"unit": "a", "owner": holder.owner, "until": expiry},
+        {"unit": "b", "owner": holder.owner, "until": expiry},
+    ]
+    later = datetime.fromtimestamp(1_000_000.0 + 20, UTC).isoformat(timespec="seconds")
+    assert said[1]["held"][0]["until"] == later  # renewed at 10 s: its lease ends at 20 s
+
+
+def test_the_taker_of_a_unit_removes_the_temporaries_its_dead_holder_left(
+    tmp_path: Path,
+) -> None:
+    """A worker killed while it wrote a unit's Parquet file (and its record, and its
+    store's job.json) leaves their temporaries; the worker that takes the unit over
+    removes them as it begins it, and leaves those of the other units alone."""
+    import asyncio
+
+    import orjson
+    import pyarrow.parquet as pq
+
+    from llm_annotator.jobs.rows.corpus import list_corpus
+    from llm_annotator.jobs.rundir.partitions import (
+        ANNOTATIONS_DIR,
+        RECORDS_DIR,
+        UNITS_DIR,
+        PartitionedStore,
+    )
+
+    (tmp_path / "c").mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "c" / name).write_bytes(
+            b"".join(orjson.dumps({"text": f"t{i}"}) + b"\n" for i in range(5))
+        )
+    unit, other = list_corpus(tmp_path / "c").units
+    clocks = Clocks()
+    run = tmp_path / "run"
+    run.mkdir()
+    annotations = run / ANNOTATIONS_DIR
+
+    def left_by_a_kill(folder: Path, name: str) -> Path:
+        fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+        os.write(fd, b"PAR1 half a file")
+        os.close(fd)
+        return Path(path)
+
+    async def scenario() -> None:
+        dead = Claims(run, lease=10, clock=clocks.clock, wall=clocks.wall)
+        killed = PartitionedStore(run, {"model": "m"}, claims=dead)
+        killed.begin(unit, dead.try_claim("a.jsonl"))
+        leftovers = [
+            left_by_a_kill(annotations, f".{unit.output_name}.new"),
+            left_by_a_kill(annotations / RECORDS_DIR, f"{unit.output_name}.json"),
+            left_by_a_kill(run / UNITS_DIR / "a.jsonl", "job.json"),
+            annotations / f".{unit.output_name}.new",
+        ]
+        leftovers[-1].write_bytes(b"PAR1 whole but not renamed")
+        others = [left_by_a_kill(annotations, f".{other.output_name}.new")]
+        killed.close()  # its process's files, as the kernel closes them
+        clocks.advance(11)  # the holder was killed: its lease runs out
+        taker = Claims(run, lease=10, clock=clocks.clock, wall=clocks.wall)
+        store = PartitionedStore(run, {"model": "m"}, claims=taker)
+        claim = taker.try_claim("a.jsonl")
+        assert claim is not None and claim.generation == 2
+        store.begin(unit, claim)
+        assert [path for path in leftovers if path.exists()] == []
+        assert all(path.exists() for path in others)
+        for row in unit.read(None):
+            assert store.take(row)
+            store.append({"id": row.id, "response": "x"}, unit.index)
+        store.end_of(unit)
+        await store.drain()
+        store.close()
+
+    asyncio.run(scenario())
+    assert pq.read_table(annotations / unit.output_name).num_rows == 5
+    assert sorted(p.name for p in annotations.glob(f".{unit.output_name}*")) == []

@@ -285,3 +285,62 @@ def test_a_link_planted_as_a_units_folder_is_refused_not_written_through(
         pool.annotate(tmp_path / "corpus", TEMPLATE, tmp_path / "run", progress=False)
     assert not list(elsewhere.iterdir())
     assert not fake_server.requests
+
+
+def test_merge_removes_what_workers_killed_while_writing_left_once_every_unit_is_done(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """Temporaries of a unit's Parquet file, of its record and of its store's job.json
+    (a worker killed while it wrote them) are removed by ``merge`` once every unit is
+    finished, with the manifest's temporaries left for a lease; while a unit is not
+    finished, or its store is locked by a live writer (a retry), they are kept."""
+    import os
+    import tempfile
+
+    from llm_annotator.errors import JobError
+    from llm_annotator.jobs.rundir.store import DirectoryLock
+    from llm_annotator.jobs.shards.merge import merge
+
+    make_corpus(tmp_path / "corpus", files=2)
+    run = tmp_path / "run"
+    with pool_of([fake_server]) as pool:
+        pool.annotate(tmp_path / "corpus", TEMPLATE, run, progress=False)
+    annotations = run / ANNOTATIONS_DIR
+
+    def left_by_a_kill(folder: Path, name: str) -> Path:
+        fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        return Path(path)
+
+    unit = "part-000.jsonl.parquet"
+    left = [
+        left_by_a_kill(annotations, f".{unit}.new"),
+        left_by_a_kill(annotations / "_units", f"{unit}.json"),
+        left_by_a_kill(run / "units" / "part-000.jsonl", "job.json"),
+        annotations / f".{unit}.new",
+    ]
+    left[-1].write_bytes(b"PAR1")
+    old_manifest = left_by_a_kill(annotations, MANIFEST_FILE)
+    os.utime(old_manifest, (old_manifest.stat().st_mtime - 3600,) * 2)
+    fresh_manifest = left_by_a_kill(annotations, MANIFEST_FILE)
+    files = {p: p.stat().st_mtime_ns for p in annotations.glob("*.parquet")}
+
+    record = annotations / "_units" / "part-001.jsonl.gz.parquet.json"
+    saved = record.read_bytes()
+    record.unlink()  # a unit not finished: its holder may still be writing
+    with pytest.raises(JobError, match="not finished"):
+        merge(run)
+    assert all(path.exists() for path in [*left, old_manifest, fresh_manifest])
+    record.write_bytes(saved)
+    retried = run / "units" / "part-001.jsonl.gz"
+    being_written = left_by_a_kill(annotations, ".part-001.jsonl.gz.parquet.new")
+    lock = DirectoryLock.acquire(retried, "retry")  # a live writer retries that unit
+    try:
+        merge(run)
+    finally:
+        lock.release()
+    assert [path for path in [*left, old_manifest] if path.exists()] == []
+    assert fresh_manifest.exists()  # a worker writing the manifest now may own it
+    assert being_written.exists()
+    assert {p: p.stat().st_mtime_ns for p in annotations.glob("*.parquet")} == files
+    assert len(output_rows(run)) == 25 + 26

@@ -142,22 +142,21 @@ def test_record_from_a_newer_version_is_refused() -> None:
         job_record({**first, "format_version": 99}, {"model": "a"}, where="out", now="t1")
 
 
-def test_the_input_is_part_of_the_record_and_another_is_refused() -> None:
+def test_the_input_is_part_of_the_record_and_another_is_recorded_not_refused() -> None:
     """A new record keeps the input; the same input (same digest) resumes; another is
-    refused naming both, or with force kept in input_history with mixed_inputs set for
-    good; a record without an input (an older directory) takes the input, mixed."""
+    taken (the job compares rows by content), kept in input_history with mixed_inputs set
+    for good, with or without force; a record without an input (an older directory)
+    takes the input, mixed."""
     a = {"where": "a.jsonl", "rows": 3, "digest": "d1"}
     b = {"where": "b.jsonl", "rows": 4, "digest": "d2"}
     first = job_record(None, {"model": "m"}, where="out", now="t0", identity=a)
     assert first["input"] == a and first["mixed_inputs"] is False
     same = job_record(first, {"model": "m"}, where="out", now="t1", identity={**a, "where": "c"})
     assert same["mixed_inputs"] is False
-    with pytest.raises(FingerprintMismatchError) as refused:
-        job_record(first, {"model": "m"}, where="out", now="t1", identity=b)
-    assert refused.value.changes == [
-        "input: a.jsonl (3 rows, digest d1) -> b.jsonl (4 rows, digest d2)"
-    ]
-    assert "other input" in str(refused.value)
+    taken_over = job_record(first, {"model": "m"}, where="out", now="t1", identity=b)
+    assert taken_over["input"] == b and taken_over["mixed_inputs"] is True
+    with pytest.raises(FingerprintMismatchError, match="other settings"):
+        job_record(first, {"model": "n"}, where="out", now="t1", identity=b)
     forced = job_record(first, {"model": "m"}, where="out", now="t1", identity=b, force=True)
     assert forced["input"] == b and forced["mixed_inputs"] is True
     assert forced["input_history"] == [{**a, "replaced": "t1"}] and forced["history"] == []

@@ -1,5 +1,6 @@
-"""A run directory belongs to one input: another input is refused by name, and once
-forced, the output holds only the current input's rows.
+"""A run directory resumes by content: new ids are sent, unchanged rows kept, changed
+rows refused without force (sent again with it), and the output holds only the current
+input's rows, the others counted as left out.
 
 Also here: a second signal at any phase of a job (the consolidation too) is one
 :class:`RunInterruptedError` with the signal, never a ``CancelledError``.
@@ -29,7 +30,7 @@ from llm_annotator.errors import RunDirectoryError
 from llm_annotator.jobs.rundir.consolidate import INPUT_IDS_FILE, consolidate
 from llm_annotator.jobs.shards.merge import merge
 from llm_annotator.jobs.watch.status import run_status
-from tests.unit.conftest import FakeServer
+from tests.unit.conftest import FakeServer, echo, error
 from tests.unit.helpers import FAST, TEMPLATE, write_jsonl
 
 
@@ -41,12 +42,12 @@ def ids_of(path: Path) -> list[Any]:
     return list(pq.read_table(path, columns=["id"]).column("id").to_pylist())
 
 
-def test_another_input_in_the_same_directory_is_refused_by_name(
+def test_another_input_in_the_same_directory_sends_its_rows_and_leaves_the_others_out(
     fake_server: FakeServer, tmp_path: Path
 ) -> None:
-    """Same settings, another input of other ids: refused naming both inputs; nothing
-    is sent. With force, the output holds the 100 rows of the new input only, the 100
-    others are counted as left out, and status.json does not say 200 of 100."""
+    """Same settings, another input of other ids: not refused; its 100 rows are sent,
+    the output holds them only, the 100 others are counted as left out (in the result,
+    report.json and status), and status.json does not say 200 of 100."""
     first = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"a{i}"} for i in range(100)])
     second = write_jsonl(
         tmp_path / "b.jsonl", [{"id": 1000 + i, "text": f"b{i}"} for i in range(100)]
@@ -55,12 +56,8 @@ def test_another_input_in_the_same_directory_is_refused_by_name(
     with pool_of(fake_server) as pool:
         pool.annotate(first, TEMPLATE, out, id_column="id", progress=False)
         sent = len(fake_server.requests)
-        with pytest.raises(FingerprintMismatchError) as refused:
-            pool.annotate(second, TEMPLATE, out, id_column="id", progress=False)
-        assert len(fake_server.requests) == sent
-        message = str(refused.value)
-        assert "input:" in message and str(first) in message and str(second) in message
-        result = pool.annotate(second, TEMPLATE, out, id_column="id", progress=False, force=True)
+        result = pool.annotate(second, TEMPLATE, out, id_column="id", progress=False)
+    assert len(fake_server.requests) == sent + 100
     assert ids_of(result.output_path) == [1000 + i for i in range(100)]
     texts = pq.read_table(result.output_path, columns=["text"]).column("text").to_pylist()
     assert all(text.startswith("b") for text in texts)
@@ -87,34 +84,120 @@ def test_another_input_in_the_same_directory_is_refused_by_name(
     assert [entry["where"] for entry in job["input_history"]] == [str(first)]
 
 
-def test_the_same_ids_in_another_order_or_with_other_text_resume(
+def test_a_grown_dataset_resumes_and_sends_only_its_new_rows(
     fake_server: FakeServer, tmp_path: Path
 ) -> None:
-    """The identity with an id column is the set of ids: a reordered input (or one
-    whose other columns were fixed) resumes without force and sends nothing again."""
+    """Two rows annotated, then the same two plus a third: the first two are kept and
+    only the third is sent, by id and by position alike."""
+    for id_column in ("id", None):
+        out = tmp_path / f"run-{id_column}"
+        first = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"t{i}"} for i in range(2)])
+        grown = write_jsonl(tmp_path / "b.jsonl", [{"id": i, "text": f"t{i}"} for i in range(3)])
+        with pool_of(fake_server) as pool:
+            pool.annotate(first, TEMPLATE, out, id_column=id_column, progress=False)
+            fake_server.requests.clear()
+            result = pool.annotate(grown, TEMPLATE, out, id_column=id_column, progress=False)
+        assert [r["messages"][-1]["content"] for r in fake_server.requests] == ["Label: t2"]
+        assert (result.num_rows, result.num_resumed, result.num_sent) == (3, 2, 1)
+        assert ids_of(result.output_path) == [0, 1, 2]
+
+
+def test_rows_whose_content_changed_are_refused_then_sent_again_with_force(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """The same ids in another order resume sending nothing. The same ids with other
+    text are refused, counted and named (the first few ids), before any request; with
+    force exactly the changed rows are sent again and the output holds their new text,
+    also when consolidated again later."""
     records = [{"id": f"r{i}", "text": f"t{i}"} for i in range(30)]
     first = write_jsonl(tmp_path / "a.jsonl", records)
-    again = write_jsonl(tmp_path / "b.jsonl", [{**r, "text": "x"} for r in reversed(records)])
+    reordered = write_jsonl(tmp_path / "b.jsonl", list(reversed(records)))
+    edited = [{**r, "text": "x"} if i % 3 == 0 else r for i, r in enumerate(records)]
+    changed = write_jsonl(tmp_path / "c.jsonl", edited)
     out = tmp_path / "run"
     with pool_of(fake_server) as pool:
         pool.annotate(first, TEMPLATE, out, id_column="id", progress=False)
         sent = len(fake_server.requests)
-        result = pool.annotate(again, TEMPLATE, out, id_column="id", progress=False)
-    assert len(fake_server.requests) == sent
-    assert (result.num_rows, result.num_resumed, result.num_left_out) == (30, 30, 0)
+        again = pool.annotate(reordered, TEMPLATE, out, id_column="id", progress=False)
+        assert len(fake_server.requests) == sent
+        assert (again.num_rows, again.num_resumed, again.num_left_out) == (30, 30, 0)
+        with pytest.raises(FingerprintMismatchError) as refused:
+            pool.annotate(changed, TEMPLATE, out, id_column="id", progress=False)
+        assert len(fake_server.requests) == sent
+        message = str(refused.value)
+        assert "answers to 10 rows whose content changed" in message, message
+        assert "'r0', 'r3', 'r6', 'r9', 'r12', ..." in message and "--force" in message
+        assert "\n" not in message
+        result = pool.annotate(changed, TEMPLATE, out, id_column="id", progress=False, force=True)
+    assert len(fake_server.requests) == sent + 10
+    assert (result.num_rows, result.num_resumed, result.num_sent) == (30, 20, 10)
+    table = pq.read_table(result.output_path).to_pylist()
+    assert "_input_hash" not in table[0]
+    texts = {row["id"]: row["text"] for row in table}
+    assert texts == {r["id"]: r["text"] for r in edited}
+    consolidate(out)  # again, on its own: the stale records stay out
+    texts = {
+        row["id"]: row["text"] for row in pq.read_table(out / "annotations.parquet").to_pylist()
+    }
+    assert texts == {r["id"]: r["text"] for r in edited}
+
+
+def test_a_changed_row_whose_new_answer_fails_never_gets_its_old_answer_back(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """A changed row sent again with force whose new request fails: its output row is
+    the error, not the answer to its old text (a success would otherwise win)."""
+    first = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"t{i}"} for i in range(4)])
+    changed = write_jsonl(
+        tmp_path / "b.jsonl", [{"id": i, "text": "bad" if i == 2 else f"t{i}"} for i in range(4)]
+    )
+    out = tmp_path / "run"
+
+    async def refuse_bad(request: dict[str, Any]) -> Any:
+        if "bad" in request["messages"][-1]["content"]:
+            return error(400, "this prompt is refused")
+        return await echo(request)
+
+    with pool_of(fake_server) as pool:
+        pool.annotate(first, TEMPLATE, out, id_column="id", progress=False)
+        fake_server.handler = refuse_bad
+        result = pool.annotate(changed, TEMPLATE, out, id_column="id", progress=False, force=True)
+    rows = {row["id"]: row for row in pq.read_table(result.output_path).to_pylist()}
+    assert rows[2]["text"] == "bad" and rows[2]["error"], rows[2]
+    assert (result.num_succeeded, result.num_failed) == (3, 1)
+
+
+def test_changed_rows_that_had_only_errors_are_sent_again_without_force(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """A row that failed (an unreadable line, then fixed) replaces no answer: sent again
+    without force, and counted as resumed no more."""
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"id": 0, "text": "t0"}\n{"id": 1, "text": \n{"id": 2, "text": "t2"}\n')
+    out = tmp_path / "run"
+    with pool_of(fake_server) as pool:
+        first = pool.annotate(data, TEMPLATE, out, id_column=None, progress=False)
+        assert first.num_failed == 1
+        data.write_text(
+            '{"id": 0, "text": "t0"}\n{"id": 1, "text": "t1"}\n{"id": 2, "text": "t2"}\n'
+        )
+        fake_server.requests.clear()
+        result = pool.annotate(data, TEMPLATE, out, id_column=None, progress=False)
+    assert [r["messages"][-1]["content"] for r in fake_server.requests] == ["Label: t1"]
+    assert (result.num_succeeded, result.num_failed, result.num_resumed) == (3, 0, 2)
 
 
 def test_rows_by_position_of_another_content_are_refused(
     fake_server: FakeServer, tmp_path: Path
 ) -> None:
-    """Without an id column, rows are their positions: an input with other content at
-    the same positions is another input."""
+    """Without an id column, rows are their positions: other content at the same
+    positions is changed content, refused without force."""
     first = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(10)])
     second = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(10)])
     out = tmp_path / "run"
     with pool_of(fake_server) as pool:
         pool.annotate(first, TEMPLATE, out, progress=False)
-        with pytest.raises(FingerprintMismatchError, match="input:"):
+        with pytest.raises(FingerprintMismatchError, match="answers to 10 rows whose content"):
             pool.annotate(second, TEMPLATE, out, progress=False)
         again = pool.annotate(first, TEMPLATE, out, progress=False)
     assert again.num_resumed == 10

@@ -17,7 +17,7 @@ from llm_annotator.clients.base import Client, Messages
 from llm_annotator.errors import ConfigurationError, ErrorKind, PromptError
 from llm_annotator.jobs.answers.records import RecordBuilder
 from llm_annotator.jobs.answers.schema import OutputSchema, Parsed
-from llm_annotator.jobs.ids import RowId
+from llm_annotator.jobs.ids import CONTENT_FIELD, RowId, content_text
 from llm_annotator.jobs.loop.interrupt import Interrupt
 from llm_annotator.jobs.loop.streaming import stream
 from llm_annotator.jobs.rows.inputs import Row
@@ -31,7 +31,7 @@ from llm_annotator.response import Response
 class _Item:
     """One row on its way through the model (the key of the stream)."""
 
-    __slots__ = ("attempt", "id", "messages", "unit", "values")
+    __slots__ = ("attempt", "content", "id", "messages", "unit", "values")
 
     def __init__(
         self,
@@ -40,12 +40,15 @@ class _Item:
         messages: Messages,
         attempt: int,
         unit: int | None = None,
+        content: str = "",
     ) -> None:
         self.id = row_id
         self.values = values
         self.messages = messages
         self.attempt = attempt
         self.unit = unit
+        self.content = content
+        """The row's content hash as its record holds it (see :meth:`Row.content`)."""
 
 
 class Sink(Protocol):
@@ -311,23 +314,27 @@ class JobRun:
                 continue
             if not sink.take(row):
                 continue
+            content = content_text(row.content())
             if row.error is not None:
-                await self._put_ready(self.builder.error_record(row.id, {}, row.error), row)
+                record = self.builder.error_record(row.id, {}, row.error)
+                await self._put_ready(record, row, content)
                 continue
             try:
                 prompt = self.template.render(row.values, row.where)
             except PromptError as exc:
-                await self._put_ready(self.builder.error_record(row.id, row.values, str(exc)), row)
+                record = self.builder.error_record(row.id, row.values, str(exc))
+                await self._put_ready(record, row, content)
                 continue
             problem = self._unsendable(row, prompt)
             if problem is not None:  # found before sending: this row's error, not the job's
                 values = {k: v for k, v in row.values.items() if k not in problem[1]}
-                await self._put_ready(self.builder.error_record(row.id, values, problem[0]), row)
+                record = self.builder.error_record(row.id, values, problem[0])
+                await self._put_ready(record, row, content)
                 continue
             messages = build_messages(prompt, self.system_message)
             self.out += 1
             self.sent += 1
-            yield _Item(row.id, row.values, messages, 0, row.unit), messages
+            yield _Item(row.id, row.values, messages, 0, row.unit, content), messages
         while True:
             while retries:
                 item = retries.popleft()
@@ -361,8 +368,9 @@ class JobRun:
             )
         return None
 
-    async def _put_ready(self, record: dict[str, Any], row: Row) -> None:
+    async def _put_ready(self, record: dict[str, Any], row: Row, content: str) -> None:
         """Hand a row's record to the consumer; wait while it has many to write."""
+        record[CONTENT_FIELD] = content
         self.ready.append((record, row.unit))
         self._wake.set()
         if len(self.ready) >= _READY_LIMIT:
@@ -394,6 +402,7 @@ class JobRun:
         if self.out == 0:
             self.retry_ready.set()  # the stream of items may end now
         record = self.builder.build(item.id, item.values, response, parsed)
+        record[CONTENT_FIELD] = item.content
         self._write(record, item.unit, failed=not response.ok)
 
     def _validated(self, item: _Item, response: Response, parsed: Parsed | None) -> Parsed:

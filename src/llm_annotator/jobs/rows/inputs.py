@@ -39,7 +39,14 @@ import pyarrow.parquet as pq
 
 from llm_annotator.errors import InputError
 from llm_annotator.jobs.files import check_input_file, open_input_file, shown_path
-from llm_annotator.jobs.ids import INT64_BOUND, RowId, hash_id, id_problem, output_form
+from llm_annotator.jobs.ids import (
+    INT64_BOUND,
+    RowId,
+    content_hash,
+    hash_id,
+    id_problem,
+    output_form,
+)
 
 PARQUET_BATCH_ROWS = 1024
 """Rows decoded at a time from a Parquet file."""
@@ -83,6 +90,13 @@ class Row:
     where: str
     error: str | None = None
     unit: int | None = None
+
+    def content(self) -> int:
+        """A hash of what the row holds (its columns, or why it could not be read), so
+        that a resumed job knows which rows changed since their answers were made."""
+        if self.error is not None:
+            return content_hash({"\x00unreadable": self.error})
+        return content_hash(self.values)
 
 
 @dataclass(frozen=True, slots=True)

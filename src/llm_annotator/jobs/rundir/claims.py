@@ -17,7 +17,16 @@ more of it; the taker resumes the unit row by row from what was written.
 The protocol trusts the hosts' clocks to agree within a fraction of the lease (the
 default, :data:`LEASE`, is a minute), and a worker that stops between its check and a
 write (a window of microseconds) may still write records the taker also writes: the
-consolidation keeps one row per id, so the output is exactly once either way.
+consolidation keeps one row per id, so the output is exactly once either way. A claim
+renewed more than a lease ahead of this host's clock is a clock fault (its holder's
+clock is ahead): it is logged, naming the unit, the holder and how far ahead, and is
+held only while its file keeps changing; once this worker has seen it unchanged for a
+whole lease on its own monotonic clock, its holder stopped renewing it and the unit is
+taken over (:func:`lease_state`), never held for as long as the clock is ahead.
+
+The taker of a unit removes what its dead holder was writing when it died
+(:mod:`~llm_annotator.jobs.rundir.leftovers`). A worker that waits on units held by
+others says which, by whom and until when, once a lease (:meth:`Claims.report_waiting`).
 """
 
 from __future__ import annotations
@@ -27,14 +36,17 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 import orjson
 import structlog
 
-from llm_annotator.jobs.files import make_directory, open_file
+from llm_annotator.errors import RunDirectoryError
+from llm_annotator.jobs.files import make_directory, open_file, read_bytes
 from llm_annotator.jobs.rundir.store import output_write_error
 
 log = structlog.get_logger(__name__)
@@ -44,6 +56,78 @@ LEASE = 60.0
 """Seconds a claim lasts without being renewed."""
 _GENERATIONS = 1_000
 """The most times one unit may be taken over (a bound on a loop, never met)."""
+LISTED_UNITS = 10
+"""Units named one by one when a worker says which it waits for."""
+
+LeaseState = Literal["held", "expired", "ahead", "stale"]
+
+
+def lease_state(age: float, lease: float, unchanged: float) -> LeaseState:
+    """How another worker's claim stands: ``held``, ``expired`` (take it over),
+    ``ahead`` (a clock fault, held for now) or ``stale`` (a clock fault whose holder
+    stopped renewing it: take it over).
+
+    Args:
+        age: Seconds since the claim was last renewed, by this host's wall clock:
+            negative when the holder's clock is ahead of this host's.
+        lease: Seconds a claim lasts without being renewed.
+        unchanged: Seconds this worker has seen the claim's file unchanged (the same
+            generation and modification time), on its own monotonic clock.
+
+    Examples:
+        >>> lease_state(5, 60, 0), lease_state(-30, 60, 0), lease_state(60, 60, 0)
+        ('held', 'held', 'expired')
+        >>> lease_state(-86_400, 60, 59.9), lease_state(-86_400, 60, 60)
+        ('ahead', 'stale')
+    """
+    if age >= lease:
+        return "expired"
+    if age >= -lease:
+        return "held"
+    return "stale" if unchanged >= lease else "ahead"
+
+
+def report_due(last: float | None, now: float, every: float) -> bool:
+    """Whether a worker that waits says so again: the first time, then once ``every``
+    seconds (a lease), not at each look.
+
+    Examples:
+        >>> report_due(None, 5.0, 60.0), report_due(0.0, 59.0, 60.0), report_due(0.0, 60.0, 60.0)
+        (True, False, True)
+    """
+    return last is None or now - last >= every
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
+
+
+@dataclass(slots=True)
+class _Seen:
+    """Another worker's claim as this worker last saw it."""
+
+    generation: int
+    renewed: float
+    since: float
+    """When this worker first saw it so (its monotonic clock)."""
+    warned: bool = False
+    """Whether its clock fault was logged."""
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a unit, for a worker that waits on it.
+
+    Attributes:
+        unit: The unit's name in the claims folder.
+        owner: The holder, as its claim file says (``host:pid:token``), or None.
+        until: When this worker may take the unit over if the holder stops renewing
+            (this host's wall clock, ISO 8601), or None if the claim vanished.
+    """
+
+    unit: str
+    owner: str | None
+    until: str | None
 
 
 @dataclass(slots=True)
@@ -88,6 +172,10 @@ class Claims:
         self.clock = clock
         self.wall = wall
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._seen: dict[str, _Seen] = {}
+        """Other workers' claims as this worker last saw them, by unit."""
+        self._reported: float | None = None
+        """When this worker last said which units it waits for (monotonic)."""
         try:
             make_directory(self.folder)
         except OSError as error:
@@ -112,12 +200,51 @@ class Claims:
         except FileNotFoundError:
             return generation, None
 
+    def owner_of(self, key: str, generation: int) -> str | None:
+        """The owner a claim file names, or None if it names none (or is gone)."""
+        try:
+            data = read_bytes(self._path(key, generation))
+            said = orjson.loads(data) if data else None
+        except (OSError, RunDirectoryError, orjson.JSONDecodeError):
+            return None
+        owner = said.get("owner") if isinstance(said, dict) else None
+        return owner if isinstance(owner, str) else None
+
+    def _state(self, key: str, generation: int, renewed: float) -> LeaseState:
+        """How another worker's claim stands (:func:`lease_state`); a clock fault is
+        logged once a claim."""
+        now = self.clock()
+        seen = self._seen.get(key)
+        if seen is None or seen.generation != generation:
+            seen = self._seen[key] = _Seen(generation, renewed, now)
+        elif seen.renewed != renewed:  # renewed since: its holder is alive
+            seen.renewed, seen.since = renewed, now
+        age = self.wall() - renewed
+        state = lease_state(age, self.lease, now - seen.since)
+        if state == "ahead" and not seen.warned:
+            seen.warned = True
+            owner = self.owner_of(key, generation)
+            log.warning(
+                "claim_clock_ahead",
+                unit=key,
+                generation=generation,
+                owner=owner,
+                host=owner.rsplit(":", 2)[0] if owner else None,
+                ahead_seconds=round(-age, 1),
+                taken_over_after=self.lease,
+            )
+        return state
+
     def try_claim(self, key: str) -> Claim | None:
         """Claim the unit if no worker holds it, or take it over if its holder's lease
-        expired; None if another worker holds it (or won the race for it)."""
+        expired (or its claim, ahead of this host's clock, went unrenewed for a lease);
+        None if another worker holds it (or won the race for it)."""
         generation, renewed = self.holder(key)
-        if generation and renewed is not None and self.wall() - renewed < self.lease:
-            return None
+        state: LeaseState | None = None
+        if generation and renewed is not None:
+            state = self._state(key, generation, renewed)
+            if state in ("held", "ahead"):
+                return None
         path = self._path(key, generation + 1)
         try:
             fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -130,11 +257,51 @@ class Claims:
             file.flush()  # written before the time is set: a later write would move it
             now = self.wall()
             os.utime(file.fileno(), (now, now))
+        self._seen.pop(key, None)
         if generation:
-            log.warning("unit_taken_over", unit=key, generation=generation + 1, owner=self.owner)
+            log.warning(
+                "unit_taken_over",
+                unit=key,
+                generation=generation + 1,
+                owner=self.owner,
+                previous=self.owner_of(key, generation),
+                reason="clock_ahead" if state == "stale" else "lease_expired",
+            )
         else:
             log.info("unit_claimed", unit=key, owner=self.owner)
         return Claim(key, generation + 1, path, self.clock())
+
+    def holder_of(self, key: str) -> Holder:
+        """Who holds the unit and until when: its lease's end, or for a claim ahead of
+        this host's clock, a lease after this worker first saw it unchanged."""
+        generation, renewed = self.holder(key)
+        if not generation or renewed is None:
+            return Holder(key, None, None)
+        state = self._state(key, generation, renewed)
+        if state in ("ahead", "stale"):
+            left = self.lease - (self.clock() - self._seen[key].since)
+            until = self.wall() + max(left, 0.0)
+        else:
+            until = renewed + self.lease
+        return Holder(key, self.owner_of(key, generation), _iso(until))
+
+    def report_waiting(self, keys: Sequence[str]) -> bool:
+        """Say which units this worker waits on, held by others: each one's holder and
+        until when (the first :data:`LISTED_UNITS`), once a lease at most; whether it
+        said it now."""
+        now = self.clock()
+        if not keys or not report_due(self._reported, now, self.lease):
+            return False
+        self._reported = now
+        holders = [self.holder_of(key) for key in keys[:LISTED_UNITS]]
+        log.info(
+            "waiting_for_units",
+            units=len(keys),
+            held=[{"unit": h.unit, "owner": h.owner, "until": h.until} for h in holders],
+            more=max(len(keys) - LISTED_UNITS, 0),
+            owner=self.owner,
+        )
+        return True
 
     def renew(self, claim: Claim) -> bool:
         """Renew the claim's lease; False (and the claim marked lost) if another worker

@@ -27,7 +27,7 @@ import structlog
 
 from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.files import open_binary, read_run_file
-from llm_annotator.jobs.ids import hash_id
+from llm_annotator.jobs.ids import CONTENT_FIELD, content_of, hash_id, mix_hashes
 from llm_annotator.jobs.rundir.store import (
     DirectoryLock,
     atomic_write,
@@ -44,6 +44,10 @@ INPUT_IDS_FILE = "input_ids.u64"
 """Beside a consolidation that kept only some ids (a directory of mixed inputs): the
 hashes of the ids kept, sorted, as little-endian 64-bit integers. ``merge`` reads it
 to keep the same rows of a shard."""
+STALE_FILE = "stale_records.u64"
+"""Beside a consolidation that left out stale records (rows whose input changed since):
+their keys (:func:`~llm_annotator.jobs.ids.mix_hashes`), sorted, as
+little-endian 64-bit integers; ``merge`` reads it to leave out the same records."""
 _CHUNK = 1 << 14
 """Records parsed into Python dicts at a time before they become Arrow arrays."""
 _ROW_GROUP = 1 << 17
@@ -97,6 +101,7 @@ def consolidate(
     target: Path | None = None,
     constants: Mapping[str, str] | None = None,
     types: Mapping[str, pa.DataType] | None = None,
+    stale: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
 ) -> Consolidated:
     """Merge a run directory's shards into ``annotations.parquet``, one row per id.
 
@@ -128,6 +133,10 @@ def consolidate(
             file name).
         types: The type of a column that no record gives a value (all null), so that
             the files of a corpus job agree: an answer column, say.
+        stale: Keys (:func:`~llm_annotator.jobs.ids.mix_hashes` of id and content
+            hashes, sorted) of records to leave out: made from rows whose content has
+            changed since (see :mod:`~llm_annotator.jobs.rundir.changes`). Also written
+            to :data:`STALE_FILE`.
 
     Returns:
         Where the files are, and counts over the rows.
@@ -143,6 +152,9 @@ def consolidate(
         if keep is not None:
             with atomic_write(directory / INPUT_IDS_FILE) as file:
                 file.write(keep.astype("<u8", copy=False).tobytes())
+        if stale is not None:
+            with atomic_write(directory / STALE_FILE) as file:
+                file.write(stale.astype("<u8", copy=False).tobytes())
         return _consolidate(
             directory,
             jsonl=jsonl,
@@ -151,6 +163,7 @@ def consolidate(
             target=target,
             constants=constants or {},
             types=types or {},
+            stale=stale if stale is not None else read_stale(directory),
         )
     finally:
         lock.release()
@@ -164,23 +177,56 @@ def read_input_ids(directory: Path) -> np.ndarray[Any, np.dtype[np.uint64]] | No
         RunDirectoryError: The file is a link, not a regular file, cannot be read, or
             is not a sorted list of 64-bit hashes.
     """
-    path = directory / INPUT_IDS_FILE
+    return _read_hashes(directory / INPUT_IDS_FILE, "id hashes")
+
+
+def read_stale(directory: Path) -> np.ndarray[Any, np.dtype[np.uint64]] | None:
+    """The keys of the stale records a consolidation of ``directory`` left out
+    (:data:`STALE_FILE`), or None if it wrote none.
+
+    Raises:
+        RunDirectoryError: The file is a link, not a regular file, cannot be read, or
+            is not a sorted list of 64-bit keys.
+    """
+    return _read_hashes(directory / STALE_FILE, "record keys")
+
+
+def _read_hashes(path: Path, what: str) -> np.ndarray[Any, np.dtype[np.uint64]] | None:
+    """A sorted list of 64-bit hashes the job wrote, or None if there is none."""
     data = read_run_file(path)
     if data is None:
         return None
+    again = "run the job in it again to write it anew"
     if len(data) % 8:
         raise RunDirectoryError(
-            f"{path} is not a list of id hashes ({len(data)} bytes, not a multiple of 8); "
-            "run the job in it again to write it anew",
+            f"{path} is not a list of {what} ({len(data)} bytes, not a multiple of 8); {again}",
             path=str(path),
         )
     hashes = np.frombuffer(data, dtype="<u8").astype(np.uint64)
     if len(hashes) > 1 and bool(np.any(hashes[1:] < hashes[:-1])):
-        raise RunDirectoryError(
-            f"{path} is not a sorted list of id hashes; run the job in it again to write it anew",
-            path=str(path),
-        )
+        raise RunDirectoryError(f"{path} is not a sorted list of {what}; {again}", path=str(path))
     return hashes
+
+
+def _without_stale(keys: pa.Table, stale: np.ndarray[Any, np.dtype[np.uint64]]) -> pa.Table:
+    """The records whose (id, content) key is not among the ``stale`` ones."""
+    contents = keys["content"].to_numpy()
+    recorded = np.flatnonzero(contents != 0)
+    if not len(recorded) or not len(stale):
+        return keys
+    kinds = keys["kind"].take(recorded).to_pylist()
+    ints = keys["int_id"].take(recorded).to_pylist()
+    strs = keys["str_id"].take(recorded).to_pylist()
+    ids = np.fromiter(
+        (hash_id(t if k else n) for k, n, t in zip(kinds, ints, strs, strict=True)),
+        dtype=np.uint64,
+        count=len(recorded),
+    )
+    mixed = mix_hashes(ids, contents[recorded])
+    at = np.minimum(np.searchsorted(stale, mixed), len(stale) - 1)
+    drop = np.zeros(keys.num_rows, dtype=bool)
+    drop[recorded[stale[at] == mixed]] = True
+    return keys.filter(pa.array(~drop)) if drop.any() else keys
 
 
 def _consolidate(
@@ -194,6 +240,7 @@ def _consolidate(
     target: Path | None = None,
     constants: Mapping[str, str] | None = None,
     types: Mapping[str, pa.DataType] | None = None,
+    stale: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
 ) -> Consolidated:
     """Consolidate ``shards`` (the directory's own by default) into ``directory``;
     ``keep`` applies to the records of the shards at the indexes ``kept_in`` (all by
@@ -210,6 +257,8 @@ def _consolidate(
     if "id" not in names:  # no records at all
         names.insert(0, "id")
 
+    if stale is not None:
+        keys = _without_stale(keys, stale)
     winners = _winners(keys)
     keys = keys.take(winners)
     left_out = 0
@@ -400,6 +449,7 @@ class _Loader:
         self, index: int, records: list[dict[str, Any]], places: list[tuple[int, int]]
     ) -> None:
         names = dict.fromkeys(name for record in records for name in record)
+        names.pop(CONTENT_FIELD, None)  # bookkeeping, never an output column
         self.names.update(names)
         for name in names:
             if name != "id" and name not in self.stringified:
@@ -417,6 +467,7 @@ class _Loader:
                 shard=[index] * len(records),
                 offset=offsets,
                 length=lengths,
+                content=[content_of(record) for record in records],
             )
         )
 
@@ -431,7 +482,7 @@ class _Loader:
         """Every record's bookkeeping columns, in reading order (once: handed over)."""
         if not self._keys:
             empty: list[Any] = []
-            return _key_table(empty, empty, empty, empty, empty, empty, empty)
+            return _key_table(empty, empty, empty, empty, empty, empty, empty, empty)
         chunks, self._keys = self._keys, []  # the caller holds the only reference
         return pa.concat_tables(chunks)
 
@@ -476,8 +527,10 @@ def _key_table(
     shard: Sequence[int],
     offset: Sequence[int],
     length: Sequence[int],
+    content: Sequence[int],
 ) -> pa.Table:
-    """The bookkeeping columns of some records: id, success, where each record sits."""
+    """The bookkeeping columns of some records: id, success, where each record sits,
+    the content hash of its row (0: not recorded)."""
     return pa.table(
         {
             "kind": pa.array(kind, pa.int8()),  # 0 for an int id, 1 for a str id
@@ -487,6 +540,7 @@ def _key_table(
             "shard": pa.array(shard, pa.int32()),
             "offset": pa.array(offset, pa.int64()),
             "length": pa.array(length, pa.int64()),
+            "content": pa.array(content, pa.uint64()),
         }
     )
 

@@ -184,24 +184,25 @@ def job_record(
         fingerprint: The settings of the run that starts (see :func:`make_fingerprint`).
         where: The directory, for messages.
         now: The time of the start, an ISO 8601 string.
-        force: Accept a fingerprint or an input that differs from the recorded one;
-            the old one moves to ``history`` (``input_history``).
+        force: Accept a fingerprint that differs from the recorded one; the old one
+            moves to ``history``.
         identity: What identifies the run's input
             (:meth:`~llm_annotator.jobs.rows.inputs.InputIdentity.to_json`: ``where``,
-            ``rows``, ``digest``), or None to leave the recorded one as it is.
+            ``rows``, ``digest``), or None to leave the recorded one as it is. Another
+            input is recorded, never refused (the old one moves to ``input_history``):
+            the job compares its rows with the records.
 
     Returns:
         The new record: ``format_version``, ``fingerprint``, ``digest``, ``created``,
         ``updated``, ``history`` (earlier fingerprints, each with when it was
         replaced), and with an input ``input``, ``input_history`` and
         ``mixed_inputs``: true once the directory may hold results of rows that are
-        not in the current input (a forced change of input, or a directory made
-        before inputs were recorded), so that only the current input's rows are
+        not in the current input (a change of input, or a directory made before
+        inputs were recorded), so that only the current input's rows are
         consolidated.
 
     Raises:
-        FingerprintMismatchError: If the fingerprints or the inputs differ and
-            ``force`` is False.
+        FingerprintMismatchError: If the fingerprints differ and ``force`` is False.
         JobError: If the record was written by a newer version of this package.
 
     Examples:
@@ -248,7 +249,13 @@ def job_record(
         and old_input.get("digest") != identity.get("digest")
     )
     if identity is not None and old_input is not None and input_changed:
-        changes.append(f"input: {_input_text(old_input)} -> {_input_text(identity)}")
+        # Not refused: the job compares the rows themselves (jobs/rundir/changes.py).
+        log.info(
+            "input_replaced",
+            output_dir=where,
+            old=_input_text(old_input),
+            new=_input_text(identity),
+        )
     if changes:
         if not force:
             listed = "".join(f"\n  {line}" for line in changes)
@@ -260,16 +267,8 @@ def job_record(
                     "). Pass force=True (CLI --force) to go on from it: the rows done are "
                     "kept and only the others are sent"
                 )
-            if input_changed:
-                hint += (
-                    " (annotations.parquet then holds only the rows of the new input; the "
-                    "other results stay in the run directory's shards)"
-                )
-            what = "settings" if old_digest != digest else "input"
-            if old_digest != digest and input_changed:
-                what = "settings and input"
             raise FingerprintMismatchError(
-                f"{where} holds results made with other {what}:{listed}\n"
+                f"{where} holds results made with other settings:{listed}\n"
                 f"{hint}, or choose a new output directory.",
                 changes=changes,
             )

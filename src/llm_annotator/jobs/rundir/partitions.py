@@ -20,7 +20,9 @@ finished in a worker thread: its store is consolidated into
 ``annotations/<unit>.parquet`` (written under a fresh name, fsynced, renamed), then its
 record is written the same way. A unit with a record is finished and is skipped on
 resume without being read; a unit killed between the two renames is consolidated again
-from its store, which gives the same file. Dataset readers skip names that begin with
+from its store, which gives the same file. A worker killed while it wrote leaves
+temporaries (:mod:`~llm_annotator.jobs.rundir.leftovers`): whoever begins the unit
+next removes them. Dataset readers skip names that begin with
 ``_``, so ``pyarrow.dataset.dataset(RUN_DIR/annotations)``, DuckDB's
 ``read_parquet('RUN_DIR/annotations/*.parquet')`` and ``datasets.load_dataset`` read the
 units' files as one dataset.
@@ -56,6 +58,12 @@ from llm_annotator.jobs.rows.corpus import FILE_COLUMN, Unit
 from llm_annotator.jobs.rows.inputs import Row
 from llm_annotator.jobs.rundir.claims import Claim, Claims
 from llm_annotator.jobs.rundir.consolidate import Consolidated, consolidate
+from llm_annotator.jobs.rundir.leftovers import (
+    consolidating_name,
+    remove_leftovers,
+    store_leftovers,
+    unit_leftovers,
+)
 from llm_annotator.jobs.rundir.store import ResultStore, output_write_error
 
 log = structlog.get_logger(__name__)
@@ -194,6 +202,9 @@ class PartitionedStore:
                 raise output_write_error(error, folder, run_dir) from None
         self.records = read_unit_records(run_dir)
         """The records of the finished units, by output name."""
+        self._leftovers = unit_leftovers(self.output_dir, self.output_dir / RECORDS_DIR)
+        """What holders killed before this store opened left, by unit (removed as each
+        unit begins: until then, a live holder may still be writing it)."""
 
     def __repr__(self) -> str:
         return (
@@ -245,7 +256,19 @@ class PartitionedStore:
         self._open[unit.index] = _Open(unit, store, claim)
         if claim is not None:
             self._held[unit.index] = claim
+        self._remove_leftovers(unit, directory, claim)
         return store.num_done
+
+    def _remove_leftovers(self, unit: Unit, directory: Path, claim: Claim | None) -> None:
+        """Remove the temporaries the unit's earlier holders left (this worker holds it
+        now: no one else writes them)."""
+        found = self._leftovers.pop(unit.output_name, [])
+        if claim is not None and claim.generation > 1:  # taken over: its holder may have
+            # died after this store's first look, so look again
+            found = unit_leftovers(self.output_dir, self.output_dir / RECORDS_DIR).get(
+                unit.output_name, []
+            )
+        remove_leftovers([*found, *store_leftovers(directory)], unit=unit.name)
 
     def held(self) -> list[Claim]:
         """The claims of the units open or being finished (for their renewal)."""
@@ -377,7 +400,7 @@ class PartitionedStore:
         with self._lock:
             work.store.close()
         target = self.output_dir / unit.output_name
-        written = self.output_dir / f".{unit.output_name}.new"  # unseen by dataset readers
+        written = self.output_dir / consolidating_name(unit.output_name)  # unseen by readers
         try:
             result = consolidate(
                 work.store.output_dir,
@@ -387,6 +410,8 @@ class PartitionedStore:
                 types=self._types,
             )
         except OSError as error:
+            if self._taken_meanwhile(work):  # its taker removed this worker's temporary
+                return
             raise output_write_error(error, error.filename or target, self.run_dir) from None
         complete = result.num_rows == work.read or (work.bad and result.num_rows > work.read)
         if not complete:
@@ -405,6 +430,8 @@ class PartitionedStore:
                 target.unlink(missing_ok=True)
             fsync_directory(self.output_dir)
         except OSError as error:
+            if self._taken_meanwhile(work):
+                return
             raise output_write_error(error, target, self.run_dir) from None
         counts = {
             "rows": result.num_rows,
@@ -419,6 +446,21 @@ class PartitionedStore:
         if work.bad is not None:
             counts["skipped"] = work.bad
         self._write_record(unit, counts)
+
+    def _taken_meanwhile(self, work: _Open) -> bool:
+        """After a failed write: whether the unit was taken over by another worker
+        meanwhile (this one stalled past its lease), which removed what this one was
+        writing; then the unit is given up, not failed."""
+        claim = work.claim
+        if claim is None or self.claims is None:
+            return False
+        try:
+            if self.claims.renew(claim):
+                return False
+        except OSError:
+            return False
+        self._lose(work)
+        return True
 
     def _write_record(self, unit: Unit, counts: Mapping[str, Any]) -> None:
         """Write a finished unit's record (whole, fsynced, renamed in place)."""

@@ -24,12 +24,15 @@ import io
 import os
 import re
 import threading
+from array import array
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+import numpy as np
 import orjson
 import structlog
 
@@ -42,7 +45,14 @@ from llm_annotator.jobs.files import (
     open_binary,
     open_file,
 )
-from llm_annotator.jobs.ids import IdSet, RowId, id_problem, is_valid_id
+from llm_annotator.jobs.ids import (
+    IdSet,
+    RowId,
+    content_of,
+    hash_id,
+    id_problem,
+    is_valid_id,
+)
 from llm_annotator.jobs.rundir.fingerprint import job_record, read_job_record
 
 log = structlog.get_logger(__name__)
@@ -53,6 +63,7 @@ __all__ = [
     "SHARDS_DIR",
     "DirectoryLock",
     "ResultStore",
+    "StoredRecords",
     "atomic_write",
     "is_error_record",
     "output_write_error",
@@ -171,6 +182,45 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class StoredRecords:
+    """What a run directory's records say of their rows, one entry per record in the
+    order written.
+
+    Attributes:
+        ids: Each record's id hash (:func:`~llm_annotator.jobs.ids.hash_id`).
+        contents: The content hash of the row it was made from, 0 where not recorded.
+        ok: Whether it is a success.
+    """
+
+    ids: np.ndarray[Any, np.dtype[np.uint64]]
+    contents: np.ndarray[Any, np.dtype[np.uint64]]
+    ok: np.ndarray[Any, np.dtype[np.bool_]]
+
+
+class _Records:
+    """:class:`StoredRecords` as they are read: 17 bytes a record."""
+
+    __slots__ = ("contents", "ids", "ok")
+
+    def __init__(self) -> None:
+        self.ids = array("Q")
+        self.contents = array("Q")
+        self.ok = bytearray()
+
+    def add(self, row_id: RowId, content: int, ok: bool) -> None:
+        self.ids.append(hash_id(row_id))
+        self.contents.append(content)
+        self.ok.append(ok)
+
+    def frozen(self) -> StoredRecords:
+        return StoredRecords(
+            np.frombuffer(self.ids, dtype=np.uint64).copy(),
+            np.frombuffer(self.contents, dtype=np.uint64).copy(),
+            np.frombuffer(bytes(self.ok), dtype=np.uint8).astype(bool),
+        )
+
+
 class DirectoryLock:
     """An exclusive ``flock`` on ``<directory>/.lock``, which holds the owner's pid."""
 
@@ -264,6 +314,10 @@ class ResultStore:
         self._file: IO[bytes] | None = None
         self._shard_path = directory / SHARDS_DIR / "unopened"
         self._mixed_inputs = False
+        self._records = _Records()
+        """Each record found at open: its id's hash, its row's content hash, success."""
+        self._redo: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+        self._redone = IdSet()
 
     @classmethod
     def open(
@@ -409,11 +463,37 @@ class ResultStore:
 
     def is_done(self, row_id: RowId) -> bool:
         """Whether ``row_id`` has a result and must not be sent again."""
+        if self._redo is not None and self._to_redo(row_id):
+            return False
         if row_id in self._succeeded:
             return True
         if not self._errors or row_id not in self._errors:
             return False
         return not self._retry_errors or row_id in self._retried or row_id in self._kept
+
+    @property
+    def num_records(self) -> int:
+        """Records found at open (until :meth:`records` hands them over)."""
+        return len(self._records.ids)
+
+    def records(self) -> StoredRecords:
+        """What the records found at open say of their rows, for a job that compares
+        them with its input (see :func:`~llm_annotator.jobs.rundir.changes.compare`);
+        once: the store keeps them no longer."""
+        records, self._records = self._records.frozen(), _Records()
+        return records
+
+    def redo(self, id_hashes: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
+        """Count the rows of these id hashes (sorted) as not done until each has a new
+        record: their input changed since their results were made."""
+        self._redo = id_hashes if len(id_hashes) else None
+
+    def _to_redo(self, row_id: RowId) -> bool:
+        redo = self._redo
+        assert redo is not None
+        hashed = np.uint64(hash_id(row_id))
+        at = int(np.searchsorted(redo, hashed))
+        return at < len(redo) and redo[at] == hashed and row_id not in self._redone
 
     def append(self, record: Mapping[str, Any]) -> None:
         """Write one result record (buffered until :meth:`flush`) and mark its id done.
@@ -444,6 +524,8 @@ class ResultStore:
             self._buffer += line
             self._buffer += b"\n"
         failed = is_error_record(record)
+        if self._redo is not None:
+            self._redone.add(row_id)
         self._note(row_id, error=failed)
         if failed and self._retry_errors:
             self._retried.add(row_id)
@@ -542,6 +624,7 @@ class ResultStore:
                 row_id = record["id"]
                 failed = is_error_record(record)
                 self._note(row_id, error=failed)
+                self._records.add(row_id, content_of(record), not failed)
                 if types is None:
                     continue
                 if not failed:

@@ -32,17 +32,28 @@ import structlog
 from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.files import check_entry, open_binary
 from llm_annotator.jobs.loop.summary import REPORT_NAME, read_report, result_summary, write_json
+from llm_annotator.jobs.rundir.claims import LEASE
 from llm_annotator.jobs.rundir.consolidate import (
     INPUT_IDS_FILE,
     PARQUET_FILE,
     Consolidated,
     _consolidate,
     read_input_ids,
+    read_stale,
 )
 from llm_annotator.jobs.rundir.fingerprint import read_job_record
+from llm_annotator.jobs.rundir.leftovers import (
+    remove_leftovers,
+    stale_temporaries,
+    store_leftovers,
+    unit_leftovers,
+)
 from llm_annotator.jobs.rundir.partitions import (
     ANNOTATIONS_DIR,
+    CORPUS_FILE,
     MANIFEST_FILE,
+    RECORDS_DIR,
+    UNITS_DIR,
     UnitCounts,
     read_corpus_record,
     read_unit_records,
@@ -213,8 +224,15 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
         files, keep, kept_in = _shard_files(states, count)
         order = _column_order(states[0].directory)
         parts = _shard_reports(states)  # checked before anything is written
+        stale = [k for k in (read_stale(s.directory) for s in states) if k is not None]
         result = _consolidate(
-            directory, jsonl=jsonl, column_order=order, shards=files, keep=keep, kept_in=kept_in
+            directory,
+            jsonl=jsonl,
+            column_order=order,
+            shards=files,
+            keep=keep,
+            kept_in=kept_in,
+            stale=np.unique(np.concatenate(stale)) if stale else None,
         )
         expected = sum(s.total or 0 for s in states)
         if result.num_rows != expected:
@@ -238,7 +256,9 @@ def merge(run_dir: str | os.PathLike[str], *, jsonl: bool = False) -> Merged:
 
 def merge_corpus(run_dir: Path) -> Merged:
     """A corpus job's merge: check that every unit is finished and write the manifest
-    (``annotations/_manifest.json``); the units' files are never rewritten.
+    (``annotations/_manifest.json``); the units' files are never rewritten. Once every
+    unit is finished, no worker writes one any more: the temporaries that workers
+    killed while writing left are removed (:func:`remove_corpus_leftovers`).
 
     Raises:
         JobError: Units are not finished (the message names the first
@@ -259,6 +279,7 @@ def merge_corpus(run_dir: Path) -> Merged:
             f"are; the manifest {run_dir / ANNOTATIONS_DIR / MANIFEST_FILE} says which."
         )
     outputs = set(record["corpus"].get("units", ()))
+    remove_corpus_leftovers(run_dir, outputs)
     totals = UnitCounts()
     for unit in read_unit_records(run_dir).values():
         if unit["output"] in outputs:
@@ -270,6 +291,57 @@ def merge_corpus(run_dir: Path) -> Merged:
         write_json(report_path, {**result_summary(result), "units": manifest["units"]})
     log.info("corpus_merged", output_dir=str(run_dir), units=manifest["units"])
     return Merged(result.parquet_path, report_path, sharding["count"] if sharding else 1, result)
+
+
+def remove_corpus_leftovers(
+    run_dir: Path, outputs: set[str], *, now: float | None = None, idle: float = LEASE
+) -> int:
+    """Remove what workers killed while writing left in a corpus run directory whose
+    units (``outputs``) are all finished: each unit's temporaries
+    (:mod:`~llm_annotator.jobs.rundir.leftovers`), and those of the manifest and of
+    ``corpus.json`` not modified for ``idle`` seconds (a worker that finishes or starts
+    may be writing those right now); how many files were removed.
+
+    A unit whose store's lock another process holds (a unit retried now, with
+    ``retry_errors``: its writer holds the lock while it writes the unit's file) keeps
+    its files."""
+    annotations = run_dir / ANNOTATIONS_DIR
+    found = unit_leftovers(annotations, annotations / RECORDS_DIR)
+    removed = 0
+    for output in sorted(outputs):
+        store = run_dir / UNITS_DIR / output.removesuffix(".parquet")
+        paths = [*found.get(output, []), *store_leftovers(store)]
+        if not paths:
+            continue
+        with _unused(store) as unused:
+            if unused:
+                removed += remove_leftovers(paths, unit=output)
+            else:
+                log.info("leftovers_kept", unit=output, reason="the unit is being written")
+    now = time.time() if now is None else now
+    shared = [
+        *stale_temporaries(annotations, [MANIFEST_FILE], idle=idle, now=now),
+        *stale_temporaries(run_dir, [CORPUS_FILE], idle=idle, now=now),
+    ]
+    return removed + remove_leftovers(shared)
+
+
+@contextlib.contextmanager
+def _unused(store: Path) -> Iterator[bool]:
+    """Whether no process writes the unit of this store folder: its lock, held for the
+    block when it can be taken (a folder that is gone is no one's)."""
+    try:
+        if not check_entry(store, directory=True):
+            yield True
+            return
+        lock = DirectoryLock.acquire(store, "clean up")
+    except JobError:  # in use, or not the job's own folder (a link planted there)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def _one_input(states: list[ShardState], count: int) -> None:
