@@ -51,6 +51,34 @@ def positive_seconds(name: str, value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def size_in_bytes(name: str, value: object) -> int:
+    """A size as a positive integer of bytes, or text with a binary unit (``"64M"``,
+    ``"1 GiB"``, ``"512kb"``).
+
+    Examples:
+        >>> size_in_bytes("unit_size", "64M"), size_in_bytes("unit_size", "1 GiB")
+        (67108864, 1073741824)
+        >>> size_in_bytes("unit_size", "x")
+        Traceback (most recent call last):
+        ...
+        llm_annotator.errors.ConfigurationError: unit_size must be a positive size in bytes (4096, 64M, 1G), got 'x'
+    """  # noqa: E501
+    if _is_int(value) and value > 0:  # type: ignore[operator]
+        return value  # type: ignore[return-value]
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        text = text.removesuffix("ib").removesuffix("b") if text[-1:] == "b" else text
+        number, unit = text.rstrip("kmgt"), text[len(text.rstrip("kmgt")) :]
+        if number.isdigit() and unit in _SIZE_UNITS and int(number) > 0:
+            return int(number) * _SIZE_UNITS[unit]
+    raise ConfigurationError(
+        f"{name} must be a positive size in bytes (4096, 64M, 1G), got {value!r}"
+    )
+
+
 def non_negative_seconds(name: str, value: object) -> float:
     """``value`` as a float if it is a finite number >= 0."""
     if not _is_number(value) or not 0 <= value < math.inf:  # type: ignore[operator]

@@ -1,6 +1,7 @@
 """Corpus jobs against real vLLM servers: elastic workers (``--shard claim``) over a
-corpus of many files, one SIGKILLed and one added mid-run; static shards by unit. The
-servers' own counters (``vllm:request_success_total``) tell what was really sent."""
+corpus of many files and one large file cut into byte ranges, one SIGKILLed and one
+added mid-run; static shards by unit. The servers' own counters
+(``vllm:request_success_total``) tell what was really sent."""
 
 from __future__ import annotations
 
@@ -34,9 +35,16 @@ worker's rows may be sent again."""
 def write_corpus(folder: Path, files: int, rows: int) -> int:
     folder.mkdir()
     for f in range(files):
-        lines = (orjson.dumps({"text": f"review {f}-{r}: fine"}) for r in range(rows))
+        lines = (orjson.dumps({"id": r, "text": f"review {f}-{r}: fine"}) for r in range(rows))
         (folder / f"reviews-{f:03d}.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     return files * rows
+
+
+def write_large_file(path: Path, rows: int) -> int:
+    """One JSONL file with an id column, of rows about 60 bytes each."""
+    lines = (orjson.dumps({"id": f"big-{r}", "text": f"review big-{r}: fine"}) for r in range(rows))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return rows
 
 
 def units_done(run: Path) -> int:
@@ -52,14 +60,28 @@ def idle(vllm_servers: LocalServers) -> LocalServers:
 def test_elastic_workers_one_killed_one_added_do_every_row_once(
     idle: LocalServers, tmp_path: Path
 ) -> None:
-    """Two workers start on a corpus of 36 files; once some units are finished one is
-    SIGKILLed and a third joins. The others take the killed worker's unit over when its
-    lease runs out; every (file, id) is in the output once, and the servers answered
-    every row once, plus at most what the killed worker had in flight or unflushed."""
-    n = write_corpus(tmp_path / "corpus", files=36, rows=40)
+    """Two workers start on a corpus of 6 files and one JSONL file of 1,200 rows cut into
+    byte ranges of 1 KiB (about 57 units, each read alone); once some units are finished
+    one is SIGKILLed (mid-unit: each worker holds one in progress) and a third joins. The
+    others take the killed worker's unit over when its lease runs out; every (file, id)
+    is in the output once, and the servers answered every row once, plus at most what the
+    killed worker had in flight or unflushed."""
+    n = write_corpus(tmp_path / "corpus", files=6, rows=40)
+    n += write_large_file(tmp_path / "corpus" / "large.jsonl", rows=1200)
     run = tmp_path / "run"
     args = run_args(
-        idle, tmp_path / "corpus", run, "--shard", "claim", "--claim-lease", "3", *BATCH
+        idle,
+        tmp_path / "corpus",
+        run,
+        "--shard",
+        "claim",
+        "--claim-lease",
+        "3",
+        "--id-column",
+        "id",
+        "--unit-size",
+        "1K",
+        *BATCH,
     )
     before = finished_requests(idle)
     first = start(args, tmp_path / "first.log")
@@ -84,6 +106,9 @@ def test_elastic_workers_one_killed_one_added_do_every_row_once(
     assert n <= sent <= n + 2 * 16 + 200, sent  # 200: half a second of answers, unflushed
     manifest = read_manifest(run)
     assert manifest is not None and manifest["complete"] and manifest["rows"] == n
+    ranges = list((run / ANNOTATIONS_DIR).glob("large.jsonl#b*.parquet"))
+    assert len(ranges) > 40, len(ranges)
+    assert sum(1 for r in rows if r[FILE_COLUMN] == "large.jsonl") == 1200
     logs = (tmp_path / "second.log").read_text() + third.stdout + third.stderr
     assert "unit_taken_over" in logs
     reports = [orjson.loads(p.read_bytes()) for p in run.glob("worker-*/report.json")]

@@ -65,6 +65,7 @@ NOT_IN_PIPELINE = (
     "shard",
     "processes",
     "claim_lease",
+    "unit_size",
     "limit",
     "shuffle_seed",
     "metrics_port",

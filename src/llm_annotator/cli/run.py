@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_annotator import _constants as default
+from llm_annotator._validate import size_in_bytes
 from llm_annotator.cli._logging import HumanLines, LogPlan
 from llm_annotator.errors import (
     ConfigurationError,
@@ -118,6 +119,16 @@ _POSITIVE_INT = _number(integer=True, low=1)
 _COUNT = _number(integer=True, low=0)
 _SEED = _number(integer=True, low=-(2**63))
 _SECONDS = _number(integer=False, low=0, low_open=True)
+
+
+def _size(value: Any) -> int:
+    """A size in bytes, from a flag's text or a TOML value (``4096``, ``"64M"``)."""
+    try:
+        return size_in_bytes("the size", value)
+    except ConfigurationError:
+        raise _BadValue(f"expected a size in bytes (4096, 64M, 1G), got {value!r}") from None
+
+
 _GRACE = _number(integer=False, low=0)
 
 
@@ -334,6 +345,13 @@ _SETTINGS: tuple[_Setting, ...] = (
         "for a corpus: worker processes on this machine, which take its units by claims "
         "and share each server's in-flight budget (default auto: one per 8 servers, at "
         "most one per core)",
+    ),
+    _Setting(
+        "unit_size",
+        _size,
+        "for a corpus, or one file with --shard claim: files larger than this (bytes, or "
+        "64M, 1G) are cut into units: Parquet by row groups, uncompressed JSONL with an "
+        "--id-column by byte ranges, each read alone (default 256M)",
     ),
     _Setting(
         "claim_lease",
@@ -572,6 +590,7 @@ def run_command(args: argparse.Namespace) -> int:
             shard=_shard(settings["shard"], Shard),
             skip_bad_files=settings["skip_bad_files"],
             claim_lease=settings["claim_lease"],
+            unit_size=settings["unit_size"],
             group_by=settings["group_by"],
         )
     except RunInterruptedError as stopped:
@@ -651,8 +670,9 @@ def _how_many_processes(settings: dict[str, Any], corpus: bool) -> int:
     """How many worker processes ``--processes`` asks for (1: this one alone).
 
     Raises:
-        ConfigurationError: More than one for a single input file, a static shard or
-            the model in this process.
+        ConfigurationError: More than one for a static shard or the model in this
+            process. Several share one input file as they share a corpus: by claims on
+            its units (``auto`` keeps one file in one process).
     """
     from llm_annotator.cli._workers import default_processes
 
@@ -667,11 +687,6 @@ def _how_many_processes(settings: dict[str, Any], corpus: bool) -> int:
             alone = begun is not None and begun.get("mode") != "claim"
         return 1 if alone else default_processes(len(settings["servers"] or []))
     if asked > 1:
-        if not corpus:
-            raise ConfigurationError(
-                "--processes: several worker processes share a corpus (a directory, a glob "
-                "or several files) by claims; a single input file runs in one"
-            )
         if shard not in ("", "claim") or settings["offline_model"]:
             raise ConfigurationError(
                 "--processes: workers take a corpus's units by claims; leave out --shard "

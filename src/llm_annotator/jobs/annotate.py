@@ -226,6 +226,11 @@ class Annotator:
                 listed with why in the manifest, instead of stopping.
             claim_lease (float | None): With ``shard="claim"``: seconds a claim lasts
                 unrenewed before another worker takes the unit over (default 60).
+            unit_size (int | str | None): In a corpus (and one file with
+                ``shard="claim"``): the size in bytes (or ``"64M"``) above which a
+                file is cut into units: a Parquet file into runs of row groups, an
+                uncompressed JSONL file with an ``id_column`` into byte ranges, each
+                read alone (default 256 MiB). A run keeps the size it began with.
             group_by (str | None): With a pool's ``prefix_affinity``: the column whose
                 value groups rows that share a long prompt prefix (a document id), so
                 that a group goes to one server and meets its prefix cache. By
@@ -293,12 +298,14 @@ class Annotator:
     async def _annotate_bound(
         self, spec: JobSpec, interrupt: Interrupt, metrics: LiveMetrics | None
     ) -> AnnotationResult:
-        if await asyncio.to_thread(is_corpus, spec.data):
+        claiming = isinstance(spec.shard, str) and spec.shard.strip() == "claim"
+        if await asyncio.to_thread(is_corpus, spec.data) or (claiming and _is_path(spec.data)):
+            # With claims, one file is a corpus of one file: its units are claimed.
             return await annotate_corpus(self._runner(metrics), spec, interrupt)
-        if isinstance(spec.shard, str) and spec.shard.strip() == "claim":
+        if claiming:
             raise ConfigurationError(
-                "shard='claim' (--shard claim) takes a corpus (a directory, a glob or several "
-                "files), whose units workers claim; split one file with shard=(INDEX, COUNT)"
+                "shard='claim' (--shard claim) takes files (a file, a directory, a glob or "
+                "several files), whose units workers claim; rows in memory are one job"
             )
         if spec.skip_bad_files:
             raise ConfigurationError(
@@ -546,6 +553,11 @@ def _not_sharded(run_dir: Path) -> None:
             f"INDEX/{said['count']} (shard=(index, {said['count']})), or merge what they "
             f"did with llm-annotator merge {run_dir}"
         )
+
+
+def _is_path(data: object) -> bool:
+    """Whether the input is a path (a file), not rows in memory."""
+    return isinstance(data, str | os.PathLike)
 
 
 def _is_seconds(value: object) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from llm_annotator._validate import size_in_bytes
 from llm_annotator.clients.base import Client
 from llm_annotator.errors import (
     ConfigurationError,
@@ -145,9 +146,13 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
     lease = _lease(spec.claim_lease)
     run_dir = spec.output_dir
     recorded = await asyncio.to_thread(_recorded, run_dir)
-    unit_bytes = int(recorded["corpus"].get("unit_bytes", UNIT_BYTES)) if recorded else UNIT_BYTES
+    unit_bytes, split_lines = _cutting(recorded, spec)
     corpus = await asyncio.to_thread(
-        list_corpus, spec.data, skip_bad_files=spec.skip_bad_files, unit_bytes=unit_bytes
+        list_corpus,
+        spec.data,
+        skip_bad_files=spec.skip_bad_files,
+        unit_bytes=unit_bytes,
+        split_lines=split_lines,
     )
     log.info(
         "corpus_listed",
@@ -192,6 +197,20 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         return await _run(runner, spec, interrupt, plan)
     finally:
         lock.release()
+
+
+def _cutting(recorded: dict[str, Any] | None, spec: JobSpec) -> tuple[int, bool]:
+    """How the corpus's files are cut into units: the size and whether JSONL files are
+    cut into byte ranges (only with an id column). A run keeps what it began with (a
+    run begun before JSONL files were cut keeps them whole)."""
+    asked = UNIT_BYTES if spec.unit_size is None else size_in_bytes("unit_size", spec.unit_size)
+    if recorded is None:
+        return asked, spec.id_column is not None
+    listing = recorded["corpus"]
+    size = int(listing.get("unit_bytes", UNIT_BYTES))
+    if spec.unit_size is not None and asked != size:
+        log.warning("unit_size_kept", asked=asked, kept=size, why="the run began with it")
+    return size, bool(listing.get("split_lines", False))
 
 
 def _pair(shard: Shard) -> tuple[int, int]:

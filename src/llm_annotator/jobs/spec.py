@@ -40,6 +40,7 @@ class JobArgs(TypedDict, total=False):
     shard: Any
     skip_bad_files: bool
     claim_lease: float | None
+    unit_size: int | str | None
     group_by: str | None
     postprocess: Postprocess | None
 
@@ -67,6 +68,7 @@ class JobSpec:
     shard: Any = None
     skip_bad_files: bool = False
     claim_lease: float | None = None
+    unit_size: int | str | None = None
     group_by: str | None = None
     postprocess: Postprocess | None = None
 

@@ -188,14 +188,32 @@ def test_processes_start_workers_that_share_the_corpus_and_each_servers_budget(
     assert sent_texts([fake_server]) == Counter(f"Label: {t}" for t in texts)
 
 
-def test_processes_refuse_what_they_cannot_share(tmp_path: Path, fake_server: FakeServer) -> None:
-    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "x"}])
+def test_processes_share_one_file_by_its_byte_ranges_and_refuse_a_static_shard(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """``--processes 2`` over one JSONL file with an id column: its byte ranges are the
+    units the workers claim, every row once; with a static shard it is refused before
+    any request."""
+    records = [{"id": i, "text": f"t{i}"} for i in range(200)]
+    data = write_jsonl(tmp_path / "one.jsonl", records)
+    fake_server.handler = delayed_echo(0.005)
     argv = command(fake_server, data, tmp_path / "run", "--processes", "2")
+    argv += ["--id-column", "id", "--unit-size", "1K"]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    units = sorted((tmp_path / "run" / ANNOTATIONS_DIR).glob("*.parquet"))
+    assert len(units) > 2 and all("#b" in unit.name for unit in units), units
+    assert sent_texts([fake_server]) == Counter(f"Label: t{i}" for i in range(200))
+    assert sorted(row["id"] for row in output(tmp_path / "run")) == list(range(200))
+    fake_server.requests.clear()
+    argv = command(fake_server, data, tmp_path / "run2", "--processes", "2", "--shard", "0/2")
     done = subprocess.run(
         argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
     )
     assert done.returncode == 1
-    assert "--processes: several worker processes share a corpus" in done.stderr
+    assert "--processes: workers take a corpus's units by claims" in done.stderr
     assert not fake_server.requests
 
 

@@ -344,3 +344,61 @@ def test_merge_removes_what_workers_killed_while_writing_left_once_every_unit_is
     assert being_written.exists()
     assert {p: p.stat().st_mtime_ns for p in annotations.glob("*.parquet")} == files
     assert len(output_rows(run)) == 25 + 26
+
+
+def test_one_jsonl_file_is_cut_into_byte_ranges_each_row_once_whatever_the_bounds(
+    tmp_path: Path,
+) -> None:
+    """A JSONL file's byte ranges hold each line once, for any unit size: a byte order
+    mark, blank lines, CRLF ends and a last line without a newline included; each row
+    says where it is by byte offset."""
+    from llm_annotator.jobs.rows.corpus import byte_spans, list_corpus
+
+    body = [orjson.dumps({"id": i, "text": "x" * (i % 37)}) for i in range(300)]
+    lines = [line + (b"\r\n" if i % 5 == 0 else b"\n") for i, line in enumerate(body)]
+    lines[10:10] = [b"\n", b"   \n"]
+    data = tmp_path / "one.jsonl"
+    data.write_bytes(b"\xef\xbb\xbf" + b"".join(lines)[:-1])  # no newline at the end
+    size = data.stat().st_size
+    for unit_bytes in (1, 2, 7, 64, 1000, size - 1, size, size + 1):
+        corpus = list_corpus(data, unit_bytes=unit_bytes, split_lines=True)
+        expected = byte_spans(size, unit_bytes) if size > unit_bytes else [None]
+        assert [unit.span for unit in corpus.units] == expected
+        rows = [row for unit in corpus.units for row in unit.read("id")]
+        assert [row.id for row in rows] == list(range(300)), unit_bytes
+        if unit_bytes == 64:
+            assert rows[0].where == f"{data} byte 0", rows[0].where
+            assert rows[1].where.startswith(f"{data} byte ")
+    whole = list_corpus(data, unit_bytes=7)  # without split_lines: one unit
+    assert [unit.span for unit in whole.units] == [None]
+    gz = tmp_path / "one.jsonl.gz"
+    gz.write_bytes(gzip.compress(data.read_bytes()))
+    assert len(list_corpus(gz, unit_bytes=7, split_lines=True).units) == 1  # no seeking
+
+
+def test_workers_claim_one_files_byte_ranges_and_a_run_keeps_how_it_was_cut(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """One JSONL file with shard="claim" is a corpus of one file: with an id column its
+    byte ranges are units, each row sent once; run again with another unit size, it
+    keeps the cut it began with and sends nothing. Rows in memory cannot be claimed."""
+    records = [{"id": f"r{i}", "text": f"t{i}"} for i in range(120)]
+    data = write_jsonl(tmp_path / "one.jsonl", records)
+    run = tmp_path / "run"
+    with pool_of([fake_server]) as pool:
+        result = pool.annotate(
+            data, TEMPLATE, run, id_column="id", shard="claim", unit_size=512, progress=False
+        )
+        assert result.num_rows == 120
+        units = sorted(p.name for p in (run / ANNOTATIONS_DIR).glob("*.parquet"))
+        assert len(units) == -(-data.stat().st_size // 512) and units[0].startswith("one.jsonl#b")
+        assert sent_texts([fake_server]) == Counter(f"Label: t{i}" for i in range(120))
+        assert sorted(r["id"] for r in output_rows(run)) == sorted(r["id"] for r in records)
+        sent = len(fake_server.requests)
+        again = pool.annotate(
+            data, TEMPLATE, run, id_column="id", shard="claim", unit_size=64, progress=False
+        )
+        assert again.num_sent == 0 and len(fake_server.requests) == sent
+        assert len(list((run / ANNOTATIONS_DIR).glob("*.parquet"))) == len(units)
+        with pytest.raises(ConfigurationError, match="rows in memory are one job"):
+            pool.annotate(records, TEMPLATE, tmp_path / "mem", shard="claim", progress=False)

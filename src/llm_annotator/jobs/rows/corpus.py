@@ -51,7 +51,8 @@ FILE_COLUMN = "input_file"
 """The output column of a corpus job that names each row's input file."""
 UNIT_BYTES = 256 << 20
 """A Parquet file larger than this is cut into units of whole row groups of about this
-size (at least one row group each)."""
+size (at least one row group each); an uncompressed JSONL file, with an id column, into
+byte ranges of this size (see :class:`Unit`)."""
 _SAVED_STATE = "state.json"
 """The file that marks a folder written by ``datasets.Dataset.save_to_disk``."""
 _GLOB_MAGIC = frozenset("*?[")
@@ -80,13 +81,19 @@ class CorpusFile:
 
 @dataclass(frozen=True, slots=True)
 class Unit:
-    """The piece of a corpus one process takes at a time: a file, or a run of a
-    Parquet file's row groups.
+    """The piece of a corpus one process takes at a time: a file, a run of a Parquet
+    file's row groups, or a byte range of an uncompressed JSONL file.
+
+    A byte range holds the lines that *begin* in it, as Hadoop and Spark split text
+    files: its reader starts at the first line boundary at or after its start and reads
+    on past its end to finish its last line, so the ranges of a file hold each line once,
+    whatever their bounds, and each is read alone (about its own bytes).
 
     Attributes:
         index: Its place in the corpus's units.
         file: The file it is (part of).
         groups: For part of a Parquet file: its row groups (from, to: half-open).
+        span: For part of a JSONL file: its bytes (from, to: half-open).
         first_row: The position in the file of its first row.
         rows: Its number of rows, where the file says so without being read.
         size: Its size in bytes (compressed, as stored).
@@ -98,16 +105,21 @@ class Unit:
     first_row: int = 0
     rows: int | None = None
     size: int = 0
+    span: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
-        """The unit's name: the file's, and its row groups for part of a file.
+        """The unit's name: the file's, and its row groups or bytes for part of a file.
 
         Examples:
             >>> f = CorpusFile("crawl/a.parquet", "/d/crawl/a.parquet", 10, 0)
             >>> Unit(0, f).name, Unit(1, f, (2, 4)).name
             ('crawl/a.parquet', 'crawl/a.parquet#rg2-3')
+            >>> Unit(2, CorpusFile("b.jsonl", "b.jsonl", 9, 0), span=(4, 9)).name
+            'b.jsonl#b4-8'
         """
+        if self.span is not None:
+            return f"{self.file.name}#b{self.span[0]}-{self.span[1] - 1}"
         if self.groups is None:
             return self.file.name
         return f"{self.file.name}#rg{self.groups[0]}-{self.groups[1] - 1}"
@@ -126,7 +138,7 @@ class Unit:
         """
         text = self.name
         escaped = text.replace("%", "%25").replace("/", "%2F")
-        if self.groups is not None:  # the '#' of the row groups is the only one left
+        if self.groups is not None or self.span is not None:  # the part's '#' is kept
             head, _, tail = escaped.rpartition("#")
             escaped = head.replace("#", "%23") + "#" + tail
         else:
@@ -159,7 +171,9 @@ class Unit:
                 column: a row has no valid id, or an id repeats within the unit.
         """
         source = self.source(id_column, peek=False)
-        if self.groups is not None:
+        if self.span is not None:
+            rows = source.span_rows(self.span, self.index)  # type: ignore[attr-defined]
+        elif self.groups is not None:
             rows = source.group_rows(self.groups, self.first_row, self.index)  # type: ignore[attr-defined]
         else:
             rows = source.rows(unit=self.index)
@@ -193,6 +207,8 @@ class Corpus:
         units: The units, in the files' order.
         skipped: Files left out (``skip_bad_files``), each with why: ``(name, reason)``.
         unit_bytes: The size above which a Parquet file was cut into parts.
+        split_lines: Whether an uncompressed JSONL file above ``unit_bytes`` was cut
+            into byte ranges.
     """
 
     description: str
@@ -201,6 +217,7 @@ class Corpus:
     units: tuple[Unit, ...]
     skipped: tuple[tuple[str, str], ...] = ()
     unit_bytes: int = UNIT_BYTES
+    split_lines: bool = False
     size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -211,6 +228,7 @@ class Corpus:
         return {
             "root": self.root,
             "unit_bytes": self.unit_bytes,
+            "split_lines": self.split_lines,
             "files": [f.identity() for f in self.files],
             "skipped": [list(s) for s in self.skipped],
             "units": [unit.output_name for unit in self.units],
@@ -218,7 +236,8 @@ class Corpus:
 
     def digest(self) -> str:
         """A digest of the files (names, sizes, times) and how they are cut."""
-        data = orjson.dumps([self.unit_bytes, [f.identity() for f in self.files]])
+        head: list[Any] = [self.unit_bytes, "lines"] if self.split_lines else [self.unit_bytes]
+        data = orjson.dumps([*head, [f.identity() for f in self.files]])
         return hashlib.blake2b(data, digest_size=16).hexdigest()
 
     def changes_since(self, recorded: Mapping[str, Any]) -> list[str]:
@@ -271,6 +290,7 @@ def list_corpus(
     *,
     skip_bad_files: bool = False,
     unit_bytes: int = UNIT_BYTES,
+    split_lines: bool = False,
 ) -> Corpus:
     """The corpus that ``data`` names, listed and cut into units; no row is read.
 
@@ -283,6 +303,10 @@ def list_corpus(
         skip_bad_files: Leave out, with the reason, a file that cannot be read or is
             of no known format, instead of refusing the corpus.
         unit_bytes: Cut a Parquet file larger than this into parts of whole row groups.
+        split_lines: Also cut an uncompressed JSONL file larger than ``unit_bytes`` into
+            byte ranges of that size, each read alone. Only for rows with an id column:
+            a range does not know the positions of its rows without reading the ranges
+            before it.
 
     Raises:
         InputError: A path is missing or matches nothing, a named file is unreadable or
@@ -344,9 +368,11 @@ def list_corpus(
         places[place] = name
         files.append(CorpusFile(name, path, info.st_size, info.st_mtime_ns))
     files.sort(key=lambda f: f.name)
-    units = _units(files, unit_bytes, skipped, skip_bad_files)
+    units = _units(files, unit_bytes, skipped, skip_bad_files, split_lines=split_lines)
     description = shown_path(os.fspath(items[0])) if len(items) == 1 else f"{len(items)} paths"
-    return Corpus(description, root, tuple(files), tuple(units), tuple(skipped), unit_bytes)
+    return Corpus(
+        description, root, tuple(files), tuple(units), tuple(skipped), unit_bytes, split_lines
+    )
 
 
 def _walk(
@@ -448,12 +474,20 @@ def _units(
     unit_bytes: int,
     skipped: list[tuple[str, str]],
     skip_bad: bool,
+    *,
+    split_lines: bool = False,
 ) -> list[Unit]:
     """The files cut into units: a Parquet file larger than ``unit_bytes`` with more
-    than one row group into runs of row groups, every other file whole."""
+    than one row group into runs of row groups, with ``split_lines`` an uncompressed
+    JSONL file larger than ``unit_bytes`` into byte ranges, every other file whole."""
     units: list[Unit] = []
     kept = []
     for file in files:
+        if split_lines and file.size > unit_bytes and _is_plain_jsonl(file.name):
+            kept.append(file)
+            for span in byte_spans(file.size, unit_bytes):
+                units.append(Unit(len(units), file, size=span[1] - span[0], span=span))
+            continue
         if file.size <= unit_bytes or _kind(file.name) != "parquet":
             units.append(Unit(len(units), file, size=file.size))
             kept.append(file)
@@ -470,6 +504,21 @@ def _units(
             units.append(Unit(len(units), file, groups, first, rows, size))
     files[:] = kept
     return units
+
+
+def _is_plain_jsonl(name: str) -> bool:
+    """Whether a file is JSONL, uncompressed (its bytes can be read from any place)."""
+    return name.lower().endswith(JSONL_SUFFIXES)
+
+
+def byte_spans(size: int, unit_bytes: int) -> list[tuple[int, int]]:
+    """A file of ``size`` bytes cut into ranges of ``unit_bytes`` (the last shorter).
+
+    Examples:
+        >>> byte_spans(10, 4), byte_spans(8, 4), byte_spans(3, 4)
+        ([(0, 4), (4, 8), (8, 10)], [(0, 4), (4, 8)], [(0, 3)])
+    """
+    return [(start, min(start + unit_bytes, size)) for start in range(0, max(size, 1), unit_bytes)]
 
 
 def _row_group_parts(

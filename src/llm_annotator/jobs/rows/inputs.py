@@ -52,6 +52,8 @@ PARQUET_BATCH_ROWS = 1024
 """Rows decoded at a time from a Parquet file."""
 _BLOCK_BYTES = 1 << 20
 """About how much of a JSONL file is read at a time."""
+_BOM = b"\xef\xbb\xbf"
+"""UTF-8's byte order mark, dropped before a file's first line."""
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 CSV_SUFFIXES = (".csv",)
@@ -695,6 +697,53 @@ class _JsonlSource(RowSource):
                 yield position, where, values, None
             else:  # decoded again, to say why not
                 yield position, where, *_decoded(line, where)
+
+    def span_rows(self, span: tuple[int, int], unit: int | None) -> Iterator[Row]:
+        """The rows whose lines begin within ``span`` (bytes, half-open) of an
+        uncompressed file: from the first line boundary at or after its start, on past
+        its end to the end of its last line. Each row's place is its line's byte offset
+        (``data.jsonl byte 1048576``): line numbers are not known without reading what
+        comes before.
+
+        Raises:
+            InputError: The file is compressed, or cannot be read.
+        """
+        if self._compressed is not None:
+            raise InputError(f"{self.description}: a compressed file cannot be read in parts")
+        return self._rows(self._span_records(span), unit)
+
+    def _span_records(self, span: tuple[int, int]) -> Iterator[_Record]:
+        start, end = span
+        path, loads = self.description, orjson.loads
+        with self._open() as file:
+            try:
+                if start > 0:  # a line that begins before the span is the span before's
+                    file.seek(start - 1)
+                    file.readline()
+                offset = file.tell()
+                while offset < end:
+                    block = file.readlines(_BLOCK_BYTES)
+                    if not block:
+                        return
+                    for line in block:
+                        if offset >= end:
+                            return
+                        at, offset = offset, offset + len(line)
+                        if at == 0:  # the file's first line: without a byte order mark
+                            line = line.removeprefix(_BOM)
+                        if not line.strip():
+                            continue
+                        where = f"{path} byte {at}"
+                        try:
+                            values = loads(line)
+                        except orjson.JSONDecodeError:
+                            values = None
+                        if type(values) is dict:
+                            yield at, where, values, None
+                        else:
+                            yield at, where, *_decoded(line, where)
+            except _unreadable() as exc:
+                raise InputError(f"cannot read {self.description}: {exc}") from exc
 
     def _hashes(self) -> array[int]:
         """A block at a time while each of its lines is an object with a valid id (the
