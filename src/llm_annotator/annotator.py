@@ -125,7 +125,8 @@ class VLLMQueueAnnotator(QueuePool):
     Raises:
         ConfigurationError: If no server is given, one is given twice, or a setting is
             out of range (a ``ValueError``).
-        TypeError: If one of ``clients`` is not a :class:`VLLMOnlineClient`.
+        TypeError: If one of ``clients`` lacks what the pool needs of a member (a
+            :class:`VLLMOnlineClient` has it all; see ``pool.backend.MemberClient``).
 
     Examples:
         >>> pool = VLLMQueueAnnotator(["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"])

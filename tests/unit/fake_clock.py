@@ -3,11 +3,11 @@
 :class:`FakeClock` implements the pool's ``Clock``: ``sleep`` and ``wait`` park the
 caller on a heap of deadlines, and a driver task jumps the time to the earliest one
 whenever the event loop has had a few turns with nothing else to do. Paired with
-:class:`ClockedClient` (a VLLMOnlineClient whose requests, health checks and model
-list take fake time and no network), a test of health intervals, backoff or the
-all-down deadline runs minutes of pool time in milliseconds. Time moves on only after
-the loop has had a few turns, so a test must not mix in real waits (threads, sockets):
-they would see fake time jump past them.
+:class:`ClockedClient` (a member's client, as the pool's ``MemberClient`` protocol
+asks, whose requests, health checks and model list take fake time and no network), a
+test of health intervals, backoff or the all-down deadline runs minutes of pool time
+in milliseconds. Time moves on only after the loop has had a few turns, so a test must
+not mix in real waits (threads, sockets): they would see fake time jump past them.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import json
 from collections.abc import Callable
 from typing import Any
 
-from llm_annotator import ErrorKind, ProviderError, Response, VLLMOnlineClient
+from llm_annotator import ErrorKind, ProviderError, Response
 from llm_annotator.clients.metrics import EngineLoad
+from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.errors import ReadTimeoutError, StatusError
 
 _IDLE_TURNS = 20
@@ -80,8 +82,11 @@ Answer = Callable[[str, float], "Response | ProviderError | None"]
 """``answer(prompt, now)``: the Response, an error, or None to keep the request open."""
 
 
-class ClockedClient(VLLMOnlineClient):
-    """A vLLM client without a network: it answers after ``latency`` fake seconds.
+class ClockedClient:
+    """A member's client without a network: it answers after ``latency`` fake seconds.
+
+    It implements the pool's ``MemberClient`` protocol and nothing more (the pool
+    accepts it as it accepts a ``VLLMOnlineClient``).
 
     Args:
         url: Its base URL (nothing listens there).
@@ -101,13 +106,25 @@ class ClockedClient(VLLMOnlineClient):
         answer: Answer | None = None,
         latency: float = 0.05,
     ) -> None:
-        super().__init__(model="fake", base_url=url, max_retries=0, on_error="ignore")
+        self.base_url = normalize_base_url(url)
+        self.model: str | None = "fake"
+        self.provider = "vllm_online"
         self.clock = clock
         self.healthy = healthy
         self.answer = answer or (lambda prompt, now: _text(prompt, url))
         self.latency = latency
         self.sent: list[float] = []
         """The fake time of every request."""
+
+    def encode_params(self, options: Any = None, gen_kwargs: dict[str, Any] | None = None) -> bytes:
+        payload = options.to_payload() if options is not None else {}
+        return json.dumps({**payload, **(gen_kwargs or {})}).encode()
+
+    def redact(self, error: ProviderError) -> ProviderError:
+        return error  # no API key to cut out
+
+    async def ais_healthy(self, timeout: float = 5.0) -> bool:
+        return await self.acheck_health(timeout) is None
 
     async def acheck_health(self, timeout: float = 5.0) -> ProviderError | None:
         if self.healthy(self.clock.now()):

@@ -686,12 +686,11 @@ def _how_many_processes(settings: dict[str, Any], corpus: bool) -> int:
             begun = read_corpus_record(Path(settings["output_dir"]))
             alone = begun is not None and begun.get("mode") != "claim"
         return 1 if alone else default_processes(len(settings["servers"] or []))
-    if asked > 1:
-        if shard not in ("", "claim") or settings["offline_model"]:
-            raise ConfigurationError(
-                "--processes: workers take a corpus's units by claims; leave out --shard "
-                "INDEX/COUNT and --offline-model"
-            )
+    if asked > 1 and (shard not in ("", "claim") or settings["offline_model"]):
+        raise ConfigurationError(
+            "--processes: workers take a corpus's units by claims; leave out --shard "
+            "INDEX/COUNT and --offline-model"
+        )
     return asked
 
 

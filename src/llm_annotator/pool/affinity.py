@@ -27,7 +27,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
-from llm_annotator.clients.metrics import EngineLoad
+from llm_annotator.pool.books import (
+    PrefixCacheBook as PrefixCacheBook,  # re-exported: it was defined here
+)
 
 LOAD_BOUND = 1.25
 """A home holds at most this much more than an even share of the queue."""
@@ -273,47 +275,6 @@ class _Single:
 
     def __init__(self, index: int) -> None:
         self.index = index
-
-
-class PrefixCacheBook:
-    """A member's prefix-cache counters, from the readings of its ``/metrics``: what
-    grew between them (a server that restarted counts from zero again)."""
-
-    __slots__ = ("hits", "last", "queries")
-
-    def __init__(self) -> None:
-        self.last: tuple[float, float] | None = None
-        self.queries = 0.0
-        self.hits = 0.0
-
-    def note(self, load: EngineLoad | None) -> None:
-        """Count a reading (None, or one without the counters, is skipped).
-
-        Examples:
-            >>> book = PrefixCacheBook()
-            >>> for queries, hits in [(100, 10), (300, 150), (50, 40)]:  # then a restart
-            ...     book.note(EngineLoad(0, 0, prefix_cache_queries=queries,
-            ...                          prefix_cache_hits=hits))
-            >>> book.counts()
-            {'prefix_cache_queries': 250, 'prefix_cache_hits': 180}
-        """
-        if load is None or load.prefix_cache_queries is None or load.prefix_cache_hits is None:
-            return
-        reading = (load.prefix_cache_queries, load.prefix_cache_hits)
-        if self.last is not None:
-            if reading[0] >= self.last[0] and reading[1] >= self.last[1]:
-                self.queries += reading[0] - self.last[0]
-                self.hits += reading[1] - self.last[1]
-            else:
-                self.queries += reading[0]
-                self.hits += reading[1]
-        self.last = reading
-
-    def counts(self) -> dict[str, int]:
-        """The counts for :class:`MemberStatistics` (none before the first reading)."""
-        if self.last is None:
-            return {}
-        return {"prefix_cache_queries": round(self.queries), "prefix_cache_hits": round(self.hits)}
 
 
 WorkQueue = FifoQueue | GroupQueue

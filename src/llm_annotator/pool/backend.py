@@ -1,14 +1,15 @@
 """What the pool needs of a member's client: the consumer's statement of its contract.
 
 :class:`~llm_annotator.clients.vllm_online_client.VLLMOnlineClient` is the one client
-the pool builds and accepts; this protocol names exactly what the pool calls on it, so a
+the pool builds; this protocol names exactly what the pool calls on it, and it is the
+only gate for a client given to the pool (:func:`lacks` says what one is missing). So a
 change inside the client that keeps these is safe for the pool, and a test's fake needs
 these and nothing else.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from llm_annotator._constants import HEALTH_TIMEOUT
 
@@ -19,8 +20,13 @@ if TYPE_CHECKING:
     from llm_annotator.response import Response
 
 
+@runtime_checkable
 class MemberClient(Protocol):
-    """One server's client, as a pool member uses it."""
+    """One server's client, as a pool member uses it.
+
+    ``isinstance(client, MemberClient)`` checks that ``client`` has every name below
+    (not their signatures: mypy checks those).
+    """
 
     base_url: str
     model: str | None
@@ -62,3 +68,29 @@ class MemberClient(Protocol):
     async def aclose(self) -> None:
         """Close the connections."""
         ...
+
+
+MEMBER_CLIENT_NAMES = tuple(
+    dict.fromkeys(
+        [
+            *MemberClient.__annotations__,
+            *(
+                name
+                for name, value in vars(MemberClient).items()
+                if callable(value) and not name.startswith("_")
+            ),
+        ]
+    )
+)
+"""The names :class:`MemberClient` lists (its attributes, then its methods)."""
+
+
+def lacks(client: object) -> list[str]:
+    """The names of :class:`MemberClient` that ``client`` does not have (none for a
+    client the pool can use).
+
+    Examples:
+        >>> len(MEMBER_CLIENT_NAMES), lacks(object())[:3]
+        (12, ['base_url', 'model', 'provider'])
+    """
+    return [name for name in MEMBER_CLIENT_NAMES if not hasattr(client, name)]

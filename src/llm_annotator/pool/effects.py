@@ -39,7 +39,7 @@ class Effects:
         # Counted as on the member at this eviction (its number is now incremented).
         if cause is not None and not self.note_eviction(run, member, cause):
             self.requeue(run, member, cause)
-        member.health.start_probation(self._state.clock.now(), self._state.config)
+        self.start_probation(member)
         poisoned = self._cancel_in_flight(run, member)
         log.warning(
             "member_evicted",
@@ -51,6 +51,16 @@ class Effects:
         if draining:
             self._state.forget(member)  # it was leaving; dead, it has nothing to finish
         run.notify()
+
+    def start_probation(self, member: Member) -> None:
+        """Hold an evicted member back from its next test completion for its probation
+        (see :meth:`~llm_annotator.pool.books.HealthBook.start_probation`)."""
+        config = self._state.config
+        member.health.start_probation(
+            self._state.clock.now(),
+            interval=config.health_check_interval,
+            all_down_timeout=config.all_down_timeout,
+        )
 
     def disable(self, run: Run, member: Member, reason: str) -> None:
         """Take a member out for good: its settings (key, TLS, model, URL) are wrong."""
@@ -116,7 +126,7 @@ class Effects:
         )
         if run.store(index, response):
             member.errors += 1
-            member.last_error = str(error)
+            member.note_error(str(error))
 
     # -- the end of a pool with no server left -----------------------------------------
 

@@ -3,100 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
 from llm_annotator import _constants as default
 from llm_annotator.errors import ErrorKind, PoolExhaustedError, ProviderError, ServersUnusableError
+from llm_annotator.pool.books import SERVED_WELL as SERVED_WELL  # re-exported: it was defined here
+from llm_annotator.pool.books import HealthBook as HealthBook  # re-exported: it was defined here
+from llm_annotator.pool.books import probation as probation  # re-exported: it was defined here
+from llm_annotator.pool.discovery import PoolLike
+from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.lifecycle import MemberState
+from llm_annotator.pool.member import Member
 from llm_annotator.pool.policy import CONFIGURATION_KINDS
-
-if TYPE_CHECKING:  # the member holds a HealthBook: these import the member
-    from llm_annotator.pool.config import PoolConfig
-    from llm_annotator.pool.discovery import PoolLike
-    from llm_annotator.pool.effects import Effects
-    from llm_annotator.pool.member import Member
-    from llm_annotator.pool.run import Run
-    from llm_annotator.pool.state import PoolState
+from llm_annotator.pool.run import Run
+from llm_annotator.pool.state import PoolState
 
 log = structlog.get_logger(__name__)
 
 CANARY_MESSAGES = [{"role": "user", "content": "Say OK."}]
 """The test completion an evicted member must answer before it takes work again."""
-SERVED_WELL = 20
-"""Good answers after an admission that clear a member's record of evictions in a row."""
-
-
-def probation(evictions: int, failed_canaries: int, interval: float, cap: float) -> float:
-    """Seconds an evicted member waits before its next test completion: the probe
-    interval, doubled for every eviction after the first and every failed test.
-
-    Examples:
-        >>> [probation(n, 0, 3.0, 300.0) for n in (1, 2, 3)]
-        [3.0, 6.0, 12.0]
-        >>> probation(2, 10, 3.0, 300.0)
-        300.0
-    """
-    exponent = max(evictions - 1, 0) + failed_canaries
-    if exponent > 60:
-        return cap
-    return min(cap, interval * math.pow(2.0, exponent))
-
-
-@dataclass(slots=True)
-class HealthBook:
-    """What the health checks know of one member, as ``member.health``: its probes,
-    its probation and how it served since it was last admitted.
-
-    The member's transitions reset it (:meth:`admitted`, :meth:`evicted`); the
-    :class:`HealthMonitor` counts probes and failed test completions.
-    """
-
-    failed_probes: int = 0
-    """Health checks of a HEALTHY member failed in a row."""
-    was_down: bool = False
-    """It was down when it joined (its first admission is then a rejoin)."""
-    eviction_streak: int = 0
-    """Evictions since it last served well (probation doubles with it)."""
-    served_since_admit: int = 0
-    """Good answers since it was last admitted."""
-    probation_until: float = 0.0
-    """An evicted member gets its next test completion no sooner than this."""
-    failed_canaries: int = 0
-    """Test completions it failed since it was last admitted."""
-
-    def probe(self, healthy: bool) -> int:
-        """Count a probe of a HEALTHY member; the failed probes in a row so far."""
-        self.failed_probes = 0 if healthy else self.failed_probes + 1
-        return self.failed_probes
-
-    def served(self) -> None:
-        """A good answer: after :data:`SERVED_WELL` of them since it was admitted, its
-        evictions count afresh."""
-        self.served_since_admit += 1
-        if self.served_since_admit == SERVED_WELL:
-            self.eviction_streak = 0
-
-    def admitted(self) -> None:
-        self.failed_probes = self.failed_canaries = self.served_since_admit = 0
-        self.was_down = False
-
-    def evicted(self) -> None:
-        self.eviction_streak += 1
-        self.failed_probes = 0
-
-    def start_probation(self, now: float, config: PoolConfig) -> None:
-        """Wait before its next test completion: doubling with evictions in a row (a
-        member that served well since counts afresh) and failed tests, and at most a
-        quarter of ``all_down_timeout``, so a pool is never given up on while a member
-        that healed still waits out its probation."""
-        cap = min(default.MAX_PROBATION, config.all_down_timeout / 4)
-        interval = config.health_check_interval
-        wait = probation(self.eviction_streak, self.failed_canaries, interval, max(cap, interval))
-        self.probation_until = now + wait
 
 
 class HealthMonitor:
@@ -130,7 +56,7 @@ class HealthMonitor:
                 self._effects.disable(run, member, f"GET /health: {problem}")
                 return
             if problem is not None and not member.last_error:
-                member.last_error = f"GET /health: {problem}"
+                member.note_error(f"GET /health: {problem}")
             if member.evictions == evictions:  # else the answer predates the eviction
                 await self._after_probe(run, member, problem is None)
             pause = self._state.config.health_check_interval - (self._state.clock.now() - started)
@@ -163,7 +89,7 @@ class HealthMonitor:
         try:
             models = await member.client.alist_models()
         except ProviderError as exc:
-            member.last_error = str(exc)
+            member.note_error(str(exc))
             if exc.kind in CONFIGURATION_KINDS:
                 self._effects.disable(run, member, f"GET /v1/models: {exc}")
             return
@@ -187,9 +113,9 @@ class HealthMonitor:
             if member.state not in (MemberState.JOINING, MemberState.EVICTED):
                 return  # disabled or drained meanwhile
             if problem is not None:
-                member.health.failed_canaries += 1
-                member.last_error = f"test completion failed: {problem}"
-                member.health.start_probation(self._state.clock.now(), self._state.config)
+                member.health.canary_failed()
+                member.note_error(f"test completion failed: {problem}")
+                self._effects.start_probation(member)
                 log.info("canary_failed", server=member.url, reason=str(problem))
                 if problem.kind in CONFIGURATION_KINDS:
                     self._effects.disable(run, member, f"test completion: {problem}")

@@ -1,7 +1,7 @@
 """A member's life as data: its states and the transitions between them.
 
-Its own module so that the books each concern keeps on a member (``stall``, ``window``,
-``health``, ``policy``) can name a member's state without importing the member.
+Its own module, a leaf of the pool: the job layer names a member's state
+(``llm_annotator.pool.MemberState``) without loading the member.
 """
 
 from __future__ import annotations

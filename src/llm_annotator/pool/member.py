@@ -6,17 +6,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from llm_annotator.pool.affinity import PrefixCacheBook
-from llm_annotator.pool.health import HealthBook
+from llm_annotator.pool.backend import MemberClient
+from llm_annotator.pool.books import FaultBook, HealthBook, PrefixCacheBook, StallBook, WindowBook
 from llm_annotator.pool.lifecycle import NEXT, MemberState
-from llm_annotator.pool.policy import FaultBook
-from llm_annotator.pool.stall import StallBook
-from llm_annotator.pool.window import WindowBook
-
-if TYPE_CHECKING:
-    from llm_annotator.pool.backend import MemberClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +115,9 @@ class Member:
         self.in_flight: dict[asyncio.Task[Any], int] = {}
         self.suspects: set[int] = set()
         """Samples whose request failed here and that wait for a health check."""
-        # What each concern keeps of this member, in a book its own module defines and
-        # writes: the member's transitions only start a book afresh.
+        # What each concern keeps of this member, in a book (``pool.books``) that the
+        # concern's module writes through the book's methods: the member's transitions
+        # only start a book afresh.
         self.stall = StallBook()
         """Its timing, for stall detection (``pool.stall``)."""
         self.window = WindowBook()
@@ -130,7 +125,8 @@ class Member:
         self.health = HealthBook()
         """Its probes and probation (``pool.health``)."""
         self.faults = FaultBook()
-        """Its server faults and overloads in a row (``pool.policy``)."""
+        """Its server faults and overloads in a row (``pool.settle``, by the rules of
+        ``pool.policy``)."""
         self.completed = 0
         self.errors = 0
         self.evictions = 0
@@ -138,7 +134,9 @@ class Member:
         self.requeued = 0
         self.hedged = 0
         self.last_error: str | None = None
+        """The last failure it caused, or None; written only by :meth:`note_error`."""
         self.prefix_cache = PrefixCacheBook()
+        """Its server's prefix-cache counters (read by the calls, ``pool.calls``)."""
         self.on_move: Callable[[Member, MemberState], None] | None = None
         """Called with the member and its state before, after each change of state."""
 
@@ -166,7 +164,7 @@ class Member:
         rejoined = self.health.was_down or self.evictions > 0
         self.health.admitted()
         self.faults.admitted()
-        self.stall.progress_read = False
+        self.stall.admitted()
         if rejoined:
             self.readmissions += 1
             self.window.pace.reset()  # a restarted server may be another GPU
@@ -177,8 +175,9 @@ class Member:
         """JOINING -> EVICTED: down from the start; probed until it answers."""
         if self.state is not MemberState.JOINING:
             raise RuntimeError(f"member {self.url}: mark_down from {self.state.value}")
-        self.last_error = self.last_error or reason
-        self.health.was_down = True
+        if not self.last_error:
+            self.note_error(reason)
+        self.health.marked_down()
         self._move(MemberState.EVICTED)
         return True
 
@@ -188,24 +187,32 @@ class Member:
             return False
         self.evictions += 1
         self.health.evicted()
-        self.last_error = reason
+        self.note_error(reason)
         self._move(MemberState.EVICTED)  # last: its watchers see the counts and reason
         return True
 
     def disable(self, reason: str) -> bool:
         """-> DISABLED, for good: its settings (key, TLS, model, URL) are wrong."""
-        self.last_error = reason
+        self.note_error(reason)
         return self._move(MemberState.DISABLED)
 
     def drain(self) -> bool:
         """-> DRAINING: it is being removed; it finishes what it holds."""
         return self._move(MemberState.DRAINING)
 
+    # -- what the member is told ---------------------------------------------------------
+
+    def note_error(self, reason: str) -> None:
+        """Record ``reason`` as the last failure it caused: what its statistics show and
+        its watchers are told when it is evicted or disabled (the one writer of
+        ``last_error``)."""
+        self.last_error = reason
+
     # -- what the member alone can tell its books ---------------------------------------
 
     def note_answer(self) -> None:
         """A good answer: the streaks of overloads and server faults end; after
-        :data:`~llm_annotator.pool.health.SERVED_WELL` of them since it was admitted,
+        :data:`~llm_annotator.pool.books.SERVED_WELL` of them since it was admitted,
         its evictions count afresh."""
         self.health.served()
         self.faults.answered()

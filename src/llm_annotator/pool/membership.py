@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable
 import structlog
 
 from llm_annotator.clients.urls import normalize_base_url
-from llm_annotator.clients.vllm_online_client import VLLMOnlineClient
 from llm_annotator.errors import ConfigurationError
+from llm_annotator.pool.backend import MemberClient, lacks
 from llm_annotator.pool.dispatch import Dispatcher
 from llm_annotator.pool.member import Member
 from llm_annotator.pool.state import PoolState
@@ -33,23 +33,28 @@ class Membership:
         self._state = state
         self._dispatcher = dispatcher
 
-    def populate(self, base_urls: Iterable[str], clients: Iterable[VLLMOnlineClient]) -> None:
+    def populate(self, base_urls: Iterable[str], clients: Iterable[object]) -> None:
         """The pool's first members: ``base_urls``, ``clients``, and what its discovery
         lists now.
 
         Raises:
             ConfigurationError: If there is no server and no discovery, or a server is
                 given twice.
-            TypeError: If one of ``clients`` is not a :class:`VLLMOnlineClient`.
+            TypeError: If one of ``clients`` lacks what the pool calls on a member's
+                client (:class:`~llm_annotator.pool.backend.MemberClient`; a
+                :class:`~llm_annotator.clients.vllm_online_client.VLLMOnlineClient` has
+                it).
         """
         state = self._state
         for url in base_urls:
             state.add(Member(state.new_client(url)))
         for client in clients:
-            if not isinstance(client, VLLMOnlineClient):
+            if not isinstance(client, MemberClient):
+                missing = lacks(client)
                 raise TypeError(
-                    "clients must be VLLMOnlineClient instances (the pool needs their "
-                    f"health checks and metrics), got {type(client).__name__}"
+                    "clients must offer what a VLLMOnlineClient offers the pool (its health "
+                    f"checks and metrics), got {type(client).__name__}"
+                    + (f", which lacks {', '.join(missing)}" if missing else "")
                 )
             state.add(Member(client))
         unknown = [url for url in state.new_client.api_keys if url not in state.members]

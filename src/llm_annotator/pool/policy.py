@@ -2,16 +2,15 @@
 
 Pure functions: the failure taxonomy and the pool's thresholds, decided from numbers the
 pool hands in, tested with tables. The pool does the I/O; what a member's failures count
-up to is kept in its :class:`FaultBook`.
+up to is kept in its :class:`~llm_annotator.pool.books.FaultBook`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum
 
 from llm_annotator.errors import ErrorKind
+from llm_annotator.pool.books import FaultBook as FaultBook  # re-exported: it was defined here
 
 
 class Action(Enum):
@@ -147,64 +146,3 @@ def gives_up_on_sample(faults: int, max_resends: int, *, pool_answered_since: bo
         False
     """
     return faults > max_resends and pool_answered_since
-
-
-@dataclass(slots=True)
-class FaultBook:
-    """One member's failures in a row, as ``member.faults``: the server faults the
-    rules above count towards an eviction, and the overloads it backs off from.
-
-    The settler (``pool.settle``) writes it as it carries out the failure rules; a good
-    answer ends both streaks, and an admission ends them and the back-off (a dropped
-    connection counted before still is: the next one counts only if sent after it).
-    """
-
-    fault_streak: int = 0
-    """Answers in a row that were the server's fault (garbage, 5xx, cut off, hung)."""
-    fault_samples: list[int] = field(default_factory=list)
-    """The samples of that streak: they were on the member when it broke."""
-    overload_streak: int = 0
-    """Overloaded answers in a row."""
-    backoff_until: float = 0.0
-    """It takes no work before this (it said it was overloaded)."""
-    drop_counted_at: float = float("-inf")
-    """When a dropped connection was last counted as its fault."""
-
-    def note_fault(self, index: int = -1) -> int:
-        """An answer to sample ``index`` that was the server's fault; how many in a row.
-
-        The streak counts samples, not answers: a sample that fails again on its retry
-        is as much evidence against the sample as against the server, so it counts
-        once (a test completion settles which it is; see ``Effect.PROVE``).
-        """
-        if index < 0 or index not in self.fault_samples:
-            self.fault_streak += 1
-            self.fault_samples.append(index)
-        return self.fault_streak
-
-    def streak_with(self, index: int) -> int:
-        """The fault streak if sample ``index`` failed here now (see :meth:`note_fault`)."""
-        known = index >= 0 and index in self.fault_samples
-        return self.fault_streak + (0 if known else 1)
-
-    def end_streak(self) -> None:
-        """The streak of server faults ends (a good answer, or a test completion)."""
-        self.fault_streak = 0
-        self.fault_samples.clear()
-
-    def back_off(self, now: float, delay_for: Callable[[int], float]) -> float:
-        """An overloaded answer: the moment the member may take work again."""
-        self.overload_streak += 1
-        self.backoff_until = now + delay_for(self.overload_streak - 1)
-        return self.backoff_until
-
-    def answered(self) -> None:
-        """A good answer: the streaks of overloads and server faults end."""
-        self.overload_streak = 0
-        if self.fault_streak:
-            self.end_streak()
-
-    def admitted(self) -> None:
-        self.backoff_until = 0.0
-        self.overload_streak = 0
-        self.end_streak()

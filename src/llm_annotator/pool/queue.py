@@ -20,8 +20,9 @@ import structlog
 from llm_annotator import _constants as default
 from llm_annotator.clients.base import Client, Messages
 from llm_annotator.clients.tls import Verify
-from llm_annotator.clients.vllm_online_client import VLLMOnlineClient, VLLMOnlineRuntimeOptions
+from llm_annotator.clients.vllm_online_client import VLLMOnlineRuntimeOptions
 from llm_annotator.errors import ConfigurationError
+from llm_annotator.pool.backend import MemberClient
 from llm_annotator.pool.calls import Calls
 from llm_annotator.pool.clock import SYSTEM_CLOCK, Clock
 from llm_annotator.pool.config import FromConfig, PoolConfig
@@ -86,7 +87,7 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
         self,
         base_urls: Sequence[str] | None = None,
         *,
-        clients: Sequence[VLLMOnlineClient] | None = None,
+        clients: Sequence[MemberClient] | None = None,
         model: str | None = None,
         batch_size: int = default.BATCH_SIZE,
         max_concurrent_batches_per_client: int = default.MAX_CONCURRENT_BATCHES,

@@ -133,7 +133,7 @@ class Settler:
     # -- the steps, one each -------------------------------------------------------------
 
     def _blame(self, failed: _Failed) -> None:
-        failed.member.last_error = str(failed.error)
+        failed.member.note_error(str(failed.error))
 
     def _requeue(self, failed: _Failed) -> None:
         self._effects.requeue(failed.run, failed.member, failed.sample)
@@ -150,7 +150,7 @@ class Settler:
     def _back_off(self, failed: _Failed) -> None:
         member = failed.member
         member.faults.back_off(self._state.clock.now(), retry_delay)
-        member.last_error = failed.reason
+        member.note_error(failed.reason)
         sample = failed.run.open.get(failed.sample)
         if sample is not None:
             sample.overloads += 1
@@ -186,7 +186,7 @@ class Settler:
         self._effects.note_eviction_or_requeue(failed.run, failed.member, failed.sample)
 
     def _count_drop(self, failed: _Failed) -> None:
-        failed.member.faults.drop_counted_at = self._state.clock.now()
+        failed.member.faults.count_drop(self._state.clock.now())
 
     def _count_retry(self, failed: _Failed) -> None:
         sample = failed.run.open.get(failed.sample)

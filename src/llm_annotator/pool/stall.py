@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
 from llm_annotator import _constants as default
+from llm_annotator.pool.books import StallBook as StallBook  # re-exported: it was defined here
+from llm_annotator.pool.effects import Effects
 from llm_annotator.pool.lifecycle import MemberState
-
-if TYPE_CHECKING:  # the member holds a StallBook: these import the member
-    from llm_annotator.pool.effects import Effects
-    from llm_annotator.pool.member import Member
-    from llm_annotator.pool.run import Run
-    from llm_annotator.pool.state import PoolState
+from llm_annotator.pool.member import Member
+from llm_annotator.pool.run import Run
+from llm_annotator.pool.state import PoolState
 
 log = structlog.get_logger(__name__)
 
@@ -88,60 +85,6 @@ def hung(
     return timing_decides
 
 
-@dataclass(slots=True)
-class StallBook:
-    """What stall detection knows of one member's timing, as ``member.stall``.
-
-    The member writes the times through :meth:`~llm_annotator.pool.member.Member.note_sent`
-    and :meth:`~llm_annotator.pool.member.Member.note_arrival` (it knows whether it holds
-    requests), and forgets the last progress read when it is admitted;
-    :class:`StallWatch` writes the progress reads and ``watch_from``. Nothing else
-    writes it.
-    """
-
-    busy_since: float = 0.0
-    """When the member last went from holding no request to holding some."""
-    last_answer_at: float = 0.0
-    """When it last answered anything (a success or an error of any kind)."""
-    longest_gap: float | None = None
-    """The longest it went without an answer while holding requests, this call."""
-    progress_read: bool = False
-    """Whether its engine's progress was read since it went quiet."""
-    progress_seen: float | None = None
-    """Its engine's progress counters at that read (None: unreadable)."""
-    watch_from: float = 0.0
-    """The hung-check looks at quiet time from here (moved on when a check found the
-    engine busy)."""
-
-    def sent(self, now: float, *, was_idle: bool) -> None:
-        """Requests are about to be sent; a member that held none is busy from ``now``."""
-        if was_idle:
-            self.busy_since = now
-            self.progress_read = False
-
-    def arrived(self, now: float) -> None:
-        """An answer of any kind arrived at ``now``."""
-        gap = now - max(self.busy_since, self.last_answer_at)
-        if self.longest_gap is None or gap > self.longest_gap:
-            self.longest_gap = gap
-        self.last_answer_at = now
-        self.progress_read = False
-
-    def quiet_for(self, now: float) -> float:
-        """Seconds since it was last busy, answered or was found working."""
-        return now - max(self.busy_since, self.last_answer_at, self.watch_from)
-
-    def epoch(self) -> tuple[float, float, float]:
-        """What changes when it answers or goes busy (a read compares it before and after)."""
-        return (self.busy_since, self.last_answer_at, self.watch_from)
-
-    def new_call(self) -> None:
-        """A call starts: its timing in earlier calls no longer counts."""
-        self.longest_gap = None
-        self.busy_since = self.last_answer_at = self.watch_from = 0.0
-        self.progress_read = False
-
-
 class StallWatch:
     """Evicts a member that has held requests without an answer for its stall window,
     unless its engine's own counters on ``/metrics`` show it working."""
@@ -189,15 +132,14 @@ class StallWatch:
         if not member.in_flight or member.state is not MemberState.HEALTHY:
             return
         if not book.progress_read:
-            book.progress_read, book.progress_seen = True, progress
+            book.read_progress(progress)
             return
         before = book.progress_seen
         if (before is None) != (progress is None):
             # One of the two reads failed (a busy server may be slow to render its
             # metrics): take this one as the new baseline and look again, rather than
             # letting a single failed read evict a working server.
-            book.progress_seen = progress
-            book.watch_from = self._state.clock.now() - window / 2
+            book.rebase(progress, watch_from=self._state.clock.now() - window / 2)
             return
         quiet = member.quiet_for(self._state.clock.now())
         verdict = hung(
@@ -217,8 +159,7 @@ class StallWatch:
                 in_flight=len(member.in_flight),
                 engine_progress=progress,
             )
-            book.watch_from = self._state.clock.now()  # watch it again from now
-            book.progress_read = False
+            book.watch_again(self._state.clock.now())
             return
         metrics = (
             "its engine's counters on /metrics stood still"

@@ -16,19 +16,15 @@ cannot be read gets the full window. The decision is a pure function, tested as 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import structlog
 
 from llm_annotator.clients.metrics import EngineLoad
+from llm_annotator.pool.books import WindowBook as WindowBook  # re-exported: it was defined here
 from llm_annotator.pool.lifecycle import MemberState
-from llm_annotator.pool.tail import Pace
-
-if TYPE_CHECKING:  # the member holds a WindowBook: these import the member
-    from llm_annotator.pool.member import Member
-    from llm_annotator.pool.run import Run
-    from llm_annotator.pool.state import PoolState
+from llm_annotator.pool.member import Member
+from llm_annotator.pool.run import Run
+from llm_annotator.pool.state import PoolState
 
 log = structlog.get_logger(__name__)
 
@@ -50,27 +46,6 @@ client takes a while to send more, and at the end of a call its queue is done in
 about this long."""
 PREEMPTED_SHARE = 0.9
 """After preemptions, the window shrinks to this share of what the server ran."""
-
-
-@dataclass(slots=True)
-class WindowBook:
-    """How much one member may hold, and how fast it answers, as ``member.window``.
-
-    :class:`WindowTuner` writes ``size`` and ``started_at``; the dispatcher notes each
-    good answer in ``pace`` (see :mod:`llm_annotator.pool.tail`), which the member
-    starts afresh on a new call or a rejoin.
-    """
-
-    size: int = 0
-    """The most requests it may hold now (set for each call)."""
-    started_at: int = 0
-    """Its evictions when its window was last started (a rejoin starts it again)."""
-    pace: Pace = field(default_factory=Pace)
-    """Its good answers a second this call."""
-
-    def room(self, holding: int) -> int:
-        """Requests it may take on top of the ``holding`` it has."""
-        return self.size - holding
 
 
 def waiting_target(running: float, rate: float = 0.0) -> int:
@@ -150,8 +125,7 @@ class WindowTuner:
         the whole window, so that at the start of a call every server gets its first
         requests at once instead of behind thousands of others."""
         adaptive = self._state.config.adaptive
-        member.window.size = min(START_WINDOW, self.ceiling)
-        member.window.started_at = member.evictions
+        member.window.start(min(START_WINDOW, self.ceiling), evictions=member.evictions)
         self._grow_to = 0 if adaptive else self.ceiling
 
     def restart_if_back(self, member: Member) -> None:
@@ -168,8 +142,7 @@ class WindowTuner:
         book = member.window
         if book.size >= self._grow_to:
             return False
-        book.size += 1
-        return book.size % WAKE_STEP == 0
+        return book.grow() % WAKE_STEP == 0
 
     async def watch(self, run: Run, member: Member) -> None:
         """Tune the member's window until the call ends or the member leaves."""
@@ -200,14 +173,15 @@ class WindowTuner:
                 preempted = preemptions is not None and load.preemptions > preemptions
                 preemptions = load.preemptions
             book = member.window
-            was = book.size
-            book.size = next_window(
-                was,
-                load,
-                holding=len(member.in_flight),
-                preempted=preempted,
-                ceiling=self.ceiling,
-                rate=rate,
+            was = book.resize(
+                next_window(
+                    book.size,
+                    load,
+                    holding=len(member.in_flight),
+                    preempted=preempted,
+                    ceiling=self.ceiling,
+                    rate=rate,
+                )
             )
             if book.size != was:
                 log.debug(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
@@ -87,11 +88,11 @@ def test_a_fault_streak_counts_samples_not_answers() -> None:
     assert (faults.fault_streak, faults.fault_samples, faults.streak_with(5)) == (0, [], 1)
 
 
-def test_a_member_keeps_each_concern_in_a_book_that_concern_defines() -> None:
+def test_a_member_keeps_each_concern_in_a_book_of_the_books_module() -> None:
     """A member holds its identity, its state, what it holds and its public counters;
     what stall detection, the window, the health checks, the failure rules and the
-    prefix cache count of it lives in one book each, defined (and written) by that
-    concern's module."""
+    prefix cache count of it lives in one book each, defined in the leaf
+    ``pool.books`` and still importable from the concern's module that writes it."""
     member = member_in(S.JOINING)
     books = {
         "stall": "llm_annotator.pool.stall",
@@ -101,7 +102,9 @@ def test_a_member_keeps_each_concern_in_a_book_that_concern_defines() -> None:
         "prefix_cache": "llm_annotator.pool.affinity",
     }
     for name, module in books.items():
-        assert type(getattr(member, name)).__module__ == module
+        book = type(getattr(member, name))
+        assert book.__module__ == "llm_annotator.pool.books"
+        assert getattr(importlib.import_module(module), book.__name__) is book
     fields = set(vars(member))
     assert fields - set(books) == {
         *("client", "url", "state", "in_flight", "suspects", "on_move", "last_error"),
