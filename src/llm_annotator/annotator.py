@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, Any, Unpack
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
-from llm_annotator import _constants as default
 from llm_annotator.pool.queue import QueuePool
 
 if TYPE_CHECKING:
-    from llm_annotator.jobs.annotate import AnnotationResult, Annotator, JobArgs
+    from llm_annotator.jobs.annotate import AnnotationResult, Annotator
+    from llm_annotator.jobs.spec import JobArgs, PoolJobArgs
 
 
 class VLLMQueueAnnotator(QueuePool):
@@ -140,22 +141,18 @@ class VLLMQueueAnnotator(QueuePool):
         data: Any,
         prompt_template: str,
         output_dir: str | os.PathLike[str],
-        *,
-        progress: bool | None = None,
-        stop_grace: float = default.STOP_GRACE,
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        timeline: bool = True,
-        **job: Unpack[JobArgs],
+        **settings: Unpack[PoolJobArgs],
     ) -> AnnotationResult:
         """Annotate a dataset over the pool into ``output_dir``, resumably.
 
-        The same as ``Annotator(pool, progress=..., stop_grace=..., metrics_port=...,
-        metrics_host=..., timeline=...).annotate(...)``;
-        see :meth:`llm_annotator.Annotator.annotate` for every argument (the keywords
-        of :class:`~llm_annotator.jobs.annotate.JobArgs`).
+        The same as ``Annotator(pool, progress=..., ...).annotate(data, ...)``: the
+        keywords of :class:`~llm_annotator.jobs.spec.AnnotatorArgs` (``progress``,
+        ``stop_grace``, ``flush_interval``, ``sync_interval``, ``metrics_port``,
+        ``metrics_host``, ``timeline``) make the :class:`~llm_annotator.Annotator`, with
+        its defaults; the others are the job options, each forwarded to
+        :meth:`llm_annotator.Annotator.annotate` (see there for every one).
         """
-        runner = self._runner(progress, stop_grace, metrics_port, metrics_host, timeline)
+        runner, job = self._runner(settings)
         return runner.annotate(data, prompt_template, output_dir, **job)
 
     async def aannotate(
@@ -164,34 +161,20 @@ class VLLMQueueAnnotator(QueuePool):
         prompt_template: str,
         output_dir: str | os.PathLike[str],
         *,
-        progress: bool | None = None,
-        stop_grace: float = default.STOP_GRACE,
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        timeline: bool = True,
         stop: asyncio.Event | None = None,
-        **job: Unpack[JobArgs],
+        **settings: Unpack[PoolJobArgs],
     ) -> AnnotationResult:
         """Async twin of :meth:`annotate`; set ``stop`` for a clean stop."""
-        runner = self._runner(progress, stop_grace, metrics_port, metrics_host, timeline)
+        runner, job = self._runner(settings)
         return await runner.aannotate(data, prompt_template, output_dir, stop=stop, **job)
 
-    def _runner(
-        self,
-        progress: bool | None,
-        stop_grace: float,
-        metrics_port: int | None,
-        metrics_host: str,
-        timeline: bool,
-    ) -> Annotator:
+    def _runner(self, settings: Mapping[str, Any]) -> tuple[Annotator, JobArgs]:
+        """The Annotator that the Annotator's settings among ``settings`` make, and the
+        job options (the rest, which the job checks)."""
         # Imported here: making a pool loads no job layer (Arrow, NumPy).
         from llm_annotator.jobs.annotate import Annotator
+        from llm_annotator.jobs.spec import ANNOTATOR_ARGS
 
-        return Annotator(
-            self,
-            progress=progress,
-            stop_grace=stop_grace,
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-            timeline=timeline,
-        )
+        made = {name: value for name, value in settings.items() if name in ANNOTATOR_ARGS}
+        job = {name: value for name, value in settings.items() if name not in ANNOTATOR_ARGS}
+        return Annotator(self, **made), cast("JobArgs", job)

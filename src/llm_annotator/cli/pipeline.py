@@ -28,19 +28,21 @@ the pipeline's), the value read as TOML (a bare word as a string).
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_annotator.errors import (
-    ConfigurationError,
-    PoolExhaustedError,
-    RunInterruptedError,
-    ServersUnusableError,
+from llm_annotator._job_options import JOB_OPTIONS, STEP_OPTIONS
+from llm_annotator.cli.settings import (
+    ENDINGS,
+    converted,
+    exit_code,
+    job_keywords,
+    load_validator,
+    pool_from,
 )
+from llm_annotator.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from llm_annotator.clients.base import Client
@@ -62,17 +64,14 @@ STEP_KEYS = (
 PIPELINE_ONLY = ("output_dir", "log_format", "log_file", "stop_grace")
 """Settings of the whole pipeline, not of one step."""
 NOT_IN_PIPELINE = (
-    "shard",
+    *(o.setting for o in JOB_OPTIONS if not o.in_step and o.setting is not None),
     "processes",
-    "claim_lease",
-    "unit_size",
-    "limit",
-    "shuffle_seed",
     "metrics_port",
     "metrics_host",
-    "force",
 )
-"""Settings of ``run`` a pipeline does not take (its steps run in this process, whole)."""
+"""Settings of ``run`` a pipeline does not take (its steps run in this process, whole):
+the job options a step does not take (``force`` is ``pipeline run --force``), and the
+process's own."""
 _CLIENT_SETTINGS = (
     "servers",
     "servers_file",
@@ -166,33 +165,9 @@ def pipeline_run(args: argparse.Namespace) -> int:
             stop_grace=loaded.stop_grace,
             progress=progress_display(args),
         )
-    except RunInterruptedError as stopped:
-        print(f"llm-annotator pipeline: {stopped}", file=sys.stderr, flush=True)
-        return 128 + (stopped.signum or int(signal.SIGINT))
-    except KeyboardInterrupt:  # between steps' jobs (writing a step's rows, say)
-        print(
-            f"llm-annotator pipeline: stopped by SIGINT; what is done is kept in "
-            f"{pipeline.output_dir}. Run the same command again to resume.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 128 + int(signal.SIGINT)
-    except ServersUnusableError as unusable:
-        print(
-            f"llm-annotator pipeline: error: {unusable}\nFix the settings named above and run "
-            "the same command again; the steps done are kept.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    except PoolExhaustedError as exhausted:
-        print(
-            f"llm-annotator pipeline: {exhausted}\nEverything completed is written in "
-            f"{pipeline.output_dir}; run the same command again to resume.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 3
+    except (*ENDINGS, KeyboardInterrupt) as error:  # KeyboardInterrupt: between steps' jobs
+        kept = "the steps done are kept"
+        return exit_code(error, command="pipeline", output_dir=pipeline.output_dir, kept=kept)
     finally:
         for client in clients.values():
             client.close()
@@ -253,7 +228,7 @@ def load_pipeline(path: Path, overrides: list[str] | None = None) -> Loaded:
             steps read each other in a cycle, or an override names no step.
     """
     from llm_annotator.cli._offline import SERVER_SETTINGS
-    from llm_annotator.cli.run import _SETTINGS
+    from llm_annotator.cli.run import SETTINGS
 
     try:
         table = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -270,11 +245,11 @@ def load_pipeline(path: Path, overrides: list[str] | None = None) -> Loaded:
         if not isinstance(step, dict):
             raise ConfigurationError(f"{path}: steps.{name} must be a table ([steps.{name}])")
     _apply_overrides(path, table, steps, overrides or [])
-    known = {s.flag: s for s in _SETTINGS}
+    known = {s.flag: s for s in SETTINGS}
     top = _checked(path, "", table, known, allowed_extra=(*PIPELINE_ONLY, "input"))
     if "output_dir" not in top:
         raise ConfigurationError(f"{path}: give output_dir, the pipeline's directory")
-    defaults = {s.flag: s.default for s in _SETTINGS}
+    defaults = {s.flag: s.default for s in SETTINGS}
     group_settings = {
         name: _checked(path, f"server_groups.{name}", dict(group), known, only=_CLIENT_SETTINGS)
         for name, group in groups.items()
@@ -361,8 +336,6 @@ def _checked(
 ) -> dict[str, Any]:
     """A table's settings, each converted as ``run`` converts it; an unknown key, or
     one this table does not take, is refused by name."""
-    from llm_annotator.cli.run import converted
-
     prefix = f"{where}." if where else ""
     out: dict[str, Any] = {}
     for key, value in table.items():
@@ -406,7 +379,6 @@ def _step(
     client: str,
 ) -> Any:
     """The :class:`Step` of one table."""
-    from llm_annotator.cli.run import load_validator, options_from
     from llm_annotator.pipeline import Step
 
     prompts = special.get("prompts")
@@ -444,16 +416,7 @@ def _step(
             copies=special.get("copies", 1),
             n=special.get("n", 1),
             servers=client,
-            system_message=settings["system_message"],
-            id_column=settings["id_column"],
-            options=options_from(settings),
-            columns=settings["columns"],
-            validate=load_validator(settings["validate"]) if settings["validate"] else None,
-            max_regenerations=settings["max_regenerations"],
-            retry_errors=settings["retry_errors"],
-            group_by=settings["group_by"],
-            skip_bad_files=settings["skip_bad_files"],
-            write_jsonl=settings["jsonl"],
+            **job_keywords(settings, STEP_OPTIONS),
             **hooks,
         )
     except ConfigurationError as error:
@@ -463,10 +426,10 @@ def _step(
 def _client(settings: dict[str, Any]) -> Client[Any]:
     """The client one group of steps shares: servers, or the model in this process."""
     from llm_annotator.cli._offline import check_offline_settings, offline_client
-    from llm_annotator.cli.run import _SETTINGS, _pool
+    from llm_annotator.cli.run import SETTINGS
 
     settings = {k: v for k, v in settings.items() if k != "_key"}
-    check_offline_settings(settings, {s.flag: s.default for s in _SETTINGS})
+    check_offline_settings(settings, {s.flag: s.default for s in SETTINGS})
     if settings["offline_model"]:
         return offline_client(settings)
-    return _pool(settings)
+    return pool_from(settings)

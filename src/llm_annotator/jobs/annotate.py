@@ -69,7 +69,7 @@ from llm_annotator.jobs.rundir.store import (
 )
 from llm_annotator.jobs.shards.merge import merge_if_complete
 from llm_annotator.jobs.shards.shard import SHARDING_FILE, Shard, claim, read_sharding
-from llm_annotator.jobs.spec import JobArgs, JobSpec, retry_choice
+from llm_annotator.jobs.spec import JobArgs, JobSpec, documents_options, retry_choice
 from llm_annotator.jobs.watch.live_metrics import LiveMetrics
 from llm_annotator.jobs.watch.observer import Observer
 from llm_annotator.jobs.watch.progress import Progress
@@ -155,6 +155,7 @@ class Annotator:
         self.metrics_host = metrics_host
         self.timeline = timeline
 
+    @documents_options
     def annotate(
         self,
         data: Any,
@@ -167,9 +168,9 @@ class Annotator:
         """Annotate ``data`` into ``output_dir``; resume it if it holds this job already.
 
         Args:
-            data: A ``.jsonl``/``.parquet``/``.csv``/``.arrow`` path (JSONL and CSV
-                may be compressed: ``.gz``, ``.zst``, ``.bz2``, ``.xz``), a list of dicts,
-                or a ``datasets.Dataset``; or a corpus: a directory, a glob, a list of
+            data: What :func:`~llm_annotator.jobs.rows.inputs.open_input` reads (a file
+                of one of the :data:`~llm_annotator.jobs.rows.formats.FORMATS`, or rows
+                in memory); or a corpus: a directory, a glob, a list of
                 paths or a ``save_to_disk`` folder, read unit by unit into
                 ``output_dir/annotations/`` (see :mod:`llm_annotator.jobs.corpus`).
             prompt_template: The user message, with ``{column}`` fields.
@@ -177,65 +178,7 @@ class Annotator:
             handle_signals: Turn SIGINT/SIGTERM into a clean stop (main thread only).
 
         Other Parameters:
-            system_message (str | None): A system message for every row, or None.
-            id_column (str | None): The column holding each row's id; None numbers
-                rows by position.
-            options (Any): The client's runtime options (e.g.
-                ``VLLMOnlineRuntimeOptions``); an ``output_schema`` there makes answers
-                parsed and validated.
-            gen_kwargs (dict[str, Any] | None): Raw request parameters that override
-                ``options``.
-            columns (Sequence[str] | None): The input columns to keep in the output;
-                None keeps all.
-            retry_errors (bool | Collection[str]): Send again the rows whose result is
-                an error: True for every error row, or a list of error types
-                (``["read_timeout", "server_error"]``) for those only.
-            force (bool): Resume even if the directory was made with other settings (a
-                trial run on a ``limit`` included: the full run then keeps its rows).
-            write_jsonl (bool): Also write ``annotations.jsonl``.
-            max_regenerations (int): With an output schema or ``validate``, times an
-                invalid or truncated answer is generated again before it is kept as an
-                error row.
-            limit (int | None): A trial run: annotate only the first ``limit`` rows
-                (with ``shuffle_seed``, ``limit`` rows drawn from the whole input).
-                Recorded in the fingerprint, so a later full run in the same directory
-                is refused unless ``force`` is given; then it resumes, keeping the rows
-                done.
-            shuffle_seed (int | None): With ``limit``: draw the rows with this seed (the
-                same rows for the same seed and input) instead of taking the first ones.
-            validate (Callable[[str], Any] | None): Your own answer check: called with
-                the answer text, it returns the parsed value (a dict becomes columns,
-                anything else the column ``validated``) or raises; an answer it refuses
-                is generated again, as one that does not follow the output schema, then
-                kept as an ``invalid_output`` error row. Recorded by name in the
-                fingerprint.
-            postprocess (Callable[[dict, Any], Mapping | None] | None): Called with each
-                accepted answer: the row's input columns and the answer (the parsed
-                values with an output schema or ``validate``, else the text); the dict
-                it returns adds columns to the row's output. An exception it raises
-                makes the answer invalid, as a ``validate`` refusal does. Recorded by
-                name in the fingerprint.
-            shard (tuple[int, int] | str | None): ``(index, count)``, ``"INDEX/COUNT"`` or
-                ``"auto"``: this process takes only the rows whose id hashes to shard
-                ``index`` of ``count``, kept in ``output_dir/shard-IIII-of-NNNN``; the
-                last shard to finish merges them all into ``output_dir`` (see
-                :mod:`llm_annotator.jobs.shards.shard` and :func:`llm_annotator.jobs.merge`).
-                A corpus is split by unit instead; ``"claim"`` makes this process one of
-                any number of workers that take a corpus's units by claims.
-            skip_bad_files (bool): In a corpus, leave out a file that cannot be read,
-                listed with why in the manifest, instead of stopping.
-            claim_lease (float | None): With ``shard="claim"``: seconds a claim lasts
-                unrenewed before another worker takes the unit over (default 60).
-            unit_size (int | str | None): In a corpus (and one file with
-                ``shard="claim"``): the size in bytes (or ``"64M"``) above which a
-                file is cut into units: a Parquet file into runs of row groups, an
-                uncompressed JSONL file with an ``id_column`` into byte ranges, each
-                read alone (default 256 MiB). A run keeps the size it began with.
-            group_by (str | None): With a pool's ``prefix_affinity``: the column whose
-                value groups rows that share a long prompt prefix (a document id), so
-                that a group goes to one server and meets its prefix cache. By
-                default a row's group is the value of the template's first field. Not
-                part of the fingerprint: it changes where rows go, not their answers.
+            Every job option, from its declaration in :mod:`llm_annotator.jobs.spec`.
 
         Returns:
             An :class:`AnnotationResult`.

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
-from llm_annotator._constants import MAX_REGENERATIONS
+from llm_annotator._job_options import OPTIONS as OPTIONS
+from llm_annotator._job_options import JobOption as JobOption
 from llm_annotator.errors import ConfigurationError, ErrorKind
 
 Validate = Callable[[str], Any]
@@ -22,8 +23,10 @@ refusal does."""
 
 
 class JobArgs(TypedDict, total=False):
-    """The keyword arguments of a job, written once: :meth:`Annotator.annotate` takes
-    them, and ``VLLMQueueAnnotator.annotate`` forwards them (see there for each)."""
+    """The types of the job options, as keywords: :meth:`Annotator.annotate` takes them,
+    and ``VLLMQueueAnnotator.annotate`` forwards them. Each option is declared in
+    :data:`OPTIONS` (its default, what it does, where it may be given); the parity
+    tests hold these keys to it."""
 
     system_message: str | None
     id_column: str | None
@@ -45,32 +48,63 @@ class JobArgs(TypedDict, total=False):
     postprocess: Postprocess | None
 
 
+def option_field(name: str) -> Any:
+    """The dataclass field of job option ``name``: its declared default, with its
+    declaration (a :class:`JobOption`) as the field's ``metadata["option"]``.
+
+    Raises:
+        KeyError: No job option has that name.
+    """
+    option = OPTIONS[name]
+    return field(default=option.default, metadata={"option": option})
+
+
+class AnnotatorArgs(TypedDict, total=False):
+    """The settings of the :class:`Annotator` that runs a job, as keywords:
+    ``VLLMQueueAnnotator.annotate`` takes them besides the job options and makes its
+    Annotator with them (see :class:`Annotator` for each and its default)."""
+
+    progress: bool | None
+    stop_grace: float
+    flush_interval: float
+    sync_interval: float
+    metrics_port: int | None
+    metrics_host: str
+    timeline: bool
+
+
+class PoolJobArgs(AnnotatorArgs, JobArgs, total=False):
+    """The keywords of ``VLLMQueueAnnotator.annotate``: the Annotator's settings
+    (:class:`AnnotatorArgs`) and the job options (:class:`JobArgs`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """What defines one job: the arguments of :meth:`Annotator.annotate`, with their
-    defaults, written once (:class:`JobArgs` types the keywords)."""
+    """What defines one job: the arguments of :meth:`Annotator.annotate`. Each option
+    field takes its default from its declaration in :data:`OPTIONS`
+    (:class:`JobArgs` types the keywords)."""
 
     data: Any
     prompt_template: str
     output_dir: Path
-    system_message: str | None = None
-    id_column: str | None = None
-    options: Any = None
-    gen_kwargs: dict[str, Any] | None = None
-    columns: Sequence[str] | None = None
-    retry_errors: bool | Collection[str] = False
-    force: bool = False
-    write_jsonl: bool = False
-    max_regenerations: int = MAX_REGENERATIONS
-    limit: int | None = None
-    shuffle_seed: int | None = None
-    validate: Validate | None = None
-    shard: Any = None
-    skip_bad_files: bool = False
-    claim_lease: float | None = None
-    unit_size: int | str | None = None
-    group_by: str | None = None
-    postprocess: Postprocess | None = None
+    system_message: str | None = option_field("system_message")
+    id_column: str | None = option_field("id_column")
+    options: Any = option_field("options")  # noqa: RUF009 (a field)
+    gen_kwargs: dict[str, Any] | None = option_field("gen_kwargs")  # noqa: RUF009 (a field)
+    columns: Sequence[str] | None = option_field("columns")
+    retry_errors: bool | Collection[str] = option_field("retry_errors")
+    force: bool = option_field("force")
+    write_jsonl: bool = option_field("write_jsonl")
+    max_regenerations: int = option_field("max_regenerations")
+    limit: int | None = option_field("limit")
+    shuffle_seed: int | None = option_field("shuffle_seed")
+    validate: Validate | None = option_field("validate")  # noqa: RUF009 (a field)
+    shard: Any = option_field("shard")  # noqa: RUF009 (a field)
+    skip_bad_files: bool = option_field("skip_bad_files")
+    claim_lease: float | None = option_field("claim_lease")
+    unit_size: int | str | None = option_field("unit_size")
+    group_by: str | None = option_field("group_by")
+    postprocess: Postprocess | None = option_field("postprocess")  # noqa: RUF009 (a field)
 
     @property
     def checks_answers(self) -> bool:
@@ -116,9 +150,56 @@ class JobSpec:
         return cls(data, prompt_template, Path(output_dir), **job)
 
 
-_JOB_ARGS = frozenset(JobArgs.__annotations__)
-"""The keyword arguments of a job (``tests/unit/jobs/test_annotate.py`` checks that
-:class:`JobSpec` has the same)."""
+_JOB_ARGS = frozenset(OPTIONS)
+"""The keyword arguments of a job (``tests/unit/test_job_options.py`` checks that
+:class:`JobSpec` and :class:`JobArgs` have the same)."""
+
+ANNOTATOR_ARGS = frozenset(AnnotatorArgs.__annotations__)
+"""The keywords of ``VLLMQueueAnnotator.annotate`` that make its :class:`Annotator`."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+OPTIONS_DOC = "Every job option, from its declaration in :mod:`llm_annotator.jobs.spec`."
+"""The line of a docstring that :func:`documents_options` replaces."""
+
+
+def documents_options(function: _F) -> _F:
+    """Write the job options into ``function``'s docstring, each with its type and
+    what it does, in place of its line :data:`OPTIONS_DOC` (a Google-style
+    "Other Parameters" entry each).
+
+    Examples:
+        >>> def f(**job):
+        ...     '''Other Parameters:
+        ...         Every job option, from its declaration in :mod:`llm_annotator.jobs.spec`.
+        ...     '''
+        >>> print(documents_options(f).__doc__.splitlines()[1])
+            system_message (str | None): A system message for every row, or None.
+    """
+    doc = function.__doc__
+    if not doc or OPTIONS_DOC not in doc:
+        return function
+    before, _, after = doc.partition(OPTIONS_DOC)
+    indent = before[before.rfind("\n") + 1 :]
+    lines: list[str] = []
+    for spec_field in fields(JobSpec):
+        option: JobOption | None = spec_field.metadata.get("option")
+        if option is not None:
+            lines += _entry(option, str(spec_field.type), indent)
+    function.__doc__ = before + "\n".join(lines)[len(indent) :] + after
+    return function
+
+
+def _entry(option: JobOption, shown_type: str, indent: str, width: int = 88) -> list[str]:
+    """One option's docstring entry, wrapped: ``name (type): what it does``."""
+    words = f"{option.name} ({shown_type}): {option.doc}".split(" ")
+    lines = [indent + words[0]]
+    for word in words[1:]:
+        if len(lines[-1]) + 1 + len(word) > width:
+            lines.append(indent + "    " + word)
+        else:
+            lines[-1] += " " + word
+    return lines
 
 
 ERROR_TYPES = frozenset(kind.value for kind in ErrorKind)

@@ -493,18 +493,10 @@ class Pipeline:
         entry.update(key=keys[step.name], state="begun", settings=settings[step.name])
         self._save(step.name, entry)
         job: JobArgs = {
-            "system_message": step.system_message,
+            **step.job_args(),
             "id_column": ID if step.rewrites_input else step.id_column,
-            "options": step.options,
-            "gen_kwargs": step.gen_kwargs,
             "columns": columns,
-            "retry_errors": step.retry_errors,
             "force": False,  # the pipeline's force redoes steps; it never mixes results
-            "write_jsonl": step.write_jsonl,
-            "max_regenerations": step.max_regenerations,
-            "validate": step.validate,
-            "postprocess": step.postprocess,
-            "group_by": step.group_by,
             "skip_bad_files": step.skip_bad_files and not step.rewrites_input,
         }
         return data, job

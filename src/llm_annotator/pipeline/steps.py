@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from llm_annotator._constants import MAX_REGENERATIONS
+from llm_annotator._job_options import STEP_OPTIONS
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.jobs.rundir.fingerprint import fingerprint_digest, make_fingerprint
-from llm_annotator.jobs.spec import Postprocess, Validate, validator_name
+from llm_annotator.jobs.spec import JobArgs, Postprocess, Validate, option_field, validator_name
 from llm_annotator.pipeline.where import Where
 
 Preprocess = Callable[[dict[str, Any]], "dict[str, Any] | None"]
@@ -89,19 +89,20 @@ class Step:
     copies: int = 1
     n: int = 1
     preprocess: Preprocess | None = None
-    postprocess: Postprocess | None = None
+    postprocess: Postprocess | None = option_field("postprocess")  # noqa: RUF009 (a field)
     servers: str | None = None
-    system_message: str | None = None
-    id_column: str | None = None
-    options: Any = None
-    gen_kwargs: dict[str, Any] | None = None
-    columns: Sequence[str] | None = None
-    validate: Validate | None = None
-    max_regenerations: int = MAX_REGENERATIONS
-    retry_errors: bool | Collection[str] = False
-    write_jsonl: bool = False
-    group_by: str | None = None
-    skip_bad_files: bool = False
+    # The job options a step takes (STEP_OPTIONS), each with its declared default:
+    system_message: str | None = option_field("system_message")
+    id_column: str | None = option_field("id_column")
+    options: Any = option_field("options")  # noqa: RUF009 (a field)
+    gen_kwargs: dict[str, Any] | None = option_field("gen_kwargs")  # noqa: RUF009 (a field)
+    columns: Sequence[str] | None = option_field("columns")
+    validate: Validate | None = option_field("validate")  # noqa: RUF009 (a field)
+    max_regenerations: int = option_field("max_regenerations")
+    retry_errors: bool | Collection[str] = option_field("retry_errors")
+    write_jsonl: bool = option_field("write_jsonl")
+    group_by: str | None = option_field("group_by")
+    skip_bad_files: bool = option_field("skip_bad_files")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -162,6 +163,18 @@ class Step:
                 f"{said}: a fixed seed would give the same answer to every copy of a "
                 "prompt (n > 1 or copies > 1); leave out seed"
             )
+
+    def job_args(self) -> JobArgs:
+        """The job options the step gives its job (each of ``STEP_OPTIONS``), as the
+        keywords of :meth:`Annotator.annotate`; the pipeline then sets what its own
+        rows change (the id column, the columns kept).
+
+        Examples:
+            >>> job = Step("label", "{text}", data="d.jsonl", system_message="Be brief.").job_args()
+            >>> job["system_message"], job["max_regenerations"]
+            ('Be brief.', 2)
+        """
+        return cast("JobArgs", {name: getattr(self, name) for name in STEP_OPTIONS})
 
     @property
     def reads(self) -> str:

@@ -25,6 +25,9 @@ import zstandard
 
 from llm_annotator.errors import ConfigurationError, InputError
 from llm_annotator.jobs.rows import inputs
+from llm_annotator.jobs.rows.formats import base as reader_base
+from llm_annotator.jobs.rows.formats import dataset as dataset_reader
+from llm_annotator.jobs.rows.formats import parquet as parquet_reader
 from llm_annotator.jobs.rows.inputs import Row, open_input
 
 
@@ -272,7 +275,7 @@ def test_a_hash_collision_is_not_reported_as_a_duplicate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Equal hashes are re-checked exactly: distinct ids sharing a hash pass."""
-    monkeypatch.setattr(inputs, "hash_id", lambda row_id: 42)
+    monkeypatch.setattr(reader_base, "hash_id", lambda row_id: 42)
     assert open_input([{"id": i} for i in range(5)], id_column="id").scan() == 5
     with pytest.raises(InputError, match=r"id 3 .* list item 3 and at list item 5"):
         open_input([{"id": i} for i in range(5)] + [{"id": 3}], id_column="id").scan()
@@ -400,7 +403,7 @@ def test_parquet_rows_are_streamed_in_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Parquet rows keep their types and are named by row; batches do not show."""
-    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 3)
+    monkeypatch.setattr(parquet_reader, "PARQUET_BATCH_ROWS", 3)
     path = write_parquet(
         tmp_path / "d.parquet",
         {"id": list(range(10)), "text": [f"t{i}" for i in range(10)]},
@@ -492,7 +495,7 @@ def test_dataset_is_duck_typed() -> None:
 
 def test_pyarrow_table_is_read_in_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pyarrow.Table is read like a Dataset, a batch at a time."""
-    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 2)
+    monkeypatch.setattr(dataset_reader, "PARQUET_BATCH_ROWS", 2)
     source = open_input(pa.table({"t": ["a", "b", "c"]}))
     assert (source.description, source.columns, source.scan()) == ("a table of 3 rows", ("t",), 3)
     assert [(row.id, row.where, row.values) for row in source] == [

@@ -24,7 +24,9 @@ from llm_annotator.cli.main import main
 from llm_annotator.errors import InputError
 from llm_annotator.jobs.annotate import Annotator
 from llm_annotator.jobs.ids import hash_id
-from llm_annotator.jobs.rows import inputs
+from llm_annotator.jobs.rows.formats import dataset as dataset_reader
+from llm_annotator.jobs.rows.formats import jsonl as jsonl_reader
+from llm_annotator.jobs.rows.formats import parquet as parquet_reader
 from llm_annotator.jobs.rows.inputs import open_input
 from llm_annotator.jobs.rundir.store import DirectoryLock
 from llm_annotator.jobs.shards import merge as merge_module
@@ -347,8 +349,9 @@ def test_a_shard_streams_exactly_the_rows_whose_id_hashes_to_it(
     """The selection made by the scan, by position, picks the rows the definition does
     (every row read, then hash_id(row.id) % count == index), with their values, where
     and errors, for every kind of input; the shards' rows add up to the input."""
-    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 16)
-    monkeypatch.setattr(inputs, "_BLOCK_BYTES", 500)  # many blocks, some with blank lines
+    monkeypatch.setattr(parquet_reader, "PARQUET_BATCH_ROWS", 16)
+    monkeypatch.setattr(dataset_reader, "PARQUET_BATCH_ROWS", 16)
+    monkeypatch.setattr(jsonl_reader, "_BLOCK_BYTES", 500)  # many blocks, some with blank lines
     for name, (data, id_column) in inputs_to_split(tmp_path).items():
         every = list(open_input(data, id_column=id_column))
         assert len({row.id for row in every}) == len(every) > 250, name

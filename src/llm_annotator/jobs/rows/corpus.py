@@ -32,18 +32,11 @@ import orjson
 import structlog
 
 from llm_annotator.errors import InputError
-from llm_annotator.jobs.files import read_bytes, shown_path
+from llm_annotator.jobs.files import shown_path
 from llm_annotator.jobs.ids import hash_id
-from llm_annotator.jobs.rows.inputs import (
-    ARROW_SUFFIXES,
-    COMPRESSIONS,
-    CSV_SUFFIXES,
-    JSONL_SUFFIXES,
-    PARQUET_SUFFIXES,
-    Row,
-    RowSource,
-    open_input,
-)
+from llm_annotator.jobs.rows.formats import file_format, formats_text
+from llm_annotator.jobs.rows.formats.dataset import saved_files
+from llm_annotator.jobs.rows.inputs import Row, RowSource, open_input
 
 log = structlog.get_logger(__name__)
 
@@ -53,8 +46,6 @@ UNIT_BYTES = 256 << 20
 """A Parquet file larger than this is cut into units of whole row groups of about this
 size (at least one row group each); an uncompressed JSONL file, with an id column, into
 byte ranges of this size (see :class:`Unit`)."""
-_SAVED_STATE = "state.json"
-"""The file that marks a folder written by ``datasets.Dataset.save_to_disk``."""
 _GLOB_MAGIC = frozenset("*?[")
 
 
@@ -153,8 +144,10 @@ class Unit:
 
     @property
     def has_metadata(self) -> bool:
-        """Whether the unit's file says its rows without being read (Parquet, Arrow)."""
-        return _kind(self.file.name) in ("parquet", "arrow")
+        """Whether the unit's file says its rows without being read (its reader's
+        ``rows_up_front``: a Parquet footer, an Arrow file's batch headers)."""
+        found = file_format(self.file.name)
+        return found is not None and found[0].source_class().rows_up_front
 
     def known_rows(self, source: RowSource) -> int | None:
         """The unit's rows where its file (read by ``source``) says so without being
@@ -172,9 +165,9 @@ class Unit:
         """
         source = self.source(id_column, peek=False)
         if self.span is not None:
-            rows = source.span_rows(self.span, self.index)  # type: ignore[attr-defined]
+            rows = source.span_rows(self.span, self.index)
         elif self.groups is not None:
-            rows = source.group_rows(self.groups, self.first_row, self.index)  # type: ignore[attr-defined]
+            rows = source.group_rows(self.groups, self.first_row, self.index)
         else:
             rows = source.rows(unit=self.index)
         if id_column is None:
@@ -351,8 +344,7 @@ def list_corpus(
     if not found:
         what = ", ".join(shown_path(os.fspath(i)) for i in items[:3])
         raise InputError(
-            f"{what}: no input file in the corpus (supported: .jsonl, .csv, .parquet, .arrow; "
-            f"JSONL and CSV may be compressed: {', '.join(COMPRESSIONS)})"
+            f"{what}: no input file in the corpus; supported: {formats_text(every_suffix=True)}"
         )
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p, _ in found])
     files: list[CorpusFile] = []
@@ -382,7 +374,7 @@ def _walk(
     skip_bad: bool,
 ) -> None:
     """Add a folder's supported files (the others are not data: notes, markers)."""
-    saved = _saved_files(folder)
+    saved = saved_files(folder)
     if saved is not None:
         for path in saved:
             _add(path, found, skipped, skip_bad)
@@ -392,50 +384,8 @@ def _walk(
         for name in sorted(names):
             if name.startswith((".", "_")):
                 continue
-            if _kind(name) is not None:
+            if file_format(name) is not None:
                 _add(os.path.join(top, name), found, skipped, skip_bad)
-
-
-def _saved_files(folder: str) -> list[str] | None:
-    """The Arrow files of a ``save_to_disk`` folder in their order, or None if the
-    folder is not one.
-
-    Raises:
-        InputError: It is a ``DatasetDict``'s folder, or its ``state.json`` is not one.
-    """
-    if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
-        raise InputError(
-            f"{shown_path(folder)} holds a DatasetDict (several splits): give one split's "
-            f"folder, e.g. {shown_path(os.path.join(folder, 'train'))}"
-        )
-    data = read_bytes(os.path.join(folder, _SAVED_STATE))
-    if data is None:
-        return None
-    try:
-        state = orjson.loads(data)
-        names = [entry["filename"] for entry in state["_data_files"]]
-    except (orjson.JSONDecodeError, KeyError, TypeError) as error:
-        raise InputError(
-            f"{shown_path(folder)}/{_SAVED_STATE} is not a saved dataset's state ({error}); "
-            "save the dataset again, or remove the file"
-        ) from None
-    return [os.path.join(folder, str(name)) for name in names]
-
-
-def _kind(name: str) -> str | None:
-    """A file's format by its name, or None."""
-    lower = name.lower()
-    for suffix in COMPRESSIONS:
-        if lower.endswith(suffix):
-            base = lower.removesuffix(suffix)
-            return "text" if base.endswith(JSONL_SUFFIXES + CSV_SUFFIXES) else None
-    if lower.endswith(JSONL_SUFFIXES + CSV_SUFFIXES):
-        return "text"
-    if lower.endswith(PARQUET_SUFFIXES):
-        return "parquet"
-    if lower.endswith(ARROW_SUFFIXES):
-        return "arrow"
-    return None
 
 
 def _add(
@@ -453,8 +403,8 @@ def _add(
     else:
         if not stat.S_ISREG(info.st_mode):
             problem = "not a regular file (a pipe or a device cannot be read twice)"
-        elif _kind(path) is None:
-            problem = "of no known format (.jsonl, .csv, .parquet, .arrow)"
+        elif file_format(path) is None:
+            problem = f"of no known format; supported: {formats_text(every_suffix=True)}"
         elif not os.access(path, os.R_OK):
             problem = "cannot read it: permission denied"
     if problem is None:
@@ -477,23 +427,27 @@ def _units(
     *,
     split_lines: bool = False,
 ) -> list[Unit]:
-    """The files cut into units: a Parquet file larger than ``unit_bytes`` with more
-    than one row group into runs of row groups, with ``split_lines`` an uncompressed
-    JSONL file larger than ``unit_bytes`` into byte ranges, every other file whole."""
+    """The files cut into units, by their format's ``split``: a file larger than
+    ``unit_bytes`` with more than one row group (Parquet) into runs of row groups, with
+    ``split_lines`` an uncompressed file of lines (JSONL) larger than ``unit_bytes`` into
+    byte ranges, every other file whole."""
     units: list[Unit] = []
     kept = []
     for file in files:
-        if split_lines and file.size > unit_bytes and _is_plain_jsonl(file.name):
+        found = file_format(file.name)
+        # a compressed file is read whole: its bytes cannot be read from any place
+        split = found[0].split if found is not None and found[1] is None else None
+        if split_lines and file.size > unit_bytes and split == "bytes":
             kept.append(file)
             for span in byte_spans(file.size, unit_bytes):
                 units.append(Unit(len(units), file, size=span[1] - span[0], span=span))
             continue
-        if file.size <= unit_bytes or _kind(file.name) != "parquet":
+        if file.size <= unit_bytes or split != "row groups" or found is None:
             units.append(Unit(len(units), file, size=file.size))
             kept.append(file)
             continue
         try:
-            parts = _row_group_parts(file, unit_bytes)
+            parts = found[0].source_class().group_runs(file.path, file.size, unit_bytes)
         except InputError as error:
             if not skip_bad:
                 raise
@@ -506,11 +460,6 @@ def _units(
     return units
 
 
-def _is_plain_jsonl(name: str) -> bool:
-    """Whether a file is JSONL, uncompressed (its bytes can be read from any place)."""
-    return name.lower().endswith(JSONL_SUFFIXES)
-
-
 def byte_spans(size: int, unit_bytes: int) -> list[tuple[int, int]]:
     """A file of ``size`` bytes cut into ranges of ``unit_bytes`` (the last shorter).
 
@@ -519,33 +468,3 @@ def byte_spans(size: int, unit_bytes: int) -> list[tuple[int, int]]:
         ([(0, 4), (4, 8), (8, 10)], [(0, 4), (4, 8)], [(0, 3)])
     """
     return [(start, min(start + unit_bytes, size)) for start in range(0, max(size, 1), unit_bytes)]
-
-
-def _row_group_parts(
-    file: CorpusFile, unit_bytes: int
-) -> list[tuple[tuple[int, int] | None, int, int, int]]:
-    """A Parquet file's row groups in runs of about ``unit_bytes``: each run's groups,
-    first row, rows and bytes (one run of None when the file has one group)."""
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.ParquetFile(file.path).metadata
-    except Exception as error:  # pyarrow raises many kinds for a damaged footer
-        raise InputError(f"cannot read {shown_path(file.path)} as Parquet: {error}") from None
-    groups = meta.num_row_groups
-    if groups <= 1:
-        return [(None, 0, meta.num_rows, file.size)]
-    parts: list[tuple[tuple[int, int] | None, int, int, int]] = []
-    start, first, rows, size = 0, 0, 0, 0
-    position = 0
-    for index in range(groups):
-        group = meta.row_group(index)
-        stored = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
-        if index > start and size + stored > unit_bytes:
-            parts.append(((start, index), first, rows, size))
-            start, first, rows, size = index, position, 0, 0
-        rows += group.num_rows
-        size += stored
-        position += group.num_rows
-    parts.append(((start, groups), first, rows, size))
-    return parts
