@@ -2,11 +2,14 @@
 
 ``consolidate`` works in two passes so that its memory does not grow with the run's
 data: the first reads every shard a chunk of records at a time and keeps only each
-record's id, success and place (about 40 bytes) and each column's type; the second
-reads the winning records back by their place, one row group in id order at a time,
-and writes them. ``annotations.parquet`` (and, if asked, ``annotations.jsonl``) lands
-at the top of the run directory by an atomic rename, so a reader never sees half a
-file.
+record's id, success and place (about 40 bytes) and each column's type
+(:class:`~llm_annotator.jobs.rundir.loading.Loader`); the second reads the winning
+records back by their place, one row group in id order at a time, and writes them. A
+directory whose one shard a store wrote in this process, followed as it wrote it
+(:class:`~llm_annotator.jobs.rundir.loading.Written`), skips the first pass, and the
+second reads back only the records not held in memory. ``annotations.parquet`` (and, if
+asked, ``annotations.jsonl``) lands at the top of the run directory by an atomic rename,
+so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ import structlog
 
 from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.files import open_binary, read_run_file
-from llm_annotator.jobs.ids import CONTENT_FIELD, content_of, hash_id, mix_hashes
+from llm_annotator.jobs.ids import hash_id, mix_hashes
+from llm_annotator.jobs.rundir.loading import Loader, Written
 from llm_annotator.jobs.rundir.store import (
     DirectoryLock,
     atomic_write,
-    is_error_record,
     read_shard,
     shard_paths,
 )
@@ -78,6 +81,7 @@ class Consolidated:
         output_tokens: The sum of ``num_output_tokens`` over the rows.
         left_out: Ids with a result in the shards that were not written, because they
             are not among the ids to ``keep`` (rows of another input).
+        schema: The Parquet file's columns, as written.
     """
 
     parquet_path: Path
@@ -90,6 +94,7 @@ class Consolidated:
     prompt_tokens: int
     output_tokens: int
     left_out: int = 0
+    schema: pa.Schema | None = None
 
 
 def consolidate(
@@ -102,6 +107,7 @@ def consolidate(
     constants: Mapping[str, str] | None = None,
     types: Mapping[str, pa.DataType] | None = None,
     stale: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
+    written: Written | None = None,
 ) -> Consolidated:
     """Merge a run directory's shards into ``annotations.parquet``, one row per id.
 
@@ -137,6 +143,10 @@ def consolidate(
             hashes, sorted) of records to leave out: made from rows whose content has
             changed since (see :mod:`~llm_annotator.jobs.rundir.changes`). Also written
             to :data:`STALE_FILE`.
+        written: What the directory's store wrote, followed as it wrote it: if its
+            shard is all the directory holds, the records are not read again (only
+            those it did not hold in memory, once, by their place); otherwise the
+            shards are read as without it.
 
     Returns:
         Where the files are, and counts over the rows.
@@ -164,6 +174,7 @@ def consolidate(
             constants=constants or {},
             types=types or {},
             stale=stale if stale is not None else read_stale(directory),
+            written=written,
         )
     finally:
         lock.release()
@@ -241,15 +252,23 @@ def _consolidate(
     constants: Mapping[str, str] | None = None,
     types: Mapping[str, pa.DataType] | None = None,
     stale: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
+    written: Written | None = None,
 ) -> Consolidated:
     """Consolidate ``shards`` (the directory's own by default) into ``directory``;
     ``keep`` applies to the records of the shards at the indexes ``kept_in`` (all by
-    default), the others are written whole."""
+    default), the others are written whole; ``written``, when it covers the shards,
+    stands in for reading them."""
     if shards is None:
         shards = shard_paths(directory)
-    loaded = _Loader()
-    for index, path in enumerate(shards):
-        loaded.read(index, path)
+    held = bytearray()
+    followed = written if written is not None and written.covers(shards) else None
+    if followed is not None:
+        loaded = followed.loaded(_CHUNK)
+        held = followed.held
+    else:
+        loaded = Loader(_CHUNK)
+        for index, path in enumerate(shards):
+            loaded.read(index, read_shard(path))
     keys = loaded.keys()
     types = types or {}
     names = [name for name in column_order if name in loaded.names or name in types]
@@ -276,10 +295,11 @@ def _consolidate(
     schema = pa.schema([fields[name] for name in names])
     summary = _Summary()
     parquet_path = target if target is not None else directory / PARQUET_FILE
+    footer: list[pq.FileMetaData] = []  # the file's, once written: its schema as stored
     with (
         atomic_write(parquet_path) as file,
-        pq.ParquetWriter(file, schema) as writer,
-        _Reader(shards) as reader,
+        pq.ParquetWriter(file, schema, metadata_collector=footer) as writer,
+        _Reader(shards, held) as reader,
     ):
         for start in range(0, keys.num_rows, _ROW_GROUP):  # one row group at a time
             end = min(start + _ROW_GROUP, keys.num_rows)
@@ -299,12 +319,14 @@ def _consolidate(
             part = pa.concat_tables(chunks)
             writer.write_table(part, row_group_size=_ROW_GROUP)
             summary.add(part, keys["ok"].slice(start, end - start))
+        read_back = reader.read_back
     jsonl_path = None
     if jsonl:
         jsonl_path = directory / JSONL_FILE
         with atomic_write(jsonl_path) as file:
-            _write_jsonl(file, shards, keys, names)
-    result = summary.result(parquet_path, jsonl_path, left_out)
+            _write_jsonl(file, shards, keys, names, held)
+    stored = footer[0].schema.to_arrow_schema() if footer else schema
+    result = summary.result(parquet_path, jsonl_path, left_out, stored)
     log.info(
         "results_consolidated",
         output_dir=str(directory),
@@ -312,6 +334,8 @@ def _consolidate(
         succeeded=result.num_succeeded,
         failed=result.num_failed,
         shards=len(shards),
+        followed=followed is not None,
+        read_back=read_back,
     )
     return result
 
@@ -352,11 +376,15 @@ def _column(
 
 
 class _Reader:
-    """Records read back from the shards by their place (shard, offset, length)."""
+    """Records read back from the shards by their place (shard, offset, length), or
+    taken from ``held``, the first bytes of the first shard, where it holds them."""
 
-    def __init__(self, shards: list[Path]) -> None:
+    def __init__(self, shards: list[Path], held: bytearray | None = None) -> None:
         self.shards = shards
+        self.held = held if held is not None else bytearray()
         self.handles: dict[int, Any] = {}
+        self.read_back = 0
+        """Bytes read back from the shards."""
 
     def __enter__(self) -> _Reader:
         return self
@@ -374,7 +402,11 @@ class _Reader:
             places["length"].to_pylist(),
             strict=True,
         ):
+            if shard == 0 and offset + length <= len(self.held):
+                out.append(orjson.loads(self.held[offset : offset + length]))
+                continue
             out.append(orjson.loads(os.pread(self._fd(shard), length, offset)))
+            self.read_back += length
         return out
 
     def _fd(self, shard: int) -> int:
@@ -405,7 +437,9 @@ class _Summary:
         self.prompt_tokens += _total(part, "num_prompt_tokens")
         self.output_tokens += _total(part, "num_output_tokens")
 
-    def result(self, parquet_path: Path, jsonl_path: Path | None, left_out: int) -> Consolidated:
+    def result(
+        self, parquet_path: Path, jsonl_path: Path | None, left_out: int, schema: pa.Schema
+    ) -> Consolidated:
         return Consolidated(
             parquet_path=parquet_path,
             jsonl_path=jsonl_path,
@@ -417,142 +451,8 @@ class _Summary:
             prompt_tokens=self.prompt_tokens,
             output_tokens=self.output_tokens,
             left_out=left_out,
+            schema=schema,
         )
-
-
-class _Loader:
-    """The first pass: each record's id, success and place, and each column's type.
-
-    Records are turned into Arrow a chunk at a time only to learn their columns'
-    types; the data itself is not kept.
-    """
-
-    def __init__(self) -> None:
-        self.names: dict[str, None] = {}  # every key seen, in first-seen order
-        self.stringified: set[str] = set()
-        self._types: dict[str, list[pa.DataType]] = {}
-        self._keys: list[pa.Table] = []
-
-    def read(self, index: int, path: Path) -> None:
-        records: list[dict[str, Any]] = []
-        places: list[tuple[int, int]] = []
-        for offset, length, record in read_shard(path):
-            records.append(record)
-            places.append((offset, length))
-            if len(records) == _CHUNK:
-                self._add(index, records, places)
-                records, places = [], []
-        if records:
-            self._add(index, records, places)
-
-    def _add(
-        self, index: int, records: list[dict[str, Any]], places: list[tuple[int, int]]
-    ) -> None:
-        names = dict.fromkeys(name for record in records for name in record)
-        names.pop(CONTENT_FIELD, None)  # bookkeeping, never an output column
-        self.names.update(names)
-        for name in names:
-            if name != "id" and name not in self.stringified:
-                array = self._array(name, [record.get(name) for record in records])
-                if array is not None:
-                    self._types.setdefault(name, []).append(array.type)
-        ids = [record["id"] for record in records]
-        offsets, lengths = zip(*places, strict=True)
-        self._keys.append(
-            _key_table(
-                kind=[int(isinstance(i, str)) for i in ids],
-                int_id=[i if type(i) is int else 0 for i in ids],
-                str_id=[i if isinstance(i, str) else "" for i in ids],
-                ok=[not is_error_record(record) for record in records],
-                shard=[index] * len(records),
-                offset=offsets,
-                length=lengths,
-                content=[content_of(record) for record in records],
-            )
-        )
-
-    def _array(self, name: str, values: list[Any]) -> pa.Array | None:
-        try:
-            return pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            self.stringified.add(name)
-            return None
-
-    def keys(self) -> pa.Table:
-        """Every record's bookkeeping columns, in reading order (once: handed over)."""
-        if not self._keys:
-            empty: list[Any] = []
-            return _key_table(empty, empty, empty, empty, empty, empty, empty, empty)
-        chunks, self._keys = self._keys, []  # the caller holds the only reference
-        return pa.concat_tables(chunks)
-
-    def fields(self, types: Mapping[str, pa.DataType]) -> dict[str, pa.Field]:
-        """One Parquet field per data column: the chunks' types unified, or string; a
-        column of nulls only takes its type from ``types`` when it names one."""
-        fields: dict[str, pa.Field] = {}
-        for name in self.names:
-            if name == "id":
-                continue
-            data_type = None if name in self.stringified else self._unified(name)
-            if data_type is not None and pa.types.is_null(data_type) and name in types:
-                data_type = types[name]
-            if data_type is None:
-                self.stringified.add(name)
-                log.warning("column_stored_as_strings", column=name)
-                data_type = pa.string()
-            fields[name] = pa.field(name, data_type)
-        return fields
-
-    def _unified(self, name: str) -> pa.DataType | None:
-        """The one type the chunks' types for a column unify into, if Parquet can
-        store it."""
-        types = self._types.get(name, [])
-        distinct = list(dict.fromkeys(t for t in types if not pa.types.is_null(t)))
-        try:
-            schema = pa.unify_schemas(
-                [pa.schema([(name, t)]) for t in distinct] or [pa.schema([(name, pa.null())])],
-                promote_options="permissive",
-            )
-        except (pa.ArrowInvalid, pa.ArrowTypeError, NotImplementedError):
-            return None
-        data_type = schema.field(name).type
-        return data_type if _storable(data_type) else None
-
-
-def _key_table(
-    kind: Sequence[int],
-    int_id: Sequence[int],
-    str_id: Sequence[str],
-    ok: Sequence[bool],
-    shard: Sequence[int],
-    offset: Sequence[int],
-    length: Sequence[int],
-    content: Sequence[int],
-) -> pa.Table:
-    """The bookkeeping columns of some records: id, success, where each record sits,
-    the content hash of its row (0: not recorded)."""
-    return pa.table(
-        {
-            "kind": pa.array(kind, pa.int8()),  # 0 for an int id, 1 for a str id
-            "int_id": pa.array(int_id, pa.int64()),
-            "str_id": pa.array(str_id, pa.string()),
-            "ok": pa.array(ok, pa.bool_()),
-            "shard": pa.array(shard, pa.int32()),
-            "offset": pa.array(offset, pa.int64()),
-            "length": pa.array(length, pa.int64()),
-            "content": pa.array(content, pa.uint64()),
-        }
-    )
-
-
-def _storable(data_type: pa.DataType) -> bool:
-    """Whether Parquet can hold the type (it has no struct without fields)."""
-    if pa.types.is_struct(data_type):
-        fields = [data_type.field(i) for i in range(data_type.num_fields)]
-        return bool(fields) and all(_storable(field.type) for field in fields)
-    if pa.types.is_list(data_type) or pa.types.is_large_list(data_type):
-        return _storable(data_type.value_type)
-    return True
 
 
 def _texts(values: Iterable[Any]) -> pa.Array:
@@ -592,9 +492,12 @@ def _id_column(keys: pa.Table) -> pa.ChunkedArray:
     return pc.if_else(is_str, keys["str_id"], pc.cast(keys["int_id"], pa.string()))
 
 
-def _write_jsonl(file: Any, shards: list[Path], keys: pa.Table, names: list[str]) -> None:
-    """Each winning record read back from its shard, its keys in ``names`` order."""
-    with _Reader(shards) as reader:
+def _write_jsonl(
+    file: Any, shards: list[Path], keys: pa.Table, names: list[str], held: bytearray
+) -> None:
+    """Each winning record read back from its shard (or taken from ``held``), its keys
+    in ``names`` order."""
+    with _Reader(shards, held) as reader:
         for start in range(0, keys.num_rows, _ROW_GROUP):
             for record in reader.records(keys.slice(start, _ROW_GROUP)):
                 file.write(orjson.dumps({name: record.get(name) for name in names}))

@@ -18,12 +18,16 @@ read, or with rows still in flight, are open, so the bookkeeping is that of a fe
 however large the corpus. Once every row of a unit has its record, the unit is
 finished in a worker thread: its store is consolidated into
 ``annotations/<unit>.parquet`` (written under a fresh name, fsynced, renamed), then its
-record is written the same way. A unit with a record is finished and is skipped on
-resume without being read; a unit killed between the two renames is consolidated again
-from its store, which gives the same file. A worker killed while it wrote leaves
-temporaries (:mod:`~llm_annotator.jobs.rundir.leftovers`): whoever begins the unit
-next removes them. Dataset readers skip names that begin with
-``_``, so ``pyarrow.dataset.dataset(RUN_DIR/annotations)``, DuckDB's
+record is written the same way. A unit begun afresh is followed as its store writes
+it, its records held in memory up to :data:`HOLD_BYTES` over the units in progress, so
+that finishing it reads back none of its store (past that, the records not held, once);
+a unit resumed from an earlier run's shards is consolidated from them. A unit with a
+record is finished and is skipped on resume without being read; a unit killed between
+the two renames is consolidated again from its store, which gives the same file. A
+worker killed while it wrote leaves temporaries
+(:mod:`~llm_annotator.jobs.rundir.leftovers`): whoever begins the unit next removes
+them. Dataset readers skip names that begin with ``_``, so
+``pyarrow.dataset.dataset(RUN_DIR/annotations)``, DuckDB's
 ``read_parquet('RUN_DIR/annotations/*.parquet')`` and ``datasets.load_dataset`` read the
 units' files as one dataset.
 """
@@ -64,6 +68,7 @@ from llm_annotator.jobs.rundir.leftovers import (
     store_leftovers,
     unit_leftovers,
 )
+from llm_annotator.jobs.rundir.loading import HoldBudget, Written
 from llm_annotator.jobs.rundir.store import ResultStore, output_write_error
 
 log = structlog.get_logger(__name__)
@@ -82,6 +87,9 @@ _TYPES: Mapping[str, pa.DataType] = {
 }
 """The types of the answer columns when a unit has no value in one (no error at all)."""
 _COUNTS = ("rows", "succeeded", "failed", "prompt_tokens", "output_tokens")
+HOLD_BYTES = 128 << 20
+"""Bytes of records a corpus job holds in memory, over its units in progress, so that
+finishing a unit does not read its store back."""
 
 
 @dataclass(slots=True)
@@ -92,6 +100,8 @@ class _Open:
     store: ResultStore
     claim: Claim | None = None
     """The unit's claim, for a worker that takes units by claims."""
+    followed: Written | None = None
+    """The records its store writes, for a unit begun afresh."""
     read: int = 0
     """Rows of the unit read so far, done before or not."""
     expected: int = 0
@@ -160,6 +170,8 @@ class PartitionedStore:
         types: The types of output columns known up front (an output schema's).
         claims: For a worker that takes units by claims: its claims, checked before
             each write (a unit lost to another worker is written no more).
+        hold_bytes: Bytes of records held in memory over the units in progress, so
+            that finishing a unit begun afresh does not read its store back.
     """
 
     def __init__(
@@ -172,6 +184,7 @@ class PartitionedStore:
         column_order: Sequence[str] = (),
         types: Mapping[str, pa.DataType] | None = None,
         claims: Claims | None = None,
+        hold_bytes: int = HOLD_BYTES,
     ) -> None:
         self.run_dir = run_dir
         self.claims = claims
@@ -191,6 +204,7 @@ class PartitionedStore:
         """One thread finishes the units, one after another: consolidating a unit is
         far faster than annotating it, and one thread keeps the memory of one."""
         self._failure: BaseException | None = None
+        self._budget = HoldBudget(hold_bytes)
         self._lock = threading.Lock()
         """Held while open stores are synced or a finished one is closed."""
         self.finished_now = UnitCounts()
@@ -253,7 +267,11 @@ class PartitionedStore:
             exclusive=claim is None,
         )
         self._lost.discard(unit.index)  # claimed again: this worker's once more
-        self._open[unit.index] = _Open(unit, store, claim)
+        written = None
+        if store.is_fresh:  # else resumed: its finish reads the shards it found
+            written = Written(store.shard_path, self._budget)
+            store.follow(written)
+        self._open[unit.index] = _Open(unit, store, claim, written)
         if claim is not None:
             self._held[unit.index] = claim
         self._remove_leftovers(unit, directory, claim)
@@ -300,6 +318,8 @@ class PartitionedStore:
         self._held.pop(index, None)
         with self._lock:
             work.store.discard()
+        if work.followed is not None:
+            work.followed.release()
         log.warning("unit_given_up", unit=work.unit.name, written=work.written)
 
     def take(self, row: Row) -> bool:
@@ -365,6 +385,8 @@ class PartitionedStore:
         with self._lock:
             for work in list(self._open.values()):
                 work.store.close()
+                if work.followed is not None:
+                    work.followed.release()
             self._open.clear()
 
     async def drain(self) -> None:
@@ -392,6 +414,13 @@ class PartitionedStore:
 
     def _finish(self, work: _Open) -> None:
         """Close a unit's store and write its Parquet file and record (a worker thread)."""
+        try:
+            self._finish_unit(work)
+        finally:
+            if work.followed is not None:
+                work.followed.release()
+
+    def _finish_unit(self, work: _Open) -> None:
         unit = work.unit
         claim = work.claim
         if claim is not None and self.claims is not None and not self.claims.renew(claim):
@@ -408,6 +437,7 @@ class PartitionedStore:
                 target=written,
                 constants={FILE_COLUMN: unit.file.name},
                 types=self._types,
+                written=work.followed,
             )
         except OSError as error:
             if self._taken_meanwhile(work):  # its taker removed this worker's temporary
@@ -441,7 +471,7 @@ class PartitionedStore:
             "output_tokens": result.output_tokens,
             "by_finish_reason": result.by_finish_reason,
             "by_error_type": result.by_error_type,
-            "schema": _schema_text(target) if result.num_rows else [],
+            "schema": _schema_text(result.schema) if result.num_rows else [],
         }
         if work.bad is not None:
             counts["skipped"] = work.bad
@@ -496,12 +526,9 @@ def _unit_of(unit: int | None) -> int:
     return unit
 
 
-def _schema_text(path: Path) -> list[list[str]]:
+def _schema_text(schema: pa.Schema | None) -> list[list[str]]:
     """A Parquet file's columns and their types, as text."""
-    import pyarrow.parquet as pq
-
-    schema = pq.read_schema(path)
-    return [[f.name, str(f.type)] for f in schema]
+    return [[f.name, str(f.type)] for f in schema or ()]
 
 
 def read_unit_records(run_dir: Path) -> dict[str, dict[str, Any]]:

@@ -12,7 +12,9 @@ A run directory looks like this::
 Each record is one line written whole: a process killed mid-write leaves at most a
 truncated last line, which the next open cuts off (that row is simply run again).
 Opening reads every shard and keeps the ids that have a result, not the records, in
-compact :class:`~llm_annotator.jobs.ids.IdSet` s.
+compact :class:`~llm_annotator.jobs.ids.IdSet` s. A store that found no shard may hand
+each line it writes to a :class:`LineSink` as well (:meth:`ResultStore.follow`), so
+that what it wrote can be consolidated without reading it back.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 import orjson
@@ -62,6 +64,7 @@ __all__ = [
     "LOCK_FILE",
     "SHARDS_DIR",
     "DirectoryLock",
+    "LineSink",
     "ResultStore",
     "StoredRecords",
     "atomic_write",
@@ -221,6 +224,14 @@ class _Records:
         )
 
 
+class LineSink(Protocol):
+    """What follows a store's writing (:meth:`ResultStore.follow`)."""
+
+    def add(self, line: bytes) -> None:
+        """One record as the store writes it into its shard: its JSON, before the
+        newline."""
+
+
 class DirectoryLock:
     """An exclusive ``flock`` on ``<directory>/.lock``, which holds the owner's pid."""
 
@@ -318,6 +329,8 @@ class ResultStore:
         """Each record found at open: its id's hash, its row's content hash, success."""
         self._redo: np.ndarray[Any, np.dtype[np.uint64]] | None = None
         self._redone = IdSet()
+        self._fresh = False
+        self._sink: LineSink | None = None
 
     @classmethod
     def open(
@@ -384,6 +397,7 @@ class ResultStore:
             except OSError as error:
                 raise output_write_error(error, error.filename or directory, directory) from None
             store._done_at_open = store.num_done
+            store._fresh = not shards
             try:
                 store._start_shard(shards)
             except OSError as error:
@@ -438,6 +452,26 @@ class ResultStore:
         input (its input was changed with ``force``, or it was made before inputs were
         recorded): consolidate only the input's ids then."""
         return self._mixed_inputs
+
+    @property
+    def is_fresh(self) -> bool:
+        """Whether the directory held no shard when the store opened: its records are
+        all those this store writes."""
+        return self._fresh
+
+    def follow(self, sink: LineSink) -> None:
+        """Hand ``sink`` each record this store writes from now on, as it writes it.
+
+        Raises:
+            JobError: If the store is not fresh (:attr:`is_fresh`) or has written
+                already: the sink would not see every record of the directory.
+        """
+        if not self._fresh or self._written:
+            raise JobError(
+                f"the result store of {self._directory} found or wrote records before: "
+                "a sink would miss them"
+            )
+        self._sink = sink
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -523,6 +557,8 @@ class ResultStore:
         with self._buffer_lock:
             self._buffer += line
             self._buffer += b"\n"
+        if self._sink is not None:
+            self._sink.add(line)
         failed = is_error_record(record)
         if self._redo is not None:
             self._redone.add(row_id)
