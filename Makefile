@@ -1,5 +1,5 @@
 # The two commands a newcomer needs are `make demo` and `make test`; the rest are parts.
-.PHONY: demo test lint docs bench vllm-env
+.PHONY: demo test lint docs docs-build bench vllm-env
 
 demo:
 	bash scripts/demo.sh
@@ -10,7 +10,12 @@ test:
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy && .venv/bin/lint-imports
 
-docs:
+# The documentation: `make docs` builds it strictly into site/ (any warning fails), then
+# serves it on http://127.0.0.1:8000 until Ctrl-C; `make docs-build` only builds.
+docs: docs-build
+	.venv/bin/mkdocs serve --strict
+
+docs-build:
 	.venv/bin/mkdocs build --strict --site-dir site
 
 bench:

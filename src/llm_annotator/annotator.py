@@ -118,7 +118,7 @@ class VLLMQueueAnnotator(QueuePool):
             to whichever member is free, a member never idles while work waits, and
             an evicted member's groups go to the others. A stream's ``warmup``
             conversation is sent to each member once before its first sample. Off by
-            default (see the README's figures).
+            default (see the performance guide, docs/performance.md).
         clock: Where the pool reads the time and sleeps: the system's by default; a
             test gives a fake one so that health intervals, backoff and deadlines pass
             without waiting.

@@ -196,7 +196,7 @@ POOL_ACTIONS = {
     ErrorKind.HTTP_ERROR: Action.ERROR_ROW,
     ErrorKind.POISON: Action.ERROR_ROW,
 }
-"""The failure taxonomy of the README's table: the server's faults are re-sent
+"""The failure taxonomy of the pool guide's table (docs/pool.md): the server's faults are re-sent
 elsewhere, the sample's stay error rows."""
 
 
