@@ -18,6 +18,7 @@ Standard error speaks one language at a time:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Mapping, MutableMapping
@@ -171,11 +172,20 @@ class _Outlets:
     def msg(self, event: MutableMapping[str, Any]) -> None:
         """Write one record (the processors' event dict)."""
         with self._lock:
+            stderr = sys.stderr  # looked up each time: a test may have replaced it
             if self.file is not None:
                 plain = self.plan.file_format == "console"
-                self.file.write(self._render(self._plain if plain else self._json, event))
-                self.file.flush()
-            stderr = sys.stderr  # looked up each time: a test may have replaced it
+                try:
+                    self.file.write(self._render(self._plain if plain else self._json, event))
+                    self.file.flush()
+                except OSError as error:  # a full disk: the job goes on, said once
+                    file, self.file = self.file, None
+                    with contextlib.suppress(OSError):
+                        file.close()  # what it still buffers cannot be written either
+                    stderr.write(
+                        f"{self.prog}: the log file cannot be written ({error.strerror or error}); "
+                        "log records are dropped from here on\n"
+                    )
             if self.plan.records_on_stderr:
                 console = self.plan.stderr == "console"
                 stderr.write(self._render(self._console if console else self._json, event))

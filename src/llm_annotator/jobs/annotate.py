@@ -300,11 +300,12 @@ class Annotator:
         if store.num_records:  # resumed: what changed in the input since?
             try:
                 changes = await asyncio.to_thread(_changes, job_rows(), store)
-                _accept_changes(changes, spec)
+                _accept_changes(changes, spec, input_changed=store.input_changed)
             except BaseException:
+                await asyncio.to_thread(store.undo_record)  # refused: job.json as it was
                 await asyncio.to_thread(store.close)
                 raise
-            store.redo(changes.redo)
+            store.redo(changes.redo, changes.demoted)
             resumed, stale = changes.done, changes.stale
             if store.mixed_inputs or changes.left_out:  # results of rows not in this input
                 keep = changes.keep
@@ -569,13 +570,23 @@ def _changes(rows: Iterator[Row], store: ResultStore) -> InputChanges:
     )
 
 
-def _accept_changes(changes: InputChanges, spec: JobSpec) -> None:
-    """Refuse, unless forced, to replace answers of rows whose content changed; log
-    what changed either way.
+def _accept_changes(changes: InputChanges, spec: JobSpec, *, input_changed: bool) -> None:
+    """Refuse, unless forced, to replace answers of rows whose content changed, or to
+    keep answers that hold no content hash (made before contents were recorded) for an
+    input that is not the one they were made from; log what changed either way.
 
     Raises:
-        FingerprintMismatchError: Answers would be replaced and ``spec.force`` is False.
+        FingerprintMismatchError: Answers would be replaced, or kept without knowing
+            their rows' content, and ``spec.force`` is False.
     """
+    if changes.unknown and input_changed and not spec.force:
+        raise FingerprintMismatchError(
+            f"{spec.output_dir} holds results of {changes.unknown} rows of this input made "
+            "before row contents were recorded, and its input changed since: pass force=True "
+            "(CLI --force) to keep them as they are (only other rows are sent), or choose a "
+            "new output directory",
+            changes=["input changed"],
+        )
     if not changes.changed and not changes.left_out:
         return
     shown = ", ".join(repr(row_id) for row_id in changes.examples)

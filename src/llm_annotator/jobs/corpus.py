@@ -210,7 +210,14 @@ def _cutting(recorded: dict[str, Any] | None, spec: JobSpec) -> tuple[int, bool]
     size = int(listing.get("unit_bytes", UNIT_BYTES))
     if spec.unit_size is not None and asked != size:
         log.warning("unit_size_kept", asked=asked, kept=size, why="the run began with it")
-    return size, bool(listing.get("split_lines", False))
+    split = bool(listing.get("split_lines", False))
+    if split and spec.id_column is None:
+        raise ConfigurationError(
+            "this run cut its large JSONL files into byte ranges, whose rows need an id "
+            "column (a range does not know its rows' positions): give the id column it "
+            "began with (--id-column), or run in a new output directory"
+        )
+    return size, split
 
 
 def _pair(shard: Shard) -> tuple[int, int]:
@@ -340,6 +347,7 @@ async def _run(
             await asyncio.to_thread(remove_corpus_leftovers, run_dir, set(listing["units"]))
         except (OSError, JobError) as error:  # the annotations are whole all the same
             log.warning("leftovers_not_removed", output_dir=str(run_dir), error=str(error))
+        await asyncio.to_thread(_check_ranges_ids, plan.corpus, run_dir / ANNOTATIONS_DIR)
     output = run_dir / ANNOTATIONS_DIR
     result = this.consolidated(output)
     seconds = time.monotonic() - plan.started
@@ -375,6 +383,43 @@ async def _run(
         seconds=seconds,
         merged_path=output if manifest["complete"] else None,
     )
+
+
+def _check_ranges_ids(corpus: Corpus, output: Path) -> None:
+    """Refuse, naming them, ids that stand in more than one byte range of a file: each
+    range checks its own ids as it is read, but only the whole output knows them all.
+
+    Raises:
+        InputError: An id of a file cut into byte ranges is in two of them.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    ranges: dict[str, list[Unit]] = {}
+    for unit in corpus.units:
+        if unit.span is not None:
+            ranges.setdefault(unit.file.name, []).append(unit)
+    for name, units in ranges.items():
+        columns = [
+            pq.read_table(output / unit.output_name, columns=["id"]).column("id")
+            for unit in units
+            if (output / unit.output_name).exists()
+        ]
+        if not columns:
+            continue
+        ids = pa.chunked_array([chunk for column in columns for chunk in column.chunks])
+        counts = pc.value_counts(ids)
+        repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+        if len(repeated):
+            shown = ", ".join(repr(value) for value in repeated[:3].to_pylist())
+            log.error("ids_repeated_across_ranges", file=name, ids=len(repeated))
+            raise InputError(
+                f"{name}: {len(repeated)} ids stand in more than one of its byte ranges "
+                f"({shown}); ids must be unique within a file, and each range could check only "
+                "its own. Each such row was annotated once per range: fix the input's ids and "
+                "run it again in a new output directory"
+            )
 
 
 async def _renew(store: PartitionedStore, claims: Claims) -> None:

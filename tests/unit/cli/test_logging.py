@@ -186,3 +186,19 @@ def test_demo_in_a_pipe_says_a_servers_fall_once_and_prints_no_record(
     assert _records(done.stdout) == [] and _records(done.stderr) == [], done.stderr[-2000:]
     assert f"server 2 {refused_url}: 0 rows in the output, state evicted" in done.stdout
     assert "member_down" not in done.stderr
+
+
+def test_a_log_file_on_a_full_disk_drops_records_once_said_and_never_raises(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A log file that cannot be written (``/dev/full``: no space) never makes a log
+    call raise: the first failure is said once on standard error, later records dropped."""
+    from llm_annotator.cli._logging import _Outlets
+
+    plan = log_plan(tty=False, human=True, log_format=None, log_file="/dev/full")
+    with open("/dev/full", "w", encoding="utf-8") as full:
+        outlets = _Outlets(plan, HumanLines(), "llm-annotator run", full)
+        for n in range(3):
+            outlets.msg({"event": "progress", "done": n, "level": "info"})
+    said = capsys.readouterr().err
+    assert said.count("the log file cannot be written") == 1, said

@@ -292,8 +292,9 @@ def test_merge_removes_what_workers_killed_while_writing_left_once_every_unit_is
 ) -> None:
     """Temporaries of a unit's Parquet file, of its record and of its store's job.json
     (a worker killed while it wrote them) are removed by ``merge`` once every unit is
-    finished, with the manifest's temporaries left for a lease; while a unit is not
-    finished, or its store is locked by a live writer (a retry), they are kept."""
+    finished and they went a lease unmodified, as the manifest's temporaries; while a
+    unit is not finished, its store is locked by a live writer (a retry), or they are
+    fresh (a retry that let go of the lock renames its file now), they are kept."""
     import os
     import tempfile
 
@@ -320,6 +321,9 @@ def test_merge_removes_what_workers_killed_while_writing_left_once_every_unit_is
         annotations / f".{unit}.new",
     ]
     left[-1].write_bytes(b"PAR1")
+    for path in left:
+        os.utime(path, (path.stat().st_mtime - 3600,) * 2)
+    fresh = left_by_a_kill(annotations / "_units", f"{unit}.json")  # being written now
     old_manifest = left_by_a_kill(annotations, MANIFEST_FILE)
     os.utime(old_manifest, (old_manifest.stat().st_mtime - 3600,) * 2)
     fresh_manifest = left_by_a_kill(annotations, MANIFEST_FILE)
@@ -341,7 +345,7 @@ def test_merge_removes_what_workers_killed_while_writing_left_once_every_unit_is
         lock.release()
     assert [path for path in [*left, old_manifest] if path.exists()] == []
     assert fresh_manifest.exists()  # a worker writing the manifest now may own it
-    assert being_written.exists()
+    assert being_written.exists() and fresh.exists()
     assert {p: p.stat().st_mtime_ns for p in annotations.glob("*.parquet")} == files
     assert len(output_rows(run)) == 25 + 26
 
@@ -402,3 +406,26 @@ def test_workers_claim_one_files_byte_ranges_and_a_run_keeps_how_it_was_cut(
         assert len(list((run / ANNOTATIONS_DIR).glob("*.parquet"))) == len(units)
         with pytest.raises(ConfigurationError, match="rows in memory are one job"):
             pool.annotate(records, TEMPLATE, tmp_path / "mem", shard="claim", progress=False)
+
+
+def test_an_id_in_two_byte_ranges_of_a_file_is_refused_by_name(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """Each range checks its own ids as it reads them; an id repeated in another range of
+    the same file is found once every unit is written, and the job ends with one error
+    naming the file and the ids, not with a silent duplicate."""
+    records = [{"id": i % 30, "text": f"t{i}"} for i in range(60)]
+    data = write_jsonl(tmp_path / "one.jsonl", records)
+    with (
+        pool_of([fake_server]) as pool,
+        pytest.raises(InputError, match=r"one\.jsonl: 30 ids stand in more than one of its byte"),
+    ):
+        pool.annotate(
+            data,
+            TEMPLATE,
+            tmp_path / "run",
+            id_column="id",
+            shard="claim",
+            unit_size=256,
+            progress=False,
+        )

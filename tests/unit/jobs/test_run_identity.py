@@ -318,3 +318,78 @@ def test_shards_forced_onto_another_input_merge_only_its_rows(
         merge(out)
     ids_file.write_bytes(kept)
     assert ids_of(merge(out).output_path) == [500 + i for i in range(40)]
+
+
+def test_a_refused_change_leaves_job_json_as_it_was(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """A run refused for changed rows sends nothing and writes nothing: job.json still
+    names the input it was made over, not mixed."""
+    out = tmp_path / "run"
+    first = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"t{i}"} for i in range(5)])
+    edited = write_jsonl(tmp_path / "b.jsonl", [{"id": i, "text": f"x{i}"} for i in range(5)])
+    with pool_of(fake_server) as pool:
+        pool.annotate(first, TEMPLATE, out, id_column="id", progress=False)
+        before = (out / "job.json").read_bytes()
+        with pytest.raises(FingerprintMismatchError):
+            pool.annotate(edited, TEMPLATE, out, id_column="id", progress=False)
+    assert orjson.loads((out / "job.json").read_bytes()) == orjson.loads(before)
+
+
+def test_retry_errors_sends_again_a_changed_row_whose_new_answer_failed(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """A changed row sent again with force fails; a later run with retry_errors sends it
+    once more (its old answer is stale, so its error decides), and the output then
+    holds its new answer."""
+    first = write_jsonl(tmp_path / "a.jsonl", [{"id": i, "text": f"t{i}"} for i in range(4)])
+    changed = write_jsonl(
+        tmp_path / "b.jsonl", [{"id": i, "text": "bad" if i == 2 else f"t{i}"} for i in range(4)]
+    )
+    out = tmp_path / "run"
+
+    async def refuse_bad(request: dict[str, Any]) -> Any:
+        if "bad" in request["messages"][-1]["content"]:
+            return error(500, "EngineCore failed", "InternalServerError")
+        return await echo(request)
+
+    with pool_of(fake_server) as pool:
+        pool.annotate(first, TEMPLATE, out, id_column="id", progress=False)
+        fake_server.handler = refuse_bad
+        failed = pool.annotate(changed, TEMPLATE, out, id_column="id", progress=False, force=True)
+        assert failed.num_failed == 1
+        fake_server.handler = echo
+        fake_server.requests.clear()
+        again = pool.annotate(
+            changed, TEMPLATE, out, id_column="id", progress=False, retry_errors=True
+        )
+    assert [r["messages"][-1]["content"] for r in fake_server.requests] == ["Label: bad"]
+    rows = {row["id"]: row for row in pq.read_table(again.output_path).to_pylist()}
+    assert rows[2]["response"] == "Label: bad" and not rows[2]["error"]
+
+
+def test_results_made_before_contents_were_recorded_meet_another_input_refused(
+    fake_server: FakeServer, tmp_path: Path
+) -> None:
+    """Records without a content hash (an older version's) cannot tell a changed row:
+    over another input (by position) the run is refused as before, and with force keeps
+    them; over the same input it resumes."""
+    first = write_jsonl(tmp_path / "a.jsonl", [{"text": f"t{i}"} for i in range(4)])
+    edited = write_jsonl(tmp_path / "b.jsonl", [{"text": f"x{i}"} for i in range(4)])
+    out = tmp_path / "run"
+    with pool_of(fake_server) as pool:
+        pool.annotate(first, TEMPLATE, out, progress=False)
+        for shard in (out / "shards").glob("*.jsonl"):
+            records = [orjson.loads(line) for line in shard.read_bytes().splitlines()]
+            shard.write_bytes(
+                b"".join(
+                    orjson.dumps({k: v for k, v in r.items() if k != "_input_hash"}) + b"\n"
+                    for r in records
+                )
+            )
+        sent = len(fake_server.requests)
+        assert pool.annotate(first, TEMPLATE, out, progress=False).num_resumed == 4
+        with pytest.raises(FingerprintMismatchError, match="before row contents were recorded"):
+            pool.annotate(edited, TEMPLATE, out, progress=False)
+        forced = pool.annotate(edited, TEMPLATE, out, progress=False, force=True)
+    assert len(fake_server.requests) == sent and forced.num_resumed == 4

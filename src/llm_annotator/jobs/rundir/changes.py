@@ -29,6 +29,8 @@ EXAMPLES = 5
 """Changed ids named in a refusal at most."""
 _CHUNK = 1 << 14
 """Input rows compared at once."""
+_CANDIDATES = 64
+"""Changed rows kept (id, hash) to name the first few of those whose answers change."""
 
 _Hashes = np.ndarray[Any, np.dtype[np.uint64]]
 
@@ -49,7 +51,11 @@ class InputChanges:
             those with an answer, else of any.
         stale: Keys (:func:`~llm_annotator.jobs.ids.mix_hashes`, sorted, unique) of the
             records made from content the input no longer holds.
+        demoted: Id hashes (sorted) of rows sent again already whose every answer is
+            stale: their latest error decides whether they are done.
         left_out: Ids with records that are not in the input.
+        unknown: Input rows whose latest record holds no content hash (written before
+            contents were recorded): counted as unchanged.
     """
 
     rows: int
@@ -59,7 +65,9 @@ class InputChanges:
     replaced: int
     examples: tuple[RowId, ...]
     stale: _Hashes
+    demoted: _Hashes
     left_out: int
+    unknown: int = 0
 
     @property
     def changed(self) -> int:
@@ -80,11 +88,10 @@ def compare(rows: Iterable[tuple[RowId, int, int, bool]], stored: StoredRecords)
         >>> changes.done, changes.changed, changes.replaced, changes.examples, changes.left_out
         (1, 1, 1, ('b',), 1)
     """
-    last_ids, last_contents, answered = _latest(stored)
+    last_ids, last_contents = _latest(stored)
     id_chunks: list[_Hashes] = []
     content_chunks: list[_Hashes] = []
-    answered_examples: list[RowId] = []
-    other_examples: list[RowId] = []
+    candidates: list[tuple[RowId, int]] = []  # the first changed rows, in input order
     batch: list[tuple[RowId, int, int, bool]] = []
     count = done = 0
 
@@ -103,12 +110,8 @@ def compare(rows: Iterable[tuple[RowId, int, int, bool]], stored: StoredRecords)
         recorded = last_contents[at]
         changed = found & (recorded != 0) & (recorded != contents)
         done += int(np.count_nonzero(finished & ~changed))
-        if len(answered_examples) >= EXAMPLES:
-            return
-        for index in np.flatnonzero(changed).tolist():
-            target = answered_examples if answered[at[index]] else other_examples
-            if len(target) < EXAMPLES:
-                target.append(batch[index][0])
+        for index in np.flatnonzero(changed)[: _CANDIDATES - len(candidates)].tolist():
+            candidates.append((batch[index][0], batch[index][1]))
 
     for row in rows:
         batch.append(row)
@@ -128,7 +131,12 @@ def compare(rows: Iterable[tuple[RowId, int, int, bool]], stored: StoredRecords)
     changed = (now != 0) & (last_contents != 0) & (last_contents != now)
     redo = last_ids[changed]
     stale_answers = np.unique(stored.ids[stale & stored.ok])
-    replaced = int(np.count_nonzero(np.isin(redo, stale_answers)))
+    fresh_answers = np.unique(stored.ids[stored.ok & ~stale & (current != 0)])
+    replacing = np.isin(redo, stale_answers)
+    replaced = int(np.count_nonzero(replacing))
+    wanted = set(redo[replacing].tolist()) if replaced else set(redo.tolist())
+    examples = [row_id for row_id, hashed in candidates if hashed in wanted][:EXAMPLES]
+    demoted = np.setdiff1d(np.setdiff1d(stale_answers, fresh_answers), redo)
     present = now != 0
     return InputChanges(
         rows=count,
@@ -136,23 +144,23 @@ def compare(rows: Iterable[tuple[RowId, int, int, bool]], stored: StoredRecords)
         keep=ids,
         redo=redo,
         replaced=replaced,
-        examples=tuple(answered_examples if replaced else other_examples),
+        examples=tuple(examples),
         stale=np.unique(mix_hashes(stored.ids[stale], stored.contents[stale])),
+        demoted=demoted,
         left_out=int(len(last_ids) - np.count_nonzero(present)),
+        unknown=int(np.count_nonzero(present & (last_contents == 0))),
     )
 
 
-def _latest(stored: StoredRecords) -> tuple[_Hashes, _Hashes, np.ndarray[Any, np.dtype[np.bool_]]]:
-    """Per id (sorted): the content hash of its latest record, and whether any of its
-    records is an answer."""
+def _latest(stored: StoredRecords) -> tuple[_Hashes, _Hashes]:
+    """Per id (sorted): the content hash of its latest record."""
     order = np.argsort(stored.ids, kind="stable")
-    ids, contents, ok = stored.ids[order], stored.contents[order], stored.ok[order]
+    ids, contents = stored.ids[order], stored.contents[order]
     if not len(ids):
-        return ids, contents, ok
+        return ids, contents
     starts = np.flatnonzero(np.append(True, ids[1:] != ids[:-1]))
     ends = np.append(starts[1:], len(ids)) - 1
-    answered = np.logical_or.reduceat(ok, starts)
-    return ids[starts], contents[ends], answered
+    return ids[starts], contents[ends]
 
 
 def _lookup(ids: _Hashes, contents: _Hashes, wanted: _Hashes) -> _Hashes:

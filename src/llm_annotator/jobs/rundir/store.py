@@ -201,6 +201,13 @@ class StoredRecords:
     ok: np.ndarray[Any, np.dtype[np.bool_]]
 
 
+def _holds(hashes: np.ndarray[Any, np.dtype[np.uint64]], row_id: RowId) -> bool:
+    """Whether the sorted id hashes hold ``row_id``'s."""
+    hashed = np.uint64(hash_id(row_id))
+    at = int(np.searchsorted(hashes, hashed))
+    return at < len(hashes) and bool(hashes[at] == hashed)
+
+
 class _Records:
     """:class:`StoredRecords` as they are read: 17 bytes a record."""
 
@@ -328,7 +335,10 @@ class ResultStore:
         self._records = _Records()
         """Each record found at open: its id's hash, its row's content hash, success."""
         self._redo: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+        self._demoted: np.ndarray[Any, np.dtype[np.uint64]] | None = None
         self._redone = IdSet()
+        self._previous_record: dict[str, Any] | None = None
+        self._input_changed = False
         self._fresh = False
         self._sink: LineSink | None = None
 
@@ -377,8 +387,9 @@ class ResultStore:
         lock = DirectoryLock.acquire(directory, "open") if exclusive else None
         try:
             job_path = directory / JOB_FILE
+            previous = read_job_record(job_path, force=force)
             job = job_record(
-                read_job_record(job_path, force=force),
+                previous,
                 fingerprint,
                 where=str(directory),
                 now=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -392,6 +403,13 @@ class ResultStore:
                 raise output_write_error(error, job_path, directory) from None
             store = cls(directory, lock, job["fingerprint"], retry_errors)
             store._mixed_inputs = bool(job.get("mixed_inputs"))
+            store._previous_record = previous
+            old_input = (previous or {}).get("input")
+            store._input_changed = (
+                input_identity is not None
+                and isinstance(old_input, Mapping)
+                and old_input.get("digest") != input_identity.get("digest")
+            )
             try:
                 shards = store._scan(repair=exclusive)  # a write too: only with the lock
             except OSError as error:
@@ -499,6 +517,12 @@ class ResultStore:
         """Whether ``row_id`` has a result and must not be sent again."""
         if self._redo is not None and self._to_redo(row_id):
             return False
+        if (
+            self._demoted is not None
+            and row_id not in self._redone
+            and _holds(self._demoted, row_id)
+        ):
+            return not self._retry_errors  # its answers are stale: its errors decide
         if row_id in self._succeeded:
             return True
         if not self._errors or row_id not in self._errors:
@@ -517,17 +541,38 @@ class ResultStore:
         records, self._records = self._records.frozen(), _Records()
         return records
 
-    def redo(self, id_hashes: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
+    @property
+    def input_changed(self) -> bool:
+        """Whether the input's identity differs from the one ``job.json`` recorded."""
+        return self._input_changed
+
+    def undo_record(self) -> None:
+        """Put back the ``job.json`` this store's opening replaced (a run refused before
+        it sent anything must leave the directory as it found it)."""
+        job_path = self._directory / JOB_FILE
+        with contextlib.suppress(OSError):
+            if self._previous_record is None:
+                job_path.unlink(missing_ok=True)
+            else:
+                with atomic_write(job_path) as file:
+                    file.write(orjson.dumps(self._previous_record, option=orjson.OPT_INDENT_2))
+                    file.write(b"\n")
+
+    def redo(
+        self,
+        id_hashes: np.ndarray[Any, np.dtype[np.uint64]],
+        demoted: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
+    ) -> None:
         """Count the rows of these id hashes (sorted) as not done until each has a new
-        record: their input changed since their results were made."""
+        record: their input changed since their results were made. ``demoted`` (sorted):
+        rows whose only answers were made from content they no longer hold, so that
+        their latest error decides, as for a row that never had an answer."""
         self._redo = id_hashes if len(id_hashes) else None
+        self._demoted = demoted if demoted is not None and len(demoted) else None
 
     def _to_redo(self, row_id: RowId) -> bool:
         redo = self._redo
-        assert redo is not None
-        hashed = np.uint64(hash_id(row_id))
-        at = int(np.searchsorted(redo, hashed))
-        return at < len(redo) and redo[at] == hashed and row_id not in self._redone
+        return redo is not None and _holds(redo, row_id) and row_id not in self._redone
 
     def append(self, record: Mapping[str, Any]) -> None:
         """Write one result record (buffered until :meth:`flush`) and mark its id done.
@@ -560,7 +605,7 @@ class ResultStore:
         if self._sink is not None:
             self._sink.add(line)
         failed = is_error_record(record)
-        if self._redo is not None:
+        if self._redo is not None or self._demoted is not None:
             self._redone.add(row_id)
         self._note(row_id, error=failed)
         if failed and self._retry_errors:

@@ -43,6 +43,7 @@ from llm_annotator.jobs.rundir.consolidate import (
 )
 from llm_annotator.jobs.rundir.fingerprint import read_job_record
 from llm_annotator.jobs.rundir.leftovers import (
+    is_stale,
     remove_leftovers,
     stale_temporaries,
     store_leftovers,
@@ -302,15 +303,21 @@ def remove_corpus_leftovers(
     ``corpus.json`` not modified for ``idle`` seconds (a worker that finishes or starts
     may be writing those right now); how many files were removed.
 
-    A unit whose store's lock another process holds (a unit retried now, with
-    ``retry_errors``: its writer holds the lock while it writes the unit's file) keeps
-    its files."""
+    A unit's temporaries modified within ``idle`` seconds are kept too, as is every one
+    of a unit whose store's lock another process holds: a unit retried now (with
+    ``retry_errors``) is written by a live worker, which renames its file and writes its
+    record after it lets go of the lock."""
     annotations = run_dir / ANNOTATIONS_DIR
     found = unit_leftovers(annotations, annotations / RECORDS_DIR)
     removed = 0
+    now = time.time() if now is None else now
     for output in sorted(outputs):
         store = run_dir / UNITS_DIR / output.removesuffix(".parquet")
-        paths = [*found.get(output, []), *store_leftovers(store)]
+        paths = [
+            path
+            for path in (*found.get(output, []), *store_leftovers(store))
+            if _idle_for(path, idle, now)
+        ]
         if not paths:
             continue
         with _unused(store) as unused:
@@ -318,12 +325,19 @@ def remove_corpus_leftovers(
                 removed += remove_leftovers(paths, unit=output)
             else:
                 log.info("leftovers_kept", unit=output, reason="the unit is being written")
-    now = time.time() if now is None else now
     shared = [
         *stale_temporaries(annotations, [MANIFEST_FILE], idle=idle, now=now),
         *stale_temporaries(run_dir, [CORPUS_FILE], idle=idle, now=now),
     ]
     return removed + remove_leftovers(shared)
+
+
+def _idle_for(path: Path, idle: float, now: float) -> bool:
+    """Whether the file was not modified for ``idle`` seconds (or is gone)."""
+    try:
+        return is_stale(os.lstat(path).st_mtime, now, idle)
+    except FileNotFoundError:
+        return False
 
 
 @contextlib.contextmanager

@@ -95,17 +95,9 @@ class JsonlSource(RowSource):
         return rows, digest.hexdigest()
 
     def _records(self, chosen: Selection | None = None) -> Generator[Record, None, None]:
-        path, loads = self.description, orjson.loads
+        path = self.description
         for position, number, line in self._lines(chosen):
-            where = f"{path} line {number}"
-            try:
-                values = loads(line)
-            except orjson.JSONDecodeError:
-                values = None
-            if type(values) is dict:
-                yield position, where, values, None
-            else:  # decoded again, to say why not
-                yield position, where, *_decoded(line, where)
+            yield _record(position, f"{path} line {number}", line)
 
     def span_rows(self, span: tuple[int, int], unit: int | None) -> Iterator[Row]:
         """The rows whose lines begin within ``span`` (bytes, half-open) of an
@@ -123,7 +115,7 @@ class JsonlSource(RowSource):
 
     def _span_records(self, span: tuple[int, int]) -> Iterator[Record]:
         start, end = span
-        path, loads = self.description, orjson.loads
+        path = self.description
         with self._open() as file:
             try:
                 if start > 0:  # a line that begins before the span is the span before's
@@ -140,17 +132,8 @@ class JsonlSource(RowSource):
                         at, offset = offset, offset + len(line)
                         if at == 0:  # the file's first line: without a byte order mark
                             line = line.removeprefix(_BOM)
-                        if not line.strip():
-                            continue
-                        where = f"{path} byte {at}"
-                        try:
-                            values = loads(line)
-                        except orjson.JSONDecodeError:
-                            values = None
-                        if type(values) is dict:
-                            yield at, where, values, None
-                        else:
-                            yield at, where, *_decoded(line, where)
+                        if line.strip():
+                            yield _record(at, f"{path} byte {at}", line)
             except unreadable() as exc:
                 raise InputError(f"cannot read {self.description}: {exc}") from exc
 
@@ -185,6 +168,17 @@ def _all_valid(ids: list[Any]) -> bool:
     if kinds == {int}:
         return bool(min(ids) >= -INT64_BOUND and max(ids) < INT64_BOUND)
     return kinds == {str} and "" not in ids
+
+
+def _record(position: int, where: str, line: bytes) -> Record:
+    """A line's record: its object, or None and why it is not one."""
+    try:
+        values = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        values = None
+    if type(values) is dict:
+        return position, where, values, None
+    return position, where, *_decoded(line, where)  # decoded again, to say why not
 
 
 def _decoded(line: bytes, where: str) -> tuple[dict[str, Any] | None, str | None]:
