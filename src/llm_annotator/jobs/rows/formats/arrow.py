@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from llm_annotator.errors import InputError
-from llm_annotator.jobs.files import check_input_file, shown_path
+from llm_annotator.jobs.files import check_input_file
 from llm_annotator.jobs.rows.formats.base import Record, RowSource, Selection, batch_records
 
 
@@ -28,9 +28,7 @@ class ArrowSource(RowSource):
     def __init__(
         self, path: str, id_column: str | None, *, compressed: str | None = None, peek: bool = True
     ) -> None:
-        self._path = path
-        self.description = shown_path(path)
-        self.id_column = id_column
+        self._take_file(path, id_column)
         with self._reader() as reader:
             self.columns = tuple(reader.schema.names)
 

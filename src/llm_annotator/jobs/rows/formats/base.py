@@ -23,6 +23,7 @@ import orjson
 import pyarrow as pa
 
 from llm_annotator.errors import InputError
+from llm_annotator.jobs.files import shown_path
 from llm_annotator.jobs.ids import RowId, content_hash, hash_id, id_problem, output_form
 
 PARQUET_BATCH_ROWS = 1024
@@ -166,6 +167,14 @@ class RowSource(ABC):
         Raises:
             InputError: The input cannot be read.
         """
+
+    def _take_file(self, path: str, id_column: str | None, compressed: str | None = None) -> None:
+        """What every file reader keeps of its arguments: the path, how messages name
+        it, the id column and the compression."""
+        self._path = path
+        self.description = shown_path(path)
+        self.id_column = id_column
+        self._compressed = compressed
 
     @classmethod
     def holds(cls, data: Any) -> bool:

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import IO
 
 from llm_annotator.errors import InputError
-from llm_annotator.jobs.files import shown_path
 from llm_annotator.jobs.rows.formats.base import Record, RowSource, Selection
 from llm_annotator.jobs.rows.formats.compression import decompressed, unreadable
 
@@ -29,10 +28,7 @@ class CsvSource(RowSource):
     def __init__(
         self, path: str, id_column: str | None, *, compressed: str | None = None, peek: bool = True
     ) -> None:
-        self._path = path
-        self.description = shown_path(path)
-        self.id_column = id_column
-        self._compressed = compressed
+        self._take_file(path, id_column, compressed)
         with self._open() as file:
             header = next(self._lines(file), None)
         if header is None:

@@ -17,7 +17,6 @@ from typing import IO, Any
 import orjson
 
 from llm_annotator.errors import InputError
-from llm_annotator.jobs.files import shown_path
 from llm_annotator.jobs.ids import INT64_BOUND, hash_id
 from llm_annotator.jobs.rows.formats.base import Record, Row, RowSource, Selection
 from llm_annotator.jobs.rows.formats.compression import decompressed, unreadable
@@ -34,10 +33,7 @@ class JsonlSource(RowSource):
     def __init__(
         self, path: str, id_column: str | None, *, compressed: str | None = None, peek: bool = True
     ) -> None:
-        self._path = path
-        self.description = shown_path(path)
-        self.id_column = id_column
-        self._compressed = compressed
+        self._take_file(path, id_column, compressed)
         self.columns = None
         if peek:
             with closing(self._records()) as records:

@@ -36,9 +36,7 @@ class ParquetSource(RowSource):
     def __init__(
         self, path: str, id_column: str | None, *, compressed: str | None = None, peek: bool = True
     ) -> None:
-        self._path = path
-        self.description = shown_path(path)
-        self.id_column = id_column
+        self._take_file(path, id_column)
         try:
             with self._file() as file:
                 self.columns = tuple(file.schema_arrow.names)
