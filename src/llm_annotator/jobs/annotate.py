@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -32,18 +32,13 @@ from llm_annotator.errors import (
 )
 from llm_annotator.jobs.answers.records import RecordBuilder
 from llm_annotator.jobs.answers.schema import OutputSchema
-from llm_annotator.jobs.corpus import Runner, annotate_corpus
+from llm_annotator.jobs.corpus import annotate_corpus
 from llm_annotator.jobs.files import check_entry
 from llm_annotator.jobs.ids import hash_id
+from llm_annotator.jobs.loop.driver import Finished, Prepared, Runner, run_job
 from llm_annotator.jobs.loop.interrupt import Interrupt, handling_signals
-from llm_annotator.jobs.loop.runner import Cadence, JobRun, varies
-from llm_annotator.jobs.loop.summary import (
-    REPORT_NAME,
-    healthy_servers,
-    hedged_requests,
-    job_report,
-    write_json,
-)
+from llm_annotator.jobs.loop.runner import Cadence, JobRun
+from llm_annotator.jobs.loop.summary import REPORT_NAME
 from llm_annotator.jobs.protocols import ModelSource
 from llm_annotator.jobs.result import AnnotationResult
 from llm_annotator.jobs.rows.corpus import is_corpus
@@ -68,13 +63,12 @@ from llm_annotator.jobs.rundir.store import (
     output_write_error,
 )
 from llm_annotator.jobs.shards.merge import merge_if_complete
-from llm_annotator.jobs.shards.shard import SHARDING_FILE, Shard, claim, read_sharding
+from llm_annotator.jobs.shards.shard import SHARDING_FILE, Shard, claim, not_sharded
 from llm_annotator.jobs.spec import JobArgs, JobSpec, documents_options, retry_choice
 from llm_annotator.jobs.watch.live_metrics import LiveMetrics
-from llm_annotator.jobs.watch.observer import Observer
 from llm_annotator.jobs.watch.progress import Progress
 from llm_annotator.jobs.watch.status import STATUS_FILE, StatusFile
-from llm_annotator.jobs.watch.timeline import TIMELINE_FILE, RunWatch
+from llm_annotator.jobs.watch.timeline import TIMELINE_FILE
 
 log = structlog.get_logger(__name__)
 
@@ -285,7 +279,7 @@ class Annotator:
         run_dir = spec.output_dir
         await asyncio.to_thread(check_run_directory, run_dir)
         if shard is None:
-            await asyncio.to_thread(_not_sharded, run_dir)
+            await asyncio.to_thread(not_sharded, run_dir)
         else:
             await asyncio.to_thread(claim, run_dir, shard, fingerprint, force=spec.force)
             fingerprint = {**fingerprint, "shard": {"index": shard.index, "count": shard.count}}
@@ -309,59 +303,28 @@ class Annotator:
             resumed, stale = changes.done, changes.stale
             if store.mixed_inputs or changes.left_out:  # results of rows not in this input
                 keep = changes.keep
-        status = StatusFile(spec.output_dir, total)
-        log.info(
-            "job_started",
-            input=source.description,
-            rows=total,
-            sample=sample.describe(),
-            done_before=resumed,
-            output_dir=str(spec.output_dir),
-            model=model,
-        )
-        job = JobRun(
-            client=self.client,
-            cadence=Cadence(
-                batch_size=self.batch_size,
-                max_concurrent_batches=self.max_concurrent_batches,
-                flush_interval=self.flush_interval,
-                sync_interval=self.sync_interval,
-            ),
-            rows=job_rows(),
-            template=template,
-            system_message=spec.system_message,
-            group_by=spec.group_by,
-            builder=RecordBuilder(schema, spec.columns, validate=spec.checks_answers),
-            schema=schema,
-            validate=spec.validate,
-            postprocess=spec.postprocess,
+        layout = _FileLayout(
+            spec=spec,
             store=store,
-            regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
-            progress=Progress(
-                total,
-                resumed,
-                healthy=lambda: healthy_servers(self.client),
-                bar=self.progress,
-            ),
+            rows_of=job_rows,
+            total=total,
+            resumed=resumed,
+            keep=keep,
+            stale=stale,
+            told={
+                "input": source.description,
+                "rows": total,
+                "sample": sample.describe(),
+                "model": model,
+            },
+            merge_into=run_dir if shard is not None else None,
         )
-        watch = RunWatch(
-            spec.output_dir,
-            job.progress,
-            self.client,
-            resumed,
-            timeline=self.timeline,
-            publish=metrics.publish if metrics is not None else None,
-        )
-        async with Observer(status, watch, job.progress.figures).kept():
-            result = await self._run(spec, job, interrupt, status, resumed, started, keep, stale)
-        if shard is not None:  # the last shard to finish merges them all
-            merged = await asyncio.to_thread(merge_if_complete, run_dir, jsonl=spec.write_jsonl)
-            if merged is not None:
-                result = dataclasses.replace(result, merged_path=merged.output_path)
-        return result
+        builder = RecordBuilder(schema, spec.columns, validate=spec.checks_answers)
+        prepared = Prepared(template, schema, builder, started)
+        return await run_job(self._runner(metrics), spec, interrupt, layout, prepared)
 
     def _runner(self, metrics: LiveMetrics | None) -> Runner:
-        """How this annotator runs a corpus job."""
+        """How this annotator runs a job."""
         return Runner(
             client=self.client,
             cadence=Cadence(
@@ -376,103 +339,89 @@ class Annotator:
             model=lambda: _model_of(self.client),
         )
 
-    async def _run(
-        self,
-        spec: JobSpec,
-        job: JobRun,
-        interrupt: Interrupt,
-        status: StatusFile,
-        resumed: int,
-        started: float,
-        keep: np.ndarray[Any, np.dtype[np.uint64]] | None,
-        stale: np.ndarray[Any, np.dtype[np.uint64]] | None,
-    ) -> AnnotationResult:
-        """Run the job, consolidate its results (only the ids to ``keep``, if given,
-        never the ``stale`` records) and write its report."""
-        store, total = job.store, status.total
-        assert isinstance(store, ResultStore)  # a one-file job's
-        hedged_before = hedged_requests(self.client)
-        interrupt.sending = True
-        try:
-            await job.run(spec.options, spec.gen_kwargs, interrupt)
-        except asyncio.CancelledError:
-            if not interrupt.hard:
-                raise
-            interrupt.uncancel()
-        finally:
-            job.progress.close()
-            if not interrupt.triggered:
-                status.state = "consolidating"
-                await asyncio.to_thread(status.write, job.progress.figures())
-            await asyncio.to_thread(store.close)
-        done = store.num_done
-        if interrupt.triggered:
-            message = (
-                f"stopped by {interrupt.reason}: {done} of {total} rows are written in "
-                f"{spec.output_dir}. Run the same job again to resume; rows already written "
-                "are not sent again."
-            )
-            log.warning("job_interrupted", done=done, total=total, output_dir=str(spec.output_dir))
-            raise RunInterruptedError(
-                message,
-                output_dir=str(spec.output_dir),
-                num_done=done,
-                signum=interrupt.signals[0] if interrupt.signals else None,
-            )
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _FileLayout:
+    """A job over one input for the driver: its rows into one store, consolidated at
+    the end into ``annotations.parquet`` (only the ids to ``keep``, if given, never the
+    ``stale`` records); a shard's run directory is its own folder, and the last shard
+    to finish merges them all into ``merge_into``."""
+
+    spec: JobSpec
+    store: ResultStore
+    rows_of: Callable[[], Iterator[Row]]
+    total: int
+    resumed: int
+    keep: np.ndarray[Any, np.dtype[np.uint64]] | None
+    stale: np.ndarray[Any, np.dtype[np.uint64]] | None
+    told: dict[str, Any]
+    merge_into: Path | None
+    run_dir: Path = dataclasses.field(init=False)
+    status_dir: Path = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.run_dir = self.status_dir = self.spec.output_dir
+
+    def rows(self, job: JobRun, progress: Progress, status: StatusFile) -> Iterator[Row]:
+        return self.rows_of()
+
+    def said(self) -> dict[str, Any]:
+        return self.told
+
+    def running(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
+
+    async def drain(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.store.close()
+
+    async def finish(self, job: JobRun, progress: Progress) -> Finished:
+        spec, total = self.spec, self.total
+        done = self.store.num_done
         try:
             result = await asyncio.to_thread(
                 consolidate,
                 spec.output_dir,
                 jsonl=spec.write_jsonl,
                 column_order=job.builder.output_columns(),
-                keep=keep,
-                stale=stale,
+                keep=self.keep,
+                stale=self.stale,
             )
         except OSError as error:
             raise output_write_error(
                 error, error.filename or spec.output_dir, spec.output_dir, done=done
             ) from None
-        seconds = time.monotonic() - started
-        report = job_report(job, result, total, resumed, seconds, self.client)
-        report["this_run"]["hedged_requests"] = hedged_requests(self.client) - hedged_before
-        report_path = spec.output_dir / REPORT_NAME
-        try:
-            await asyncio.to_thread(write_json, report_path, report)
-        except OSError as error:
-            raise output_write_error(error, report_path, spec.output_dir, done=done) from None
-        log.info(
-            "job_finished",
-            rows=result.num_rows,
-            succeeded=result.num_succeeded,
-            failed=result.num_failed,
-            sent=job.sent,
-            seconds=round(seconds, 2),
-            output=str(result.parquet_path),
-        )
+        problem = None
         if result.num_rows < total:
             # Never silent: a done-id set that claimed a row it never saw (an 8-byte hash
             # collision) would otherwise skip that row without a trace.
             log.error("rows_missing", expected=total, written=result.num_rows)
-            raise JobError(
+            problem = JobError(
                 f"{total - result.num_rows} of the {total} input rows have no result in "
                 f"{spec.output_dir} ({result.num_rows} written): the input changed while the "
                 "job read it, or the set of done ids mistook a new id for a done one (an "
                 "8-byte hash collision, about 1 in 10^4 at 10^8 string ids). The rows "
                 "written are kept; please report this with the run directory's job.json."
             )
-        return AnnotationResult(
-            output_dir=spec.output_dir,
+        return Finished(
+            result=result,
             output_path=result.parquet_path,
             jsonl_path=result.jsonl_path,
-            report_path=report_path,
-            num_rows=result.num_rows,
-            num_succeeded=result.num_succeeded,
-            num_failed=result.num_failed,
-            num_resumed=resumed,
-            num_sent=job.sent,
-            seconds=seconds,
-            num_left_out=result.left_out,
+            left_out=result.left_out,
+            problem=problem,
         )
+
+    async def after(self, result: AnnotationResult) -> AnnotationResult:
+        if self.merge_into is None:
+            return result
+        merged = await asyncio.to_thread(
+            merge_if_complete, self.merge_into, jsonl=self.spec.write_jsonl
+        )
+        if merged is None:
+            return result
+        return dataclasses.replace(result, merged_path=merged.output_path)
 
 
 @contextlib.asynccontextmanager
@@ -486,17 +435,6 @@ async def _serving(metrics: LiveMetrics | None, port: int | None, host: str) -> 
         yield
     finally:
         await asyncio.to_thread(metrics.stop)
-
-
-def _not_sharded(run_dir: Path) -> None:
-    """Refuse a job without a shard in a directory split into shards."""
-    said = read_sharding(run_dir)
-    if said is not None:
-        raise ConfigurationError(
-            f"{run_dir} is split into {said['count']} shards: run each with --shard "
-            f"INDEX/{said['count']} (shard=(index, {said['count']})), or merge what they "
-            f"did with llm-annotator merge {run_dir}"
-        )
 
 
 def _is_path(data: object) -> bool:

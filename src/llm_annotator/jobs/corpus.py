@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,26 +30,18 @@ from typing import Any
 import structlog
 
 from llm_annotator._validate import size_in_bytes
-from llm_annotator.clients.base import Client
 from llm_annotator.errors import (
     ConfigurationError,
     FingerprintMismatchError,
     InputError,
     JobError,
-    RunInterruptedError,
 )
 from llm_annotator.jobs.answers.records import RecordBuilder
 from llm_annotator.jobs.answers.schema import OutputSchema
 from llm_annotator.jobs.files import check_entry, make_directory
+from llm_annotator.jobs.loop.driver import Finished, Prepared, Rows, Runner, run_job
 from llm_annotator.jobs.loop.interrupt import Interrupt
-from llm_annotator.jobs.loop.runner import Cadence, JobRun, varies
-from llm_annotator.jobs.loop.summary import (
-    REPORT_NAME,
-    healthy_servers,
-    hedged_requests,
-    job_report,
-    write_json,
-)
+from llm_annotator.jobs.loop.runner import JobRun
 from llm_annotator.jobs.result import AnnotationResult
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN, UNIT_BYTES, Corpus, Unit, list_corpus
 from llm_annotator.jobs.rows.inputs import Row
@@ -67,14 +59,11 @@ from llm_annotator.jobs.rundir.partitions import (
 )
 from llm_annotator.jobs.rundir.store import JOB_FILE, DirectoryLock, output_write_error
 from llm_annotator.jobs.shards.merge import remove_corpus_leftovers
-from llm_annotator.jobs.shards.shard import Shard, claim, read_sharding
+from llm_annotator.jobs.shards.shard import Shard, claim, not_sharded
 from llm_annotator.jobs.shards.split import SPLIT_RULE, units_of_shard
 from llm_annotator.jobs.spec import JobSpec, retry_choice
-from llm_annotator.jobs.watch.live_metrics import LiveMetrics
-from llm_annotator.jobs.watch.observer import Observer
 from llm_annotator.jobs.watch.progress import Progress
 from llm_annotator.jobs.watch.status import StatusFile
-from llm_annotator.jobs.watch.timeline import RunWatch
 
 log = structlog.get_logger(__name__)
 
@@ -87,19 +76,6 @@ _MODES = {
 }
 _LISTED_CHANGES = 10
 """Changed files named one by one when a corpus is refused on resume."""
-
-
-@dataclass(frozen=True, slots=True)
-class Runner:
-    """How the annotator runs a job: its client and its cadence, and what it shows."""
-
-    client: Client[Any]
-    cadence: Cadence
-    bar: bool | None
-    timeline: bool
-    metrics: LiveMetrics | None
-    model: Callable[[], Any]
-    """Awaitable factory: the model the job runs on, for the fingerprint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +155,7 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         )
         status_dir = shard.directory(run_dir)
     else:
-        await asyncio.to_thread(_not_sharded, run_dir)
+        await asyncio.to_thread(not_sharded, run_dir)
         if claiming:
             claims = await asyncio.to_thread(Claims, run_dir, lease)
             status_dir = run_dir / f"worker-{claims.owner.replace(':', '-')}"
@@ -232,22 +208,116 @@ def _lease(value: Any) -> float:
     return float(value)
 
 
+class _CorpusLayout:
+    """A corpus job's rows and results for the driver: its units' rows, one after the
+    other (or as this worker claims them), into a store of one file per unit."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        plan: _Plan,
+        store: PartitionedStore,
+        todo: list[Unit],
+        known: list[int | None],
+        before: UnitCounts,
+    ) -> None:
+        self.spec = spec
+        self.plan = plan
+        self.run_dir = spec.output_dir
+        self.status_dir = plan.status_dir
+        self.store = store
+        self.todo = todo
+        self.known = known
+        self.before = before
+        self.resumed = before.counts["rows"]
+        self.total = self.resumed + sum(count for count in known if count is not None)
+
+    def rows(self, job: JobRun, progress: Progress, status: StatusFile) -> Rows:
+        estimate = _Estimate(self.todo, self.known, progress, status, base=self.resumed)
+        claims = self.plan.claims
+        if claims is None:
+            return _rows(self.todo, self.store, self.spec, estimate)
+        # a worker's rows also hand the loop its regenerations while it waits
+        return _claimed_rows(self.todo, self.store, claims, self.spec, estimate, job)
+
+    def said(self) -> dict[str, Any]:
+        units = self.plan.units
+        exact = all(count is not None for count in self.known)
+        return {
+            "input": self.plan.corpus.description,
+            "files": len(self.plan.corpus.files),
+            "units": len(units),
+            "units_done": len(units) - len(self.todo),
+            "rows": self.total if exact else None,
+        }
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        claims = self.plan.claims
+        if claims is None:
+            yield
+            return
+        renewing = asyncio.ensure_future(_renew(self.store, claims))
+        try:
+            yield
+        finally:
+            renewing.cancel()
+
+    async def drain(self) -> None:
+        await self.store.drain()
+
+    def close(self) -> None:
+        self.store.close()
+
+    async def finish(self, job: JobRun, progress: Progress) -> Finished:
+        """The manifest; once it is complete, what killed workers left goes."""
+        store, plan, run_dir = self.store, self.plan, self.run_dir
+        this = UnitCounts()
+        if plan.claims is None:  # this process's part: the units it was given
+            for unit in plan.units:
+                record = store.records.get(unit.output_name)
+                if record is not None:
+                    this.add(record)
+        else:  # a worker's: the units it finished
+            this = store.finished_now
+        listing = plan.corpus.listing()
+        manifest = await asyncio.to_thread(write_manifest, run_dir, listing)
+        if manifest["complete"]:  # no unit is written any more
+            try:
+                await asyncio.to_thread(remove_corpus_leftovers, run_dir, set(listing["units"]))
+            except (OSError, JobError) as error:  # the annotations are whole all the same
+                log.warning("leftovers_not_removed", output_dir=str(run_dir), error=str(error))
+            await asyncio.to_thread(_check_ranges_ids, plan.corpus, run_dir / ANNOTATIONS_DIR)
+        output = run_dir / ANNOTATIONS_DIR
+        units = {"total": len(plan.units), "done": this.units, "done_before": self.before.units}
+        return Finished(
+            result=this.consolidated(output),
+            output_path=output,
+            merged_path=output if manifest["complete"] else None,
+            report={"units": units},
+            said={"units": this.units, "corpus_complete": manifest["complete"]},
+        )
+
+    async def after(self, result: AnnotationResult) -> AnnotationResult:
+        return result
+
+
 async def _run(
     runner: Runner, spec: JobSpec, interrupt: Interrupt, plan: _Plan
 ) -> AnnotationResult:
-    run_dir, units, claims = spec.output_dir, plan.units, plan.claims
     store = await asyncio.to_thread(
         PartitionedStore,
-        run_dir,
+        spec.output_dir,
         plan.fingerprint,
         retry_errors=plan.retry,
         force=spec.force,
         column_order=plan.builder.output_columns(),
         types=_schema_types(plan.schema),
-        claims=claims,
+        claims=plan.claims,
     )
+    units = plan.units
     todo = [unit for unit in units if not store.is_finished(unit)]
-    if claims is None:
+    if plan.claims is None:
         todo, known = await asyncio.to_thread(_survey, todo, store, spec)
     else:  # each unit is looked at when claimed: a worker reads only what it takes
         known = [None] * len(todo)
@@ -262,127 +332,9 @@ async def _run(
     for unit in units:
         if store.is_finished(unit) and unit not in todo:
             before.add(store.records[unit.output_name])
-    resumed = before.counts["rows"]
-    total = resumed + sum(count for count in known if count is not None)
-    progress = Progress(
-        total, resumed, healthy=lambda: healthy_servers(runner.client), bar=runner.bar
-    )
-    status = StatusFile(plan.status_dir, total)
-    estimate = _Estimate(todo, known, progress, status, base=resumed)
-    log.info(
-        "job_started",
-        input=plan.corpus.description,
-        files=len(plan.corpus.files),
-        units=len(units),
-        units_done=len(units) - len(todo),
-        rows=total if estimate.exact else None,
-        done_before=resumed,
-        output_dir=str(run_dir),
-    )
-    job = JobRun(
-        client=runner.client,
-        cadence=runner.cadence,
-        rows=_rows(todo, store, spec, estimate),
-        template=plan.template,
-        system_message=spec.system_message,
-        group_by=spec.group_by,
-        builder=plan.builder,
-        schema=plan.schema,
-        validate=spec.validate,
-        postprocess=spec.postprocess,
-        store=store,
-        regenerate=spec.max_regenerations if varies(spec.options, spec.gen_kwargs) else 0,
-        progress=progress,
-    )
-    if claims is not None:  # the worker's rows also hand the loop its regenerations
-        job.rows = _claimed_rows(todo, store, claims, spec, estimate, job)
-    watch = RunWatch(
-        plan.status_dir,
-        progress,
-        runner.client,
-        resumed,
-        timeline=runner.timeline,
-        publish=runner.metrics.publish if runner.metrics is not None else None,
-    )
-    hedged_before = hedged_requests(runner.client)
-    renewing = asyncio.ensure_future(_renew(store, claims)) if claims is not None else None
-    async with Observer(status, watch, progress.figures).kept():
-        interrupt.sending = True
-        try:
-            await job.run(spec.options, spec.gen_kwargs, interrupt)
-            await store.drain()
-        except asyncio.CancelledError:
-            if not interrupt.hard:
-                raise
-            interrupt.uncancel()
-        finally:
-            progress.close()
-            if renewing is not None:
-                renewing.cancel()
-            await asyncio.to_thread(store.close)
-        if interrupt.triggered:
-            done = progress.done
-            log.warning("job_interrupted", done=done, output_dir=str(run_dir))
-            raise RunInterruptedError(
-                f"stopped by {interrupt.reason}: the rows written are kept in {run_dir} "
-                f"({done} rows done). Run the same job again to resume; finished units are "
-                "not read again, rows already written are not sent again.",
-                output_dir=str(run_dir),
-                num_done=done,
-                signum=interrupt.signals[0] if interrupt.signals else None,
-            )
-    status.total = progress.total
-    this = UnitCounts()
-    if claims is None:  # this process's part: the units it was given
-        for unit in units:
-            record = store.records.get(unit.output_name)
-            if record is not None:
-                this.add(record)
-    else:  # a worker's: the units it finished
-        this = store.finished_now
-    listing = plan.corpus.listing()
-    manifest = await asyncio.to_thread(write_manifest, run_dir, listing)
-    if manifest["complete"]:  # no unit is written any more: what killed workers left goes
-        try:
-            await asyncio.to_thread(remove_corpus_leftovers, run_dir, set(listing["units"]))
-        except (OSError, JobError) as error:  # the annotations are whole all the same
-            log.warning("leftovers_not_removed", output_dir=str(run_dir), error=str(error))
-        await asyncio.to_thread(_check_ranges_ids, plan.corpus, run_dir / ANNOTATIONS_DIR)
-    output = run_dir / ANNOTATIONS_DIR
-    result = this.consolidated(output)
-    seconds = time.monotonic() - plan.started
-    report = job_report(job, result, progress.total, resumed, seconds, runner.client)
-    report["this_run"]["hedged_requests"] = hedged_requests(runner.client) - hedged_before
-    report["units"] = {"total": len(units), "done": this.units, "done_before": before.units}
-    report_path = plan.status_dir / REPORT_NAME
-    try:
-        await asyncio.to_thread(write_json, report_path, report)
-    except OSError as error:
-        raise output_write_error(error, report_path, plan.status_dir) from None
-    log.info(
-        "job_finished",
-        rows=result.num_rows,
-        succeeded=result.num_succeeded,
-        failed=result.num_failed,
-        sent=job.sent,
-        units=this.units,
-        seconds=round(seconds, 2),
-        output=str(output),
-        corpus_complete=manifest["complete"],
-    )
-    return AnnotationResult(
-        output_dir=plan.status_dir,
-        output_path=output,
-        jsonl_path=None,
-        report_path=report_path,
-        num_rows=result.num_rows,
-        num_succeeded=result.num_succeeded,
-        num_failed=result.num_failed,
-        num_resumed=resumed,
-        num_sent=job.sent,
-        seconds=seconds,
-        merged_path=output if manifest["complete"] else None,
-    )
+    layout = _CorpusLayout(spec, plan, store, todo, known, before)
+    prepared = Prepared(plan.template, plan.schema, plan.builder, plan.started)
+    return await run_job(runner, spec, interrupt, layout, prepared)
 
 
 def _check_ranges_ids(corpus: Corpus, output: Path) -> None:
@@ -711,15 +663,6 @@ def _record(
         run_dir,
         {"fingerprint": fingerprint, "mode": mode, "corpus": corpus.listing(), "split": SPLIT_RULE},
     )
-
-
-def _not_sharded(run_dir: Path) -> None:
-    said = read_sharding(run_dir)
-    if said is not None:
-        raise ConfigurationError(
-            f"{run_dir} is split into {said['count']} shards: run each with --shard "
-            f"INDEX/{said['count']} (shard=(index, {said['count']}))"
-        )
 
 
 __all__ = ["CORPUS_FILE", "Runner", "annotate_corpus"]

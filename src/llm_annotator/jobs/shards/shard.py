@@ -254,6 +254,21 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:39] + "…"
 
 
+def not_sharded(run_dir: Path) -> None:
+    """Refuse a job without a shard in a directory split into shards.
+
+    Raises:
+        ConfigurationError: Saying how to run each shard, or to merge them.
+    """
+    said = read_sharding(run_dir)
+    if said is not None:
+        raise ConfigurationError(
+            f"{run_dir} is split into {said['count']} shards: run each with --shard "
+            f"INDEX/{said['count']} (shard=(index, {said['count']})), or merge what they "
+            f"did with llm-annotator merge {run_dir}"
+        )
+
+
 def shard_folders(run_dir: Path, count: int) -> dict[int, Path]:
     """The shard folders of a run directory split into ``count`` shards, by index: the
     ``shard-*`` entries there are, listed (never every index tried in turn).
