@@ -32,7 +32,7 @@ from llm_annotator.errors import (
 )
 from llm_annotator.jobs.answers.records import RecordBuilder
 from llm_annotator.jobs.answers.schema import OutputSchema
-from llm_annotator.jobs.corpus import annotate_corpus
+from llm_annotator.jobs.corpus import annotate_corpus, runs_as_units
 from llm_annotator.jobs.files import check_entry
 from llm_annotator.jobs.ids import hash_id
 from llm_annotator.jobs.loop.driver import Finished, Prepared, Runner, run_job
@@ -236,8 +236,9 @@ class Annotator:
         self, spec: JobSpec, interrupt: Interrupt, metrics: LiveMetrics | None
     ) -> AnnotationResult:
         claiming = isinstance(spec.shard, str) and spec.shard.strip() == "claim"
-        if await asyncio.to_thread(is_corpus, spec.data) or (claiming and _is_path(spec.data)):
-            # With claims, one file is a corpus of one file: its units are claimed.
+        if await asyncio.to_thread(is_corpus, spec.data) or (
+            _is_path(spec.data) and await asyncio.to_thread(runs_as_units, spec)
+        ):  # one file cut into units: claimed, or taken by static shards, as a corpus's
             return await annotate_corpus(self._runner(metrics), spec, interrupt)
         if claiming:
             raise ConfigurationError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -59,7 +60,7 @@ from llm_annotator.jobs.rundir.partitions import (
 )
 from llm_annotator.jobs.rundir.store import JOB_FILE, DirectoryLock, output_write_error
 from llm_annotator.jobs.shards.merge import remove_corpus_leftovers
-from llm_annotator.jobs.shards.shard import Shard, claim, not_sharded
+from llm_annotator.jobs.shards.shard import Shard, claim, not_sharded, read_sharding
 from llm_annotator.jobs.shards.split import SPLIT_RULE, units_of_shard
 from llm_annotator.jobs.spec import JobSpec, retry_choice
 from llm_annotator.jobs.watch.progress import Progress
@@ -122,7 +123,7 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
     lease = _lease(spec.claim_lease)
     run_dir = spec.output_dir
     recorded = await asyncio.to_thread(_recorded, run_dir)
-    unit_bytes, split_lines = _cutting(recorded, spec)
+    unit_bytes, split_lines = _cutting(recorded, spec, shard)
     corpus = await asyncio.to_thread(
         list_corpus,
         spec.data,
@@ -175,11 +176,13 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         lock.release()
 
 
-def _cutting(recorded: dict[str, Any] | None, spec: JobSpec) -> tuple[int, bool]:
+def _cutting(
+    recorded: dict[str, Any] | None, spec: JobSpec, shard: Shard | None
+) -> tuple[int, bool]:
     """How the corpus's files are cut into units: the size and whether JSONL files are
     cut into byte ranges (only with an id column). A run keeps what it began with (a
     run begun before JSONL files were cut keeps them whole)."""
-    asked = UNIT_BYTES if spec.unit_size is None else size_in_bytes("unit_size", spec.unit_size)
+    asked = _unit_bytes(spec, shard)
     if recorded is None:
         return asked, spec.id_column is not None
     listing = recorded["corpus"]
@@ -194,6 +197,62 @@ def _cutting(recorded: dict[str, Any] | None, spec: JobSpec) -> tuple[int, bool]
             "began with (--id-column), or run in a new output directory"
         )
     return size, split
+
+
+SHARD_UNIT_MIN = 256 << 10
+"""The smallest unit a static shard of one file cuts it into by itself (``--unit-size``
+cuts smaller): below it, reading the whole file costs each shard less than bookkeeping
+units does."""
+
+
+def _unit_bytes(spec: JobSpec, shard: Shard | None) -> int:
+    """The unit size asked for: ``unit_size``, or for static shards of one file a
+    quarter of a shard's share of it (so that shard ``i`` of ``n`` reads about ``1/n``
+    of the file, in units small enough to balance), between :data:`SHARD_UNIT_MIN` and
+    :data:`~llm_annotator.jobs.rows.corpus.UNIT_BYTES`."""
+    if spec.unit_size is not None:
+        return size_in_bytes("unit_size", spec.unit_size)
+    if shard is None or not isinstance(spec.data, str | os.PathLike):
+        return UNIT_BYTES
+    try:
+        size = os.stat(spec.data).st_size
+    except OSError:
+        return UNIT_BYTES  # the listing says what is wrong with it
+    share = -(-size // (4 * shard.count))
+    return min(UNIT_BYTES, max(SHARD_UNIT_MIN, share))
+
+
+def runs_as_units(spec: JobSpec) -> bool:
+    """Whether a job over one input file runs as a corpus of units (this module)
+    rather than as one store: with claims (``shard="claim"``) always; in a run
+    directory that holds a corpus job (it resumes as it began, or says why not); and
+    with static shards when the file cuts into more than one unit (a large JSONL file
+    with an id column, a Parquet file of many row groups), so that each shard reads
+    about its share of the file, not all of it. A run directory of a one-file job keeps
+    its layout; so does a job the corpus does not take (``limit``, ``write_jsonl``).
+    """
+    run_dir = spec.output_dir
+    if isinstance(spec.shard, str) and spec.shard.strip() == CLAIM:
+        return True
+    shard = Shard.of(spec.shard)
+    try:
+        if check_entry(run_dir / CORPUS_FILE):
+            return True
+        if shard is None or spec.write_jsonl or spec.limit is not None:
+            return False
+        if read_sharding(run_dir) is not None or check_entry(run_dir / JOB_FILE):
+            return False  # begun as one store split by id: it goes on that way
+    except OSError:
+        return False  # the one-file job says what is wrong with the run directory
+    try:
+        corpus = list_corpus(
+            spec.data,
+            unit_bytes=_unit_bytes(spec, shard),
+            split_lines=spec.id_column is not None,
+        )
+    except InputError:
+        return False  # the one-file job says what is wrong with it
+    return len(corpus.units) > 1
 
 
 def _pair(shard: Shard) -> tuple[int, int]:
@@ -665,4 +724,4 @@ def _record(
     )
 
 
-__all__ = ["CORPUS_FILE", "Runner", "annotate_corpus"]
+__all__ = ["CORPUS_FILE", "Runner", "annotate_corpus", "runs_as_units"]

@@ -100,6 +100,7 @@ class Layout(Protocol):
     """The run directory the user named (what the messages speak of)."""
     status_dir: Path
     """Where this process keeps ``status.json``, ``timeline.jsonl`` and the report."""
+
     @property
     def store(self) -> ResultStore | Sink:
         """Where the loop writes the records."""

@@ -119,7 +119,8 @@ class JsonlSource(RowSource):
                     file.readline()
                 offset = file.tell()
                 while offset < end:
-                    block = file.readlines(_BLOCK_BYTES)
+                    # no further than the span's end asks: the next span is another's
+                    block = file.readlines(min(_BLOCK_BYTES, end - offset))
                     if not block:
                         return
                     for line in block:
