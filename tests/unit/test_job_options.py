@@ -76,8 +76,9 @@ def test_annotator_annotate_takes_every_option(tmp_path: Path) -> None:
 def test_the_pool_takes_every_option_and_every_annotator_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``VLLMQueueAnnotator.annotate`` takes the job options and the Annotator's own
-    settings (``flush_interval`` and ``sync_interval`` included) and hands each on."""
+    """``VLLMQueueAnnotator.annotate`` keeps its three positional arguments, takes the
+    job options and the Annotator's own settings (``flush_interval`` and
+    ``sync_interval`` included) as keywords, and hands each on."""
     annotator_keywords = {
         name
         for name, parameter in typing.get_type_hints(Annotator.__init__).items()
@@ -87,6 +88,13 @@ def test_the_pool_takes_every_option_and_every_annotator_setting(
     assert set(PoolJobArgs.__annotations__) == set(OPTIONS) | ANNOTATOR_ARGS
     assert _kwargs_of(VLLMQueueAnnotator.annotate) == set(OPTIONS) | ANNOTATOR_ARGS
     assert _kwargs_of(VLLMQueueAnnotator.aannotate) == set(OPTIONS) | ANNOTATOR_ARGS
+    for method, named in (
+        (VLLMQueueAnnotator.annotate, ()),
+        (VLLMQueueAnnotator.aannotate, ("stop",)),
+    ):
+        parameters = list(inspect.signature(method).parameters.values())[1:-1]
+        assert [p.name for p in parameters] == [*_POSITIONAL, *named], method
+        assert [p.kind for p in parameters[:3]] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 3
     seen: dict[str, Any] = {}
 
     def record(self: Annotator, data: Any, template: str, out: Any, **job: Any) -> None:

@@ -3,21 +3,25 @@
 A run directory records the fingerprint of the job that made it in ``job.json``.
 Resuming with other settings (another prompt, model or output schema) would mix two
 kinds of results in one dataset, so the result store compares fingerprints, names what
-changed, and refuses unless forced.
+changed, and refuses unless forced. Which job options it records, and how, follows
+their declaration (``fingerprinted`` in :mod:`llm_annotator._job_options`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import orjson
 import structlog
 
+from llm_annotator._job_options import JOB_OPTIONS, JobOption
 from llm_annotator.errors import ConfigurationError, FingerprintMismatchError, JobError
-from llm_annotator.jobs.spec import JobSpec
+from llm_annotator.jobs.spec import JobSpec, validator_name
 
 log = structlog.get_logger(__name__)
 
@@ -58,20 +62,125 @@ def make_fingerprint(**settings: Any) -> dict[str, Any]:
     return fingerprint
 
 
+Record = Callable[[JobOption, Any], dict[str, Any]]
+"""How the fingerprint records an option: its declaration and value in, its entries
+out (none: left out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ByCaller:
+    """An option recorded by the caller of :func:`job_fingerprint`, as the extra
+    ``key``: its entry depends on more than the spec (the input's size)."""
+
+    key: str
+
+
+def _unless_default(option: JobOption, value: Any) -> dict[str, Any]:
+    """Under its name, left out at its default: a job that leaves a new option unset
+    keeps the fingerprint it had before the option existed."""
+    return {} if value == option.default else {option.name: value}
+
+
+def _always(option: JobOption, value: Any) -> dict[str, Any]:
+    """Under its name, None included (recorded so since the first fingerprints)."""
+    return {option.name: value}
+
+
+def _options(option: JobOption, value: Any) -> dict[str, Any]:
+    """The runtime options as sent (their payload; ``{}`` for none), and their output
+    schema apart, since it decides how answers are parsed."""
+    return {
+        "options": value.to_payload() if value is not None else {},
+        "output_schema": getattr(value, "output_schema", None),
+    }
+
+
+def _gen_kwargs(option: JobOption, value: Any) -> dict[str, Any]:
+    return {option.name: value or {}}
+
+
+def _columns(option: JobOption, value: Any) -> dict[str, Any]:
+    return {option.name: list(value) if value is not None else None}
+
+
+def _hook(option: JobOption, value: Any) -> dict[str, Any]:
+    """A user's callable, by name (:func:`~llm_annotator.jobs.spec.validator_name`);
+    left out when unused, as the fingerprints made before hooks existed."""
+    if value is None:
+        return {}
+    if not callable(value):
+        raise ConfigurationError(f"{option.name} must be a callable, got {value!r}")
+    return {option.name: validator_name(value)}
+
+
+RECORDED: Mapping[str, Record | ByCaller] = MappingProxyType(
+    {
+        "system_message": _always,
+        "id_column": _always,
+        "options": _options,
+        "gen_kwargs": _gen_kwargs,
+        "columns": _columns,
+        "limit": ByCaller("sample"),
+        "shuffle_seed": ByCaller("sample"),
+        "validate": _hook,
+        "postprocess": _hook,
+    }
+)
+"""How :func:`job_fingerprint` records each option declared ``fingerprinted`` in
+:mod:`llm_annotator._job_options`, when not by :func:`_unless_default`. Every entry
+here is what run directories already hold: changing one refuses their resumption."""
+
+
 def job_fingerprint(spec: JobSpec, model: str | None, **extras: Any) -> dict[str, Any]:
-    """The fingerprint of a job's settings (:func:`make_fingerprint`), with ``extras``
-    (settings a job may leave out: left out when unused)."""
-    return make_fingerprint(
-        prompt_template=spec.prompt_template,
-        system_message=spec.system_message,
-        model=model,
-        options=spec.options.to_payload() if spec.options is not None else {},
-        gen_kwargs=spec.gen_kwargs or {},
-        output_schema=getattr(spec.options, "output_schema", None),
-        id_column=spec.id_column,
-        columns=list(spec.columns) if spec.columns is not None else None,
-        **extras,
-    )
+    """The fingerprint of a job (:func:`make_fingerprint`): its prompt template, the
+    model, and each job option declared fingerprinted, recorded as :data:`RECORDED`
+    says; with ``extras``, settings a job may leave out (left out when unused).
+
+    Args:
+        spec: The job.
+        model: The model that answers it (None: each server's own).
+        **extras: Entries the spec cannot make: the ones :data:`RECORDED` leaves to
+            the caller (the sample of a trial run, which depends on the input's size),
+            and settings that are no job option. An extra may repeat an entry made from
+            the spec (the hooks' names) only with the same value.
+
+    Returns:
+        A new dict, keys sorted.
+
+    Raises:
+        ConfigurationError: A hook is not callable, or a setting is not JSON-able.
+        TypeError: The spec sets an option whose entry the caller gives, and the
+            caller gave none.
+        ValueError: An extra contradicts an entry made from the spec.
+
+    Examples:
+        >>> from pathlib import Path
+        >>> spec = JobSpec([], "Label: {text}", Path("out"), id_column="uid")
+        >>> fingerprint = job_fingerprint(spec, "m")
+        >>> fingerprint["id_column"], fingerprint["options"], fingerprint["columns"]
+        ('uid', {}, None)
+    """
+    settings: dict[str, Any] = {"prompt_template": spec.prompt_template, "model": model}
+    for option in JOB_OPTIONS:
+        if not option.fingerprinted:
+            continue
+        value = getattr(spec, option.name)
+        how = RECORDED.get(option.name, _unless_default)
+        if isinstance(how, ByCaller):
+            if value != option.default and how.key not in extras:
+                raise TypeError(
+                    f"job_fingerprint: the job sets {option.name}, which the caller records "
+                    f"as the extra {how.key!r} (it depends on the input); none was given"
+                )
+            continue
+        settings.update(how(option, value))
+    for key, value in extras.items():
+        if key in settings and make_fingerprint(v=settings[key]) != make_fingerprint(v=value):
+            raise ValueError(
+                f"job_fingerprint: the extra {key}={value!r} contradicts the job's "
+                f"{settings[key]!r}"
+            )
+    return make_fingerprint(**{**settings, **extras})
 
 
 def fingerprint_digest(fingerprint: Mapping[str, Any]) -> str:
