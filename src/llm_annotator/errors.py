@@ -107,7 +107,7 @@ class ErrorKind(StrEnum):
 
         A connect timeout and a dropped connection look so, but a live server can
         cause them too (a burst of new connections, an answer cut off): the pool
-        checks those with a health check before it evicts (``pool.policy``).
+        checks those with a health check before it evicts (``pool.failures``).
         """
         return self in _SERVER_GONE
 

@@ -165,6 +165,7 @@ def test_the_job_layer_names_its_documented_api() -> None:
         ("llm_annotator.jobs.inputs", "llm_annotator.jobs.rows.inputs"),
         ("llm_annotator.pool.pace", "llm_annotator.pool.tail"),
         ("llm_annotator.pool.scheduler", "llm_annotator.pool.failures"),
+        ("llm_annotator.pool.policy", "llm_annotator.pool.failures"),
     ],
 )
 def test_a_module_of_the_flat_layout_still_imports_with_a_warning(old: str, new: str) -> None:

@@ -40,8 +40,9 @@ _getattr, __dir__ = lazy_names(
     },
 )
 
-# Modules renamed for what they hold (one release): the end of a call, the failure rules.
-moved_modules(__name__, {"pace": "tail", "scheduler": "failures"})
+# Modules renamed or merged (one release): the end of a call; the failure rules, whose
+# taxonomy (``policy``) joined the steps.
+moved_modules(__name__, {"pace": "tail", "scheduler": "failures", "policy": "failures"})
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,8 @@ class MemberClient(Protocol):
 
     base_url: str
     model: str | None
-    """The model; the pool sets it from ``/v1/models`` when it was not given."""
+    """The model it asks for, read as ``member.model``; when it was not given, the pool
+    sets it once from ``/v1/models`` (``Member.note_model``)."""
     provider: str
 
     def encode_params(self, options: Any = None, gen_kwargs: dict[str, Any] | None = None) -> bytes:

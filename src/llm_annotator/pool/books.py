@@ -217,7 +217,7 @@ class HealthBook:
 @dataclass(slots=True)
 class FaultBook:
     """One member's failures in a row, as ``member.faults``: the server faults the
-    failure rules (:mod:`~llm_annotator.pool.policy`) count towards an eviction, and the
+    failure rules (:mod:`~llm_annotator.pool.failures`) count towards an eviction, and the
     overloads it backs off from.
 
     The settler (``pool.settle``) writes it as it carries out the failure rules; a good

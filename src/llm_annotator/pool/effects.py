@@ -121,7 +121,7 @@ class Effects:
             error=str(error),
             error_type=error.kind.value,
             server=member.url,
-            model=member.client.model,
+            model=member.model,
             provider=member.client.provider,
         )
         if run.store(index, response):
@@ -166,7 +166,7 @@ def _poison(member: Member, history: list[str]) -> Response:
         ),
         error_type=ErrorKind.POISON.value,
         server=member.url,
-        model=member.client.model,
+        model=member.model,
         provider=member.client.provider,
     )
 

@@ -13,9 +13,9 @@ from llm_annotator.pool.books import HealthBook as HealthBook  # re-exported: it
 from llm_annotator.pool.books import probation as probation  # re-exported: it was defined here
 from llm_annotator.pool.discovery import PoolLike
 from llm_annotator.pool.effects import Effects
+from llm_annotator.pool.failures import CONFIGURATION_KINDS
 from llm_annotator.pool.lifecycle import MemberState
 from llm_annotator.pool.member import Member
-from llm_annotator.pool.policy import CONFIGURATION_KINDS
 from llm_annotator.pool.run import Run
 from llm_annotator.pool.state import PoolState
 
@@ -93,12 +93,12 @@ class HealthMonitor:
             if exc.kind in CONFIGURATION_KINDS:
                 self._effects.disable(run, member, f"GET /v1/models: {exc}")
             return
-        wanted = member.client.model
+        wanted = member.model
         if wanted is None:
             if not models:
                 self._effects.disable(run, member, "lists no model on /v1/models")
                 return
-            member.client.model = models[0]
+            member.note_model(models[0])
         elif wanted not in models:
             self._effects.disable(
                 run, member, f"does not serve model {wanted!r} (it serves {', '.join(models)})"
@@ -124,9 +124,9 @@ class HealthMonitor:
         if not self._state.is_member(member):
             return  # removed meanwhile
         if member.admit():
-            log.info("member_readmitted", server=member.url, model=member.client.model)
+            log.info("member_readmitted", server=member.url, model=member.model)
         else:
-            log.info("member_joined", server=member.url, model=member.client.model)
+            log.info("member_joined", server=member.url, model=member.model)
         run.notify()
 
     async def _canary(self, member: Member) -> ProviderError | None:

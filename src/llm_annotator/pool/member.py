@@ -126,7 +126,7 @@ class Member:
         """Its probes and probation (``pool.health``)."""
         self.faults = FaultBook()
         """Its server faults and overloads in a row (``pool.settle``, by the rules of
-        ``pool.policy``)."""
+        ``pool.failures``)."""
         self.completed = 0
         self.errors = 0
         self.evictions = 0
@@ -208,6 +208,12 @@ class Member:
         ``last_error``)."""
         self.last_error = reason
 
+    def note_model(self, model: str) -> None:
+        """Take ``model``, the first its ``/v1/models`` lists, as the model it serves,
+        for a client given none: its client asks for it in each request from now on
+        (the pool's one writer of the client's ``model``)."""
+        self.client.model = model
+
     # -- what the member alone can tell its books ---------------------------------------
 
     def note_answer(self) -> None:
@@ -235,6 +241,12 @@ class Member:
         self.window.pace.reset()
 
     # -- views -----------------------------------------------------------------------------
+
+    @property
+    def model(self) -> str | None:
+        """The model it serves: the one its client was given, else the one its
+        ``/v1/models`` listed when it was admitted (None until then)."""
+        return self.client.model
 
     def takes_work(self, now: float) -> bool:
         """Healthy and not backing off at ``now``."""

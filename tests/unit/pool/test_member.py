@@ -98,7 +98,7 @@ def test_a_member_keeps_each_concern_in_a_book_of_the_books_module() -> None:
         "stall": "llm_annotator.pool.stall",
         "window": "llm_annotator.pool.window",
         "health": "llm_annotator.pool.health",
-        "faults": "llm_annotator.pool.policy",
+        "faults": "llm_annotator.pool.failures",
         "prefix_cache": "llm_annotator.pool.affinity",
     }
     for name, module in books.items():
@@ -125,3 +125,14 @@ def test_an_admission_starts_the_books_afresh_and_an_eviction_is_on_the_health_r
     for _ in range(SERVED_WELL):  # good answers clear the record of evictions
         member.note_answer()
     assert member.health.eviction_streak == 0
+
+
+def test_a_member_serves_its_clients_model_or_the_one_its_server_lists() -> None:
+    """``member.model`` is the model its client was given; for a client given none, the
+    model its server lists (``note_model``) is what the client asks for from then on."""
+    given = member_in(S.JOINING)
+    assert given.model == given.client.model == "m"
+    bare = Member(VLLMOnlineClient(base_url="http://127.0.0.1:9/v1"))
+    assert bare.model is None
+    bare.note_model("listed")
+    assert bare.model == bare.client.model == "listed"

@@ -14,8 +14,7 @@ from llm_annotator.clients._protocol import (
 from llm_annotator.clients.metrics import engine_progress
 from llm_annotator.clients.retry import retry_delay, should_retry
 from llm_annotator.errors import MalformedResponseError
-from llm_annotator.pool.health import probation
-from llm_annotator.pool.policy import (
+from llm_annotator.pool.failures import (
     Action,
     action_for,
     evicts,
@@ -23,6 +22,7 @@ from llm_annotator.pool.policy import (
     gives_up_on_sample,
     timeout_action,
 )
+from llm_annotator.pool.health import probation
 from llm_annotator.pool.stall import hung, stall_window
 
 
