@@ -393,10 +393,10 @@ def _how_many_processes(settings: dict[str, Any], corpus: bool) -> int:
     if isinstance(asked, str):  # auto
         alone = not corpus or shard not in ("", "claim") or settings["offline_model"]
         if not alone and not shard:  # a run begun in one process stays in one
-            from llm_annotator.jobs.rundir.partitions import read_corpus_record
+            from llm_annotator.jobs.run_directory import RunDirectory
 
-            begun = read_corpus_record(Path(settings["output_dir"]))
-            alone = begun is not None and begun.get("mode") != "claim"
+            mode = RunDirectory.open(settings["output_dir"]).corpus_mode()
+            alone = mode is not None and mode != "claim"
         return 1 if alone else default_processes(len(settings["servers"] or []))
     if asked > 1 and (shard not in ("", "claim") or settings["offline_model"]):
         raise ConfigurationError(
@@ -408,10 +408,11 @@ def _how_many_processes(settings: dict[str, Any], corpus: bool) -> int:
 
 def _print_corpus(run_dir: Path) -> None:
     """What a corpus job's workers made, from its manifest."""
-    from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, read_manifest
+    from llm_annotator.jobs.run_directory import RunDirectory
 
-    manifest = read_manifest(run_dir) or {}
-    print(f"annotations: {run_dir / ANNOTATIONS_DIR}")
+    directory = RunDirectory.open(run_dir)
+    manifest = directory.manifest() or {}
+    print(f"annotations: {directory.output}")
     print(
         f"rows: {manifest.get('rows')} ({manifest.get('succeeded')} succeeded, "
         f"{manifest.get('failed')} failed) in {manifest.get('units_done')} of "

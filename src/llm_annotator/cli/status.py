@@ -187,20 +187,21 @@ def _status(args: argparse.Namespace) -> int:
     import orjson
     import structlog
 
-    from llm_annotator.jobs.shards.shard import read_sharding
+    from llm_annotator.jobs.run_directory import RunDirectory
     from llm_annotator.jobs.watch.status import corpus_status, run_status
 
     # Reading a shard that a job is writing may meet a half-written last line: no warning.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    corpus = corpus_status(args.run_dir) if Path(args.run_dir).is_dir() else None
+    directory = RunDirectory.open(args.run_dir)
+    corpus = corpus_status(args.run_dir) if directory.kind == "corpus" else None
     if corpus is not None:
         if args.json:
             sys.stdout.write(orjson.dumps(corpus, option=orjson.OPT_INDENT_2).decode() + "\n")
         else:
             show_corpus_status(corpus, sys.stdout)
         return 0
-    if read_sharding(Path(args.run_dir)) is not None:
-        _sharded_status(Path(args.run_dir), args.json)
+    if directory.kind == "shards":
+        _sharded_status(directory.path, args.json)
         return 0
     status = run_status(args.run_dir)
     if args.json:

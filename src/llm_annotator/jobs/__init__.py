@@ -5,6 +5,8 @@ contract in ``pyproject.toml`` holds them to it):
 
 - :mod:`~llm_annotator.jobs.annotate` (the :class:`Annotator`) and
   :mod:`~llm_annotator.jobs.run_report` (the HTML report): what a user calls;
+- :mod:`~llm_annotator.jobs.corpus` (a job of units) and
+  :mod:`~llm_annotator.jobs.run_directory` (the one reader of run directories);
 - :mod:`~llm_annotator.jobs.shards`: one job over many processes;
 - :mod:`~llm_annotator.jobs.loop`: one run in this process;
 - :mod:`~llm_annotator.jobs.watch`: seeing a run while it goes;
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from llm_annotator.jobs.answers.schema import OutputSchema
     from llm_annotator.jobs.rows.prompts import PromptTemplate
     from llm_annotator.jobs.rows.sample import Sample
+    from llm_annotator.jobs.run_directory import RunDirectory
     from llm_annotator.jobs.run_report import RunSeries, run_series, write_html_report
     from llm_annotator.jobs.shards.merge import (
         Merged,
@@ -53,6 +56,7 @@ _NAMES = {
     "llm_annotator.jobs.answers.schema": ["OutputSchema"],
     "llm_annotator.jobs.rows.prompts": ["PromptTemplate"],
     "llm_annotator.jobs.rows.sample": ["Sample"],
+    "llm_annotator.jobs.run_directory": ["RunDirectory"],
     "llm_annotator.jobs.run_report": ["RunSeries", "run_series", "write_html_report"],
     "llm_annotator.jobs.shards.merge": [
         "Merged",
@@ -81,6 +85,7 @@ __all__ = [
     "Merged",
     "OutputSchema",
     "PromptTemplate",
+    "RunDirectory",
     "RunRecord",
     "RunSeries",
     "RunStatus",

@@ -39,8 +39,7 @@ from llm_annotator.jobs.files import (
 )
 from llm_annotator.jobs.rows.corpus import is_corpus, list_corpus
 from llm_annotator.jobs.rows.inputs import Row, open_input
-from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
-from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR
+from llm_annotator.jobs.run_directory import RunDirectory
 from llm_annotator.pipeline.steps import Step
 from llm_annotator.pipeline.where import Where
 
@@ -348,25 +347,14 @@ def _generated(prompts: Iterable[str], copies: int) -> Iterator[dict[str, Any]]:
 
 def _from_step(run_dir: Path, name: str) -> Iterator[Part]:
     """The answered rows of an earlier step's output, its answer columns renamed."""
-    single = run_dir / PARQUET_FILE
-    folder = run_dir / ANNOTATIONS_DIR
-    if check_entry(single):
-        yield None, _answered(single, name)
-    elif check_entry(folder, directory=True):
-        files = sorted(
-            entry.name
-            for entry in os.scandir(folder)
-            if entry.name.endswith(".parquet") and not entry.name.startswith(("_", "."))
-        )
-        if not files:
-            yield None, iter(())
-        for file in files:
-            yield file.removesuffix(".parquet") + ".jsonl", _answered(folder / file, name)
-    else:
-        raise InputError(
-            f"step {name} has no output in {run_dir} ({PARQUET_FILE} or {ANNOTATIONS_DIR}/): "
-            "run it first"
-        )
+    try:
+        files = list(RunDirectory.open(run_dir).output_files())
+    except InputError:
+        raise InputError(f"step {name} has no output in {run_dir}: run it first") from None
+    if not files:
+        yield None, iter(())
+    for unit, path in files:
+        yield (None if unit is None else unit + ".jsonl"), _answered(path, name)
 
 
 def _answered(path: Path, name: str) -> Iterator[dict[str, Any]]:

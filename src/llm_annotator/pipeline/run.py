@@ -44,7 +44,7 @@ from llm_annotator.errors import (
 from llm_annotator.jobs.annotate import RUN_FILES, AnnotationResult, Annotator
 from llm_annotator.jobs.files import check_entry, make_directory, read_run_file, refused
 from llm_annotator.jobs.loop.summary import write_json
-from llm_annotator.jobs.rundir.consolidate import PARQUET_FILE
+from llm_annotator.jobs.run_directory import RunDirectory
 from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, CORPUS_FILE, UNITS_DIR
 from llm_annotator.jobs.rundir.store import LOCK_FILE, SHARDS_DIR, DirectoryLock
 from llm_annotator.jobs.spec import JobArgs
@@ -594,8 +594,12 @@ def _check_entry(path: Path, folder: bool) -> None:
 
 
 def _has_output(run_dir: Path) -> bool:
-    """Whether a step's run directory holds its job's output."""
-    return (run_dir / PARQUET_FILE).is_file() or (run_dir / ANNOTATIONS_DIR).is_dir()
+    """Whether a step's run directory holds its job's output (an entry planted there
+    is not an output: the run refuses it by name)."""
+    try:
+        return RunDirectory.open(run_dir).has_output()
+    except RunDirectoryError:
+        return False
 
 
 def _mismatch(step: Step, error: FingerprintMismatchError) -> ConfigurationError:
