@@ -109,7 +109,7 @@ EOF
     if command -v kubectl >/dev/null; then
         rendered="$(mktemp --suffix=.yaml)"
         trap 'rm -f "$rendered"' EXIT
-        for folder in deploy/kubernetes deploy/kubernetes-sharded deploy/kubernetes-elastic; do
+        for folder in deploy/kubernetes deploy/kubernetes-sharded deploy/kubernetes-elastic deploy/kubernetes-pipeline; do
             echo "lint-deploy: kubectl kustomize $folder | kubernetes-validate"
             if kubectl kustomize "$folder" >"$rendered"; then
                 "$python" -m kubernetes_validate --strict --quiet "$rendered" ||

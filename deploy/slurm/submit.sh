@@ -11,7 +11,10 @@
 #   -e N      a corpus by elastic workers instead: an array of N annotator tasks that
 #             all run `--shard claim` and take its units one at a time; add workers
 #             later with SHARD=claim sbatch --array=0-K deploy/slurm/annotate-array.sbatch
-#   -i PATH   input: a file, or a corpus (a directory, or a save_to_disk folder) (required)
+#   -i PATH   input: a file, or a corpus (a directory, or a save_to_disk folder) (required
+#             unless -p)
+#   -p FILE   a pipeline file instead of one job: `llm-annotator pipeline run FILE` on
+#             these servers (the file leaves out servers); with -e N, N elastic workers
 #   -o DIR    run folder, where annotations.parquet ends up (required)
 #   -s DIR    folder the servers announce their URLs in (default: DIR.servers beside -o)
 #   --        what follows goes to `llm-annotator run` (prompt template, --config, ...)
@@ -39,11 +42,12 @@ num_shards=1
 elastic=""
 merge_job=""
 input=""
+pipeline=""
 output_dir=""
 servers_dir=""
 
 usage() {
-    sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -53,6 +57,7 @@ while (($# > 0)); do
         -a) num_shards="${2:?}" && shift 2 ;;
         -e) num_shards="${2:?}" && elastic=1 && shift 2 ;;
         -i) input="${2:?}" && shift 2 ;;
+        -p) pipeline="${2:?}" && shift 2 ;;
         -o) output_dir="${2:?}" && shift 2 ;;
         -s) servers_dir="${2:?}" && shift 2 ;;
         --) shift && break ;;
@@ -60,7 +65,7 @@ while (($# > 0)); do
         *) echo "submit.sh: unknown option $1" >&2 && usage ;;
     esac
 done
-[[ -n "$input" && -n "$output_dir" ]] || usage
+[[ (-n "$input" || -n "$pipeline") && -n "$output_dir" ]] || usage
 [[ "$num_servers" =~ ^[1-9][0-9]*$ ]] || {
     echo "submit.sh: -n wants a positive number, not '$num_servers'" >&2
     exit 2
@@ -70,12 +75,19 @@ done
     exit 2
 }
 : "${MODEL:?set MODEL to the model the servers serve}"
-[[ -e "$input" ]] || {
-    echo "submit.sh: no input $input" >&2
-    exit 2
-}
-
-input="$(realpath "$input")"
+if [[ -n "$pipeline" ]]; then
+    [[ -f "$pipeline" ]] || {
+        echo "submit.sh: no pipeline file $pipeline" >&2
+        exit 2
+    }
+    pipeline="$(realpath "$pipeline")"
+else
+    [[ -e "$input" ]] || {
+        echo "submit.sh: no input $input" >&2
+        exit 2
+    }
+    input="$(realpath "$input")"
+fi
 output_dir="$(realpath -m "$output_dir")"
 servers_dir="$(realpath -m "${servers_dir:-$output_dir.servers}")"
 mkdir -p "$servers_dir" "$(dirname "$output_dir")"
@@ -86,7 +98,7 @@ read -r -a server_opts <<<"${SERVER_SBATCH_ARGS-$default_server_opts}"
 read -r -a annotate_opts <<<"${ANNOTATE_SBATCH_ARGS:-}"
 
 # The jobs take their settings from the environment (sbatch's default --export=ALL).
-export SERVERS_DIR="$servers_dir" INPUT="$input" OUTPUT_DIR="$output_dir" MODEL
+export SERVERS_DIR="$servers_dir" INPUT="$input" OUTPUT_DIR="$output_dir" MODEL PIPELINE="$pipeline"
 
 server_job="$(sbatch --parsable --array="0-$((num_servers - 1))" "${server_opts[@]}" \
     "$here/server.sbatch")"

@@ -190,3 +190,29 @@ def test_the_elastic_overlay_runs_the_same_claiming_worker_in_every_pod(yaml: Mo
     job = _load(yaml, KUBERNETES / "annotator-job.yaml")
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert args.replace(" --shard claim", "") == container["args"][0]  # the same run
+
+
+def test_the_pipeline_overlay_runs_the_same_pipeline_worker_in_every_pod(
+    yaml: ModuleType,
+) -> None:
+    """deploy/kubernetes-pipeline: a Job with parallelism and no index, every pod an
+    elastic worker of the same pipeline file, each setting it uses defined."""
+    overlay = _load(yaml, REPO / "deploy" / "kubernetes-pipeline" / "kustomization.yaml")
+    assert overlay["resources"] == ["../kubernetes"]
+    (generator,) = overlay["configMapGenerator"]
+    assert generator["behavior"] == "merge"
+    settings = _settings(yaml) | dict(item.split("=", 1) for item in generator["literals"])
+    patch, volume = overlay["patches"]
+    assert yaml.safe_load(volume["patch"])[0]["value"] == ["ReadWriteMany"]
+    ops = {op["path"]: op["value"] for op in yaml.safe_load(patch["patch"])}
+    assert "/spec/completionMode" not in ops and ops["/spec/parallelism"] > 1
+    args = ops["/spec/template/spec/containers/0/args/0"]
+    assert args.startswith('exec llm-annotator pipeline run "$PIPELINE_FILE"')
+    assert "--shard claim" in args
+    used = {shell or python for shell, python in _VARIABLE.findall(args)}
+    assert used <= settings.keys(), f"undefined: {used - settings.keys()}"
+    from llm_annotator.cli.main import build_parser
+
+    argv = args.removeprefix("exec llm-annotator ").replace('"', "").split()
+    parsed = build_parser(argv).parse_args(argv)  # the flags are the command's own
+    assert parsed.shard == "claim"

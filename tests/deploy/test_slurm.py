@@ -324,12 +324,13 @@ def test_sharded_run_as_an_annotator_array_with_a_requeued_task(
 
 
 @pytest.mark.timeout(STARTUP_TIMEOUT + RUN_TIMEOUT + 3 * STOP_TIMEOUT + 180)
-def test_a_corpus_by_elastic_workers_as_an_annotator_array(
+def test_a_pipeline_over_a_corpus_by_elastic_workers_as_an_annotator_array(
     slurm_cluster: SlurmCluster, server_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """submit.sh -e 2 over a folder of 6 files: two array tasks run the same
-    `--shard claim` command and take the units by claims; the merge job checks every unit
-    and writes the manifest; every (file, id) is in annotations/ once."""
+    """submit.sh -p FILE -e 2: a 2-step pipeline over a folder of 6 files, by two array
+    tasks that run the same `pipeline run --shard claim` and share each step's units by
+    claims (the first step a corpus taken by elastic workers); the last job says how
+    each step stands and frees the servers; every (file, id) of each step once."""
     servers_dir = Path(server_env["SERVERS_DIR"])
     _, output_dir, env = _run_setup(server_env, tmp_path)
     corpus = tmp_path / "corpus"
@@ -338,13 +339,20 @@ def test_a_corpus_by_elastic_workers_as_an_annotator_array(
     for f in range(6):
         lines = (json.dumps({"text": f"review {f}-{i}: fine"}) for i in range(per_file))
         (corpus / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n")
+    pipeline = tmp_path / "pipeline.toml"
+    pipeline.write_text(
+        f'output_dir = "{tmp_path / "elsewhere"}"\n'  # OUTPUT_DIR (-o) replaces it
+        f'input = "{corpus}"\n'
+        "max_completion_tokens = 8\ntemperature = 0\n"
+        "batch_size = 8\nmax_concurrent_batches_per_client = 1\n"
+        'log_format = "json"\n'
+        '[steps.label]\nprompt_template = "Is this review positive or negative? {text}"\n'
+        '[steps.short]\nfrom = "label"\n'
+        'prompt_template = "Say it in one word: {label_response}"\n'
+    )
     submitted = slurm_cluster.run(
-        "bash", str(SUBMIT), "-n", "2", "-e", "2",
-        "-i", str(corpus), "-o", str(output_dir), "-s", str(servers_dir), "--",
-        "--prompt-template", "Is this review positive or negative? {text}",
-        "--max-completion-tokens", "8", "--temperature", "0",
-        "--batch-size", "8", "--max-concurrent-batches-per-client", "1",
-        "--log-format", "json",
+        "bash", str(SUBMIT), "-n", "2", "-e", "2", "-p", str(pipeline),
+        "-o", str(output_dir), "-s", str(servers_dir),
         env=env, cwd=tmp_path,
     )  # fmt: skip
     jobs = dict(line.split("=", 1) for line in submitted.split())
@@ -358,7 +366,7 @@ def test_a_corpus_by_elastic_workers_as_an_annotator_array(
         wait_until(
             lambda: slurm_cluster.is_finished(merge_job),
             RUN_TIMEOUT + 120,
-            "the merge job to finish",
+            "the last job to finish",
             lambda: _job_logs(tmp_path),
         )
         states = {**slurm_cluster.task_states(annotate_job), **slurm_cluster.task_states(merge_job)}
@@ -366,11 +374,25 @@ def test_a_corpus_by_elastic_workers_as_an_annotator_array(
     finally:
         _end_jobs(slurm_cluster, merge_job, annotate_job, server_job)
 
-    table = pads.dataset(output_dir / "annotations", format="parquet").to_table()
+    assert not (tmp_path / "elsewhere").exists()
+    label = output_dir / "steps" / "label"
+    table = pads.dataset(label / "annotations", format="parquet").to_table()
     keys = list(
         zip(table.column("input_file").to_pylist(), table.column("id").to_pylist(), strict=True)
     )
     assert len(keys) == len(set(keys)) == per_file * 6
-    manifest = json.loads((output_dir / "annotations" / "_manifest.json").read_text())
+    answered = sum(1 for error in table.column("error").to_pylist() if not error)
+    short = pads.dataset(output_dir / "steps" / "short" / "annotations", format="parquet")
+    read = short.to_table(columns=["input_file", "id"])
+    second = list(
+        zip(read.column("input_file").to_pylist(), read.column("id").to_pylist(), strict=True)
+    )
+    assert len(second) == len(set(second)) == answered
+    record = json.loads((output_dir / "pipeline.json").read_text())
+    assert {name: step["state"] for name, step in record["steps"].items()} == {
+        "label": "done",
+        "short": "done",
+    }
+    manifest = json.loads((label / "annotations" / "_manifest.json").read_text())
     assert manifest["complete"] and manifest["units_done"] == 6
-    assert len(list(output_dir.glob("worker-*"))) == 2  # both tasks were workers
+    assert len(list(label.glob("worker-*"))) == 2  # both tasks were workers

@@ -64,15 +64,25 @@ def worker_argv(
 
 
 def run_workers(argv: Sequence[str], processes: int, settings: dict[str, Any]) -> int:
-    """Start the workers, pass signals on to them, wait for them all.
+    """Start the workers of a corpus job, pass signals on to them, wait for them all.
 
     Returns:
         0 when every worker finished, else the first failing worker's status.
     """
     metrics = settings["metrics_port"] is not None
     command = worker_argv(argv, processes, settings["batch_size"], metrics=metrics)
+    return supervise(command, processes, "run", "the corpus")
+
+
+def supervise(command: Sequence[str], processes: int, name: str, what: str) -> int:
+    """Start ``processes`` copies of ``command`` (workers of the command ``name`` over
+    ``what``), pass SIGINT and SIGTERM on to every one, wait for them all.
+
+    Returns:
+        0 when every worker finished, else the first failing worker's status.
+    """
     print(
-        f"starting {processes} worker processes over the corpus (--shard claim each)",
+        f"starting {processes} worker processes over {what} (--shard claim each)",
         file=sys.stderr,
         flush=True,
     )
@@ -92,7 +102,7 @@ def run_workers(argv: Sequence[str], processes: int, settings: dict[str, Any]) -
     failed = [code for code in codes if code != 0]
     if failed:
         print(
-            f"llm-annotator run: {len(failed)} of {processes} workers did not finish "
+            f"llm-annotator {name}: {len(failed)} of {processes} workers did not finish "
             f"(status {', '.join(map(str, failed))}); run the same command again to resume",
             file=sys.stderr,
             flush=True,

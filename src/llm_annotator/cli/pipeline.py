@@ -140,6 +140,37 @@ def add_pipeline(parser: argparse.ArgumentParser) -> None:
         help="redo the steps whose settings changed, replacing their results and those "
         "of the steps that read them",
     )
+    run.add_argument(
+        "--shard",
+        choices=["claim"],
+        default=None,
+        help="run as one of any number of elastic workers (on any host sharing the "
+        "output directory), which share each step's units by claims",
+    )
+    run.add_argument(
+        "--processes",
+        type=_worker_count,
+        default=1,
+        metavar="N",
+        help="run N elastic workers on this machine (--shard claim each, each server's "
+        "in-flight budget divided among them)",
+    )
+    run.add_argument(
+        "--claim-lease",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --shard claim: seconds a worker's claim on a unit lasts unrenewed "
+        "before another worker takes the unit over (default 60)",
+    )
+    run.add_argument(
+        "--budget-share",
+        type=_worker_count,
+        default=1,
+        metavar="N",
+        help="this worker's share of each server's in-flight budget: its batch size "
+        "divided by N (--processes sets it for the workers it starts)",
+    )
     run.set_defaults(handler=pipeline_run, human_lines=HUMAN_LINES)
     describe.set_defaults(handler=pipeline_describe)
 
@@ -153,7 +184,12 @@ def pipeline_run(args: argparse.Namespace) -> int:
     redo = [name.strip() for name in args.redo.split(",")] if args.redo else []
     pipeline = loaded.pipeline
     pipeline.plan(steps=steps, redo=redo, force=args.force)  # refused before clients start
-    clients = {name: _client(settings) for name, settings in loaded.clients.items()}
+    if args.processes > 1:
+        return _run_workers(args)
+    clients = {
+        name: _client(_shared(settings, args.budget_share))
+        for name, settings in loaded.clients.items()
+    }
     try:
         default = next(iter(clients.values()))
         result = pipeline.run(
@@ -164,6 +200,8 @@ def pipeline_run(args: argparse.Namespace) -> int:
             force=args.force,
             stop_grace=loaded.stop_grace,
             progress=progress_display(args),
+            shard=args.shard,
+            claim_lease=args.claim_lease,
         )
     except (*ENDINGS, KeyboardInterrupt) as error:  # KeyboardInterrupt: between steps' jobs
         kept = "the steps done are kept"
@@ -185,6 +223,51 @@ def pipeline_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a number of workers >= 1, got {text!r}")
+    return value
+
+
+def _shared(settings: dict[str, Any], share: int) -> dict[str, Any]:
+    """A client's settings with its batch size divided among ``share`` workers, so that
+    the servers see the load of one process."""
+    if share <= 1 or not settings.get("batch_size"):
+        return settings
+    return {**settings, "batch_size": max(1, -(-settings["batch_size"] // share))}
+
+
+def _run_workers(args: argparse.Namespace) -> int:
+    """``--processes N``: N workers of the same command, each ``--shard claim`` with its
+    share of each server's budget."""
+    import sys
+
+    from llm_annotator.cli._workers import supervise
+
+    if args.force or args.redo:
+        raise ConfigurationError(
+            "--processes: elastic workers never redo a step; run the pipeline once with "
+            "--force or --redo alone, then start the workers"
+        )
+    command = [
+        sys.executable,
+        "-m",
+        "llm_annotator.cli",
+        *args.argv,
+        "--processes",
+        "1",
+        "--shard",
+        "claim",
+        "--budget-share",
+        str(args.processes),
+    ]
+    return supervise(command, args.processes, "pipeline run", "the pipeline")
+
+
 _DONE = {"run": "done", "resume": "resumed, done", "redo": "redone", "skip": "skipped, done before"}
 """How ``pipeline run`` says what it did with a step."""
 
@@ -200,7 +283,8 @@ def pipeline_describe(args: argparse.Namespace) -> int:
         else:
             total = f" of {view.total}" if view.total is not None else ""
             failed = f", {view.failed} failed" if view.failed else ""
-            progress = f"{view.state}: {view.rows}{total} rows{failed}"
+            units = f", {view.units[0]} of {view.units[1]} units" if view.units else ""
+            progress = f"{view.state}: {view.rows}{total} rows{failed}{units}"
         print(f"  {view.name}: reads {view.reads}")
         print(f"    {progress}; a run would {view.next.action} it ({view.next.why})")
         print(f"    {view.output_dir}")

@@ -12,6 +12,18 @@ The output directory holds::
 A step starts when the step it reads is done (no streaming between steps: a step's
 input is then complete and fixed, so resuming it reads the very rows it began with).
 
+**Elastic workers** (``shard="claim"``, ``llm-annotator pipeline run FILE --shard claim``
+or ``--processes N``): any number of processes, started at any time on hosts sharing
+the directory, run the same pipeline. Each step's job takes its input's units by claims
+(:mod:`llm_annotator.jobs.corpus`), so the workers share every step and a worker that
+dies leaves its units to the others after a lease; each worker goes on to the next step
+once the step is complete (all its units finished, by whichever worker). What a step
+writes before its job (its rows in ``inputs/``) and the pipeline's records are written
+by one worker at a time, under ``OUTPUT_DIR/.steps.lock`` (an ``flock``, let go when its
+holder dies). Workers hold ``.lock`` shared, so a run that is not elastic (which holds it
+alone) and workers never mix; nor do workers redo steps (``force``, ``redo``, a step
+made stale): run the pipeline once without claims for that, then start them.
+
 The directory is shared ground, as a job's is (see ``jobs.files``): before any step
 sends a request, every name the pipeline or a step's job writes, for every step, is
 checked, and a link, a FIFO, a device or a folder where a file goes is refused with one
@@ -22,10 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,13 +55,19 @@ from llm_annotator.errors import (
     RunDirectoryError,
 )
 from llm_annotator.jobs.annotate import RUN_FILES, AnnotationResult, Annotator
-from llm_annotator.jobs.files import check_entry, make_directory, read_run_file, refused
+from llm_annotator.jobs.files import (
+    check_entry,
+    make_directory,
+    open_file,
+    read_run_file,
+    refused,
+)
 from llm_annotator.jobs.loop.summary import write_json
 from llm_annotator.jobs.run_directory import RunDirectory
 from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, CORPUS_FILE, UNITS_DIR
 from llm_annotator.jobs.rundir.store import LOCK_FILE, SHARDS_DIR, DirectoryLock
 from llm_annotator.jobs.spec import JobArgs
-from llm_annotator.jobs.watch.status import run_status
+from llm_annotator.jobs.watch.status import corpus_status, run_status
 from llm_annotator.pipeline.inputs import (
     ID,
     data_identity,
@@ -69,6 +88,13 @@ REPORT_FILE = "report.json"
 """Each step's figures."""
 STEPS_DIR = "steps"
 INPUTS_DIR = "inputs"
+STEPS_LOCK = ".steps.lock"
+"""Held by the one elastic worker that writes a step's rows or the records."""
+CLAIM = "claim"
+"""``shard="claim"``: run as one of any number of elastic workers."""
+STEP_UNIT_BYTES = 1 << 20
+"""The units of the rows a step writes for its job (from an earlier step, or prompts),
+when workers share it: small enough that every worker gets some."""
 _FORMAT = 1
 
 
@@ -116,6 +142,8 @@ class StepView:
         total: Rows it takes, if its job said.
         failed: Error rows, if it began.
         output_dir: Its run directory.
+        units: ``(done, total)`` units of a step run as units (by workers, or over a
+            corpus), else None.
     """
 
     name: str
@@ -126,6 +154,7 @@ class StepView:
     total: int | None
     failed: int | None
     output_dir: Path
+    units: tuple[int, int] | None = None
 
 
 class Pipeline:
@@ -211,15 +240,20 @@ class Pipeline:
         views = []
         for step in self.steps:
             record = recorded.get(step.name)
-            rows = total = failed = None
+            rows = total = failed = units = None
             directory = self.step_dir(step.name)
             if record is not None:
                 try:
-                    status = run_status(directory)
+                    if RunDirectory.open(directory).kind == "corpus":
+                        said = corpus_status(directory) or {}
+                        rows, failed = said.get("rows"), said.get("failed")
+                        units = (int(said.get("units_done") or 0), int(said.get("units") or 0))
+                        total = rows if said.get("complete") else None
+                    else:
+                        status = run_status(directory)
+                        rows, total, failed = status.done, status.total, status.failed
                 except (JobError, RunDirectoryError):
-                    status = None
-                if status is not None:
-                    rows, total, failed = status.done, status.total, status.failed
+                    pass
             views.append(
                 StepView(
                     name=step.name,
@@ -230,6 +264,7 @@ class Pipeline:
                     total=total,
                     failed=failed,
                     output_dir=directory,
+                    units=units,
                 )
             )
         return views
@@ -245,6 +280,8 @@ class Pipeline:
         progress: bool | None = None,
         stop_grace: float = STOP_GRACE,
         handle_signals: bool = True,
+        shard: str | None = None,
+        claim_lease: float | None = None,
     ) -> PipelineResult:
         """Run the steps in order; skip those done, resume those begun.
 
@@ -259,6 +296,10 @@ class Pipeline:
             progress: As for :class:`Annotator`.
             stop_grace: As for :class:`Annotator`.
             handle_signals: Turn SIGINT/SIGTERM into a clean stop (main thread only).
+            shard: ``"claim"``: run as one of any number of elastic workers, which
+                share each step's units (see the module); None: this process alone.
+            claim_lease: For a worker, the seconds its claim on a unit lasts unrenewed
+                before another takes the unit over (default 60).
 
         Returns:
             A :class:`PipelineResult`.
@@ -275,14 +316,15 @@ class Pipeline:
                 running again resumes it.
             PoolExhaustedError: Every server stayed down during a step; likewise.
         """
-        lock, plans, keys, settings = self._start(client, servers, steps, redo, force)
+        elastic = _elastic(shard)
+        lock, plans, keys, settings = self._start(client, servers, steps, redo, force, elastic)
         try:
             results: list[StepResult] = []
             for step, step_plan in zip(self.steps, plans, strict=True):
                 if step_plan.action in ("skip", "leave"):
                     results.append(self._kept(step, step_plan))
                     continue
-                data, job = self._begin(step, step_plan, keys, settings)
+                data, job = self._begin_step(step, step_plan, keys, settings, elastic, claim_lease)
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
@@ -297,8 +339,8 @@ class Pipeline:
                     )
                 except FingerprintMismatchError as error:
                     raise _mismatch(step, error) from None
-                results.append(self._finish(step, step_plan, keys, settings, result))
-            return self._report(results)
+                results.append(self._finish_step(step, step_plan, keys, settings, result, elastic))
+            return self._report_step(results, elastic)
         finally:
             lock.release()
 
@@ -313,12 +355,15 @@ class Pipeline:
         progress: bool | None = None,
         stop_grace: float = STOP_GRACE,
         stop: asyncio.Event | None = None,
+        shard: str | None = None,
+        claim_lease: float | None = None,
     ) -> PipelineResult:
         """Async twin of :meth:`run`. Signals are the caller's: set ``stop`` for a
         clean stop. Cancelled, it lets the file work in hand finish before it lets go
         of the pipeline's lock."""
+        elastic = _elastic(shard)
         lock, plans, keys, settings = await _settled(
-            self._start, client, servers, steps, redo, force
+            self._start, client, servers, steps, redo, force, elastic
         )
         try:
             results: list[StepResult] = []
@@ -326,7 +371,9 @@ class Pipeline:
                 if step_plan.action in ("skip", "leave"):
                     results.append(await _settled(self._kept, step, step_plan))
                     continue
-                data, job = await _settled(self._begin, step, step_plan, keys, settings)
+                data, job = await _settled(
+                    self._begin_step, step, step_plan, keys, settings, elastic, claim_lease
+                )
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
@@ -338,9 +385,11 @@ class Pipeline:
                 except FingerprintMismatchError as error:
                     raise _mismatch(step, error) from None
                 results.append(
-                    await _settled(self._finish, step, step_plan, keys, settings, result)
+                    await _settled(
+                        self._finish_step, step, step_plan, keys, settings, result, elastic
+                    )
                 )
-            return await _settled(self._report, results)
+            return await _settled(self._report_step, results, elastic)
         finally:
             lock.release()
 
@@ -351,16 +400,32 @@ class Pipeline:
         steps: Sequence[str] | None,
         redo: Sequence[str],
         force: bool,
-    ) -> tuple[DirectoryLock, list[StepPlan], dict[str, str], dict[str, dict[str, Any]]]:
+        elastic: bool = False,
+    ) -> tuple[
+        DirectoryLock | _SharedLock, list[StepPlan], dict[str, str], dict[str, dict[str, Any]]
+    ]:
         """Check everything a run needs and decide each step's action, before any runs;
-        hold the pipeline's lock (one process runs a pipeline at a time)."""
+        hold the pipeline's lock (one process runs a pipeline at a time, or any number
+        of elastic workers, which never redo a step)."""
+        if elastic and (force or redo):
+            raise ConfigurationError(
+                "elastic workers (shard='claim', --shard claim) never redo a step, which "
+                "other workers may be running: run the pipeline once without claims with "
+                "--force or --redo, then start the workers"
+            )
         for step in self.steps:
             self._client(step, client, servers)
         self._check_directory()
-        lock = DirectoryLock.acquire(self.output_dir, "run the pipeline in")
+        lock: DirectoryLock | _SharedLock
+        if elastic:
+            lock = _SharedLock.acquire(self.output_dir)
+        else:
+            lock = DirectoryLock.acquire(self.output_dir, "run the pipeline in")
         try:
             keys, settings = self._keys()
             plans = self._plan(keys, settings, steps, redo, force)
+            if elastic:
+                _refuse_redo(plans)
         except BaseException:
             lock.release()
             raise
@@ -501,6 +566,73 @@ class Pipeline:
         }
         return data, job
 
+    @contextlib.contextmanager
+    def _steps_lock(self, elastic: bool) -> Iterator[None]:
+        """Hold ``.steps.lock`` while the block runs (elastic workers only): one worker
+        at a time writes a step's rows and the pipeline's records. It waits for the
+        holder; a holder that dies lets go with its process."""
+        if not elastic:
+            yield
+            return
+        fd = open_file(self.output_dir / STEPS_LOCK, os.O_RDWR | os.O_CREAT, single=True)
+        try:
+            os.set_blocking(fd, True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing lets go of the lock
+
+    def _begin_step(
+        self,
+        step: Step,
+        step_plan: StepPlan,
+        keys: Mapping[str, str],
+        settings: Mapping[str, dict[str, Any]],
+        elastic: bool,
+        claim_lease: float | None = None,
+    ) -> tuple[Any, JobArgs]:
+        """:meth:`_begin`, by one worker at a time; a worker's job claims units."""
+        with self._steps_lock(elastic):
+            data, job = self._begin(step, step_plan, keys, settings)
+        if elastic:
+            job["shard"] = CLAIM
+            job["claim_lease"] = claim_lease
+            if step.rewrites_input:  # the rows written for it: units every worker shares
+                job["unit_size"] = STEP_UNIT_BYTES
+        return data, job
+
+    def _finish_step(
+        self,
+        step: Step,
+        step_plan: StepPlan,
+        keys: Mapping[str, str],
+        settings: Mapping[str, dict[str, Any]],
+        result: AnnotationResult,
+        elastic: bool,
+    ) -> StepResult:
+        """:meth:`_finish`, by one worker at a time. A worker's job ends once every
+        unit of the step is finished, by whichever worker: the step's figures are then
+        its manifest's, not the worker's part.
+
+        Raises:
+            JobError: The step's units are not all finished (it cannot be marked done).
+        """
+        if not elastic:
+            return self._finish(step, step_plan, keys, settings, result)
+        manifest = RunDirectory.open(self.step_dir(step.name)).manifest() or {}
+        if result.merged_path is None or not manifest.get("complete"):
+            raise JobError(
+                f"step {step.name}: this worker's claims ended before every unit of the "
+                "step was finished; run the worker again to go on with it"
+            )
+        whole = {key: manifest.get(key) for key in ("rows", "succeeded", "failed")}
+        with self._steps_lock(elastic):
+            return self._finish(step, step_plan, keys, settings, result, whole=whole)
+
+    def _report_step(self, results: Sequence[StepResult], elastic: bool) -> PipelineResult:
+        with self._steps_lock(elastic):
+            return self._report(results)
+
     def _finish(
         self,
         step: Step,
@@ -508,7 +640,11 @@ class Pipeline:
         keys: Mapping[str, str],
         settings: Mapping[str, dict[str, Any]],
         result: AnnotationResult,
+        *,
+        whole: Mapping[str, Any] | None = None,
     ) -> StepResult:
+        """Record the step done with its figures (``whole``: the step's rows,
+        succeeded and failed, where the result is one worker's part)."""
         figures = {
             "rows": result.num_rows,
             "succeeded": result.num_succeeded,
@@ -517,6 +653,7 @@ class Pipeline:
             "resumed": result.num_resumed,
             "seconds": round(result.seconds, 3),
             "output": str(result.output_path),
+            **(whole or {}),
         }
         entry = self._record()["steps"].get(step.name) or {}
         entry.update(
@@ -572,7 +709,9 @@ def own_entries(output_dir: Path, names: Sequence[str]) -> list[tuple[Path, bool
         >>> entries[Path("out/steps/label/job.json")], entries[Path("out/steps/label/shards")]
         (False, True)
     """
-    entries = [(output_dir / name, False) for name in (LOCK_FILE, PIPELINE_FILE, REPORT_FILE)]
+    entries = [
+        (output_dir / name, False) for name in (LOCK_FILE, STEPS_LOCK, PIPELINE_FILE, REPORT_FILE)
+    ]
     entries += [(output_dir / STEPS_DIR, True), (output_dir / INPUTS_DIR, True)]
     for name in names:
         entries += input_entries(output_dir / INPUTS_DIR, name)
@@ -581,6 +720,69 @@ def own_entries(output_dir: Path, names: Sequence[str]) -> list[tuple[Path, bool
         entries += [(run_dir / file, False) for file in (*RUN_FILES, CORPUS_FILE)]
         entries += [(run_dir / folder, True) for folder in (SHARDS_DIR, ANNOTATIONS_DIR, UNITS_DIR)]
     return entries
+
+
+def _elastic(shard: str | None) -> bool:
+    """Whether ``shard`` makes this process an elastic worker.
+
+    Raises:
+        ConfigurationError: Anything but None and ``"claim"``.
+    """
+    if shard is None:
+        return False
+    if isinstance(shard, str) and shard.strip() == CLAIM:
+        return True
+    raise ConfigurationError(
+        f"a pipeline takes shard='claim' (--shard claim: any number of elastic workers) "
+        f"or none, got {shard!r}; static shards split one job, not a pipeline"
+    )
+
+
+def _refuse_redo(plans: Sequence[StepPlan]) -> None:
+    """Refuse, for an elastic worker, a plan that redoes a step (a stale one, say):
+    removing its results could pull them from under another worker."""
+    for step_plan in plans:
+        if step_plan.action == "redo":
+            raise ConfigurationError(
+                f"step {step_plan.name} is to be redone ({step_plan.why}), which elastic "
+                "workers never do (another may be running it): run the pipeline once "
+                "without --shard claim to redo it, then start the workers"
+            )
+
+
+class _SharedLock:
+    """``.lock`` held shared: any number of elastic workers, never beside a run that
+    holds it alone (:class:`DirectoryLock`)."""
+
+    __slots__ = ("_fd",)
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, directory: Path) -> _SharedLock:
+        """Hold the pipeline's lock shared.
+
+        Raises:
+            JobError: A run that is not elastic holds it.
+        """
+        fd = open_file(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, single=True)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise JobError(
+                f"cannot run the pipeline in {directory} as a worker: a run without "
+                f"--shard claim (pid {owner}) is using it; wait for it to finish"
+            ) from None
+        return cls(fd)
+
+    def release(self) -> None:
+        """Let go of the lock; idempotent."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 def _check_entry(path: Path, folder: bool) -> None:

@@ -1,0 +1,167 @@
+"""Elastic pipeline workers (``pipeline run --shard claim``, ``--processes N``) against a
+fake server: several workers share every step's units, each step's rows once; a worker
+SIGKILLed mid-step leaves its units to the others after a lease; what workers refuse."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.dataset as ds
+import pytest
+from aiohttp import web
+
+from llm_annotator.cli import main
+from llm_annotator.errors import ConfigurationError, JobError
+from llm_annotator.pipeline import Pipeline, Step
+from llm_annotator.pipeline.run import _SharedLock
+from tests.cli import COMMAND
+from tests.unit.conftest import FakeServer, completion
+from tests.unit.helpers import write_jsonl
+
+FILES, ROWS = 12, 8
+
+
+def _answering(delay: float) -> Any:
+    async def answer(request: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(delay)
+        prompt = request["messages"][-1]["content"]
+        if prompt.startswith("Label: "):
+            number = int(prompt.rsplit("-r", 1)[1])
+            return completion("negative" if number % 2 else "positive")
+        return completion(f"answer to {prompt}")
+
+    return answer
+
+
+def _pipeline_file(tmp_path: Path, server: FakeServer) -> Path:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(FILES):
+        rows = [{"id": f"f{f}-r{r}", "text": f"f{f}-r{r}"} for r in range(ROWS)]
+        write_jsonl(corpus / f"part-{f:02d}.jsonl", rows)
+    path = tmp_path / "pipeline.toml"
+    path.write_text(
+        f'output_dir = "{tmp_path / "run"}"\n'
+        f'input = "{corpus}"\n'
+        'id_column = "id"\n'
+        f'servers = ["{server.base_url}"]\n'
+        "batch_size = 4\nmax_concurrent_batches_per_client = 1\n"
+        'log_format = "json"\n'
+        '[steps.label]\nprompt_template = "Label: {text}"\n'
+        '[steps.reason]\nfrom = "label"\nwhere = "label_response == \'negative\'"\n'
+        'prompt_template = "Why: {text}"\n'
+        '[steps.judge]\nfrom = "reason"\nprompt_template = "Judge: {reason_response}"\n'
+    )
+    return path
+
+
+def _sent(server: FakeServer) -> Counter[str]:
+    return Counter(r["messages"][-1]["content"] for r in server.requests)
+
+
+def _step_rows(run: Path, step: str) -> list[str]:
+    table = ds.dataset(run / "steps" / step / "annotations", format="parquet").to_table()
+    return sorted(str(value) for value in table.column("id").to_pylist())
+
+
+def _check_steps(run: Path) -> None:
+    """Each step's rows once: 96 labels, the 48 negatives' reasons, 48 judgements."""
+    labels = _step_rows(run, "label")
+    assert len(labels) == len(set(labels)) == FILES * ROWS
+    assert len(_step_rows(run, "reason")) == len(set(_step_rows(run, "reason"))) == 48
+    assert len(_step_rows(run, "judge")) == 48
+    record = orjson.loads((run / "pipeline.json").read_bytes())
+    assert {name: entry["state"] for name, entry in record["steps"].items()} == {
+        "label": "done",
+        "reason": "done",
+        "judge": "done",
+    }
+    assert record["steps"]["label"]["figures"]["rows"] == FILES * ROWS
+
+
+def test_processes_share_every_step_and_send_each_row_once(
+    tmp_path: Path, fake_server: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_server.handler = _answering(0.02)
+    path = _pipeline_file(tmp_path, fake_server)
+    done = subprocess.run(
+        [COMMAND, "pipeline", "run", str(path), "--processes", "2"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    run = tmp_path / "run"
+    _check_steps(run)
+    sent = _sent(fake_server)
+    assert max(sent.values()) == 1, [p for p, n in sent.items() if n > 1][:5]
+    assert sum(sent.values()) == FILES * ROWS + 48 + 48
+    workers = sorted(p.name for p in (run / "steps" / "label").glob("worker-*"))
+    assert len(workers) == 2, workers  # both took units of the first step
+    capsys.readouterr()
+    assert main(["pipeline", "describe", str(path)]) == 0
+    said = capsys.readouterr().out
+    assert "done: 96 of 96 rows, 12 of 12 units" in said, said
+    assert "done: 48 of 48 rows, 12 of 12 units" in said, said
+
+
+def test_a_worker_killed_mid_step_leaves_its_units_to_the_others(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """Two workers with a 2 s lease; one SIGKILLed once it holds a unit of the first
+    step: the other takes its units over and finishes all three steps, every row of
+    each step once in the output; a row is sent again only if it was in flight."""
+    fake_server.handler = _answering(0.05)
+    path = _pipeline_file(tmp_path, fake_server)
+    run = tmp_path / "run"
+    argv = [COMMAND, "pipeline", "run", str(path), "--shard", "claim", "--claim-lease", "2"]
+    logs = [(tmp_path / f"worker-{i}.log").open("wb") for i in range(2)]
+    doomed = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logs[0], stderr=logs[0])
+    claims = run / "steps" / "label" / "claims"
+    deadline = time.monotonic() + 60
+    while not any(claims.glob("*")) or len(fake_server.requests) < 8:
+        assert doomed.poll() is None, (tmp_path / "worker-0.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the worker never claimed a unit"
+        time.sleep(0.05)
+    other = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logs[1], stderr=logs[1])
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait(timeout=10)
+    before = _sent(fake_server)  # what the killed worker had sent (answered or not)
+    code = other.wait(timeout=120)
+    for log in logs:
+        log.close()
+    assert code == 0, (tmp_path / "worker-1.log").read_text()[-3000:]
+    _check_steps(run)
+    again = {prompt: n for prompt, n in _sent(fake_server).items() if n > 1}
+    # sent again only what the killed worker had in hand (in flight, or answered and
+    # not yet written), and only once more
+    assert all(before[prompt] == 1 and n == 2 for prompt, n in again.items()), again
+    assert sum(before.values()) >= 8
+
+
+def test_workers_refuse_to_redo_and_never_mix_with_a_run_alone(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "text": "x"}])
+    pipeline = Pipeline([Step("label", "{text}", data=str(tmp_path / "d.jsonl"))], tmp_path / "p")
+    with pytest.raises(ConfigurationError, match="never redo a step"):
+        pipeline.run(object(), shard="claim", force=True, handle_signals=False)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="takes shard='claim'"):
+        pipeline.run(object(), shard="0/2", handle_signals=False)  # type: ignore[arg-type]
+    (tmp_path / "p").mkdir()
+    held = _SharedLock.acquire(tmp_path / "p")  # a worker runs
+    try:
+        with pytest.raises(JobError, match="another run"):
+            pipeline.run(object(), handle_signals=False)  # type: ignore[arg-type]
+    finally:
+        held.release()
+    with pytest.raises(SystemExit) as exited:
+        main(["pipeline", "run", str(tmp_path / "none.toml"), "--processes", "0"])
+    assert exited.value.code == 1
