@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,82 @@ def test_a_pipeline_killed_in_step_two_resumes_each_row_once(
         assert f"{step}: reads" in described.stdout
         assert f"done: {rows} of {rows} rows" in described.stdout
     assert described.stdout.count("a run would skip it") == 3
+
+
+def test_the_pipeline_by_elastic_workers_one_killed_one_added_does_each_step_once(
+    vllm_servers: LocalServers, tmp_path: Path
+) -> None:
+    """The documentation's 3-step pipeline over a corpus of 30 files, by elastic workers
+    (``pipeline run --shard claim``) on the two tiny-model servers: two start, one is
+    SIGKILLed once a few units of the first step are finished, a third joins after. Every
+    row of every step is in its output once, and the servers answered each step's rows
+    once, plus at most what the killed worker had in hand."""
+    wait_until_idle(vllm_servers)
+    reviews = [orjson.loads(line) for line in REVIEWS.read_bytes().splitlines()[:120]]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(30):
+        part = reviews[4 * f : 4 * f + 4]
+        (corpus / f"reviews-{f:02d}.jsonl").write_bytes(
+            b"".join(orjson.dumps(r) + b"\n" for r in part)
+        )
+    run = tmp_path / "run"
+    settings = {
+        "output_dir": str(run),
+        "input": str(corpus),
+        "servers": vllm_servers.base_urls,
+        "max_regenerations": 0,
+        "hedge_tail": False,
+        "log_format": "json",
+        "batch_size": 4,
+        "max_concurrent_batches_per_client": 2,
+    }
+    overrides = [f"--set={key}={orjson.dumps(value).decode()}" for key, value in settings.items()]
+    args = [COMMAND, "pipeline", "run", str(EXAMPLE), *overrides, "--shard", "claim"]
+    args += ["--claim-lease", "3"]
+    before = finished_requests(vllm_servers)
+    logs = [tmp_path / f"worker-{i}.log" for i in range(3)]
+
+    def start(log: Path) -> subprocess.Popen[bytes]:
+        with log.open("ab") as sink:  # from the repository's root, as the example says
+            return subprocess.Popen(
+                args, stdout=sink, stderr=sink, stdin=subprocess.DEVNULL, cwd=ROOT
+            )
+
+    first, second = start(logs[0]), start(logs[1])
+    finished = run / "steps" / "label" / "annotations"
+    deadline = time.monotonic() + 240
+    while len(list(finished.glob("*.parquet"))) < 4:
+        assert first.poll() is None, logs[0].read_text()[-3000:]
+        assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    third = start(logs[2])
+    assert second.wait(timeout=600) == 0, logs[1].read_text()[-3000:]
+    assert third.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
+    wait_until_idle(vllm_servers)
+    sent = finished_requests(vllm_servers) - before
+
+    import pyarrow.dataset as ds
+
+    def step(name: str) -> list[dict[str, Any]]:
+        folder = run / "steps" / name / "annotations"
+        return ds.dataset(folder, format="parquet").to_table().to_pylist()  # type: ignore[no-any-return]
+
+    label, reason, judge = step("label"), step("reason"), step("judge")
+    keys = {name: Counter((r["input_file"], r["id"]) for r in rows) for name, rows in
+            (("label", label), ("reason", reason), ("judge", judge))}  # fmt: skip
+    assert all(max(count.values(), default=1) == 1 for count in keys.values()), keys
+    assert sorted(r["id"] for r in label) == sorted(r["id"] for r in reviews)
+    negative = [r for r in label if r["sentiment"] == "negative" and r["error"] is None]
+    assert len(reason) == len(negative)
+    assert len(judge) == sum(1 for r in reason if r["error"] is None)
+    rows = len(label) + len(reason) + len(judge)
+    assert rows <= sent <= rows + 2 * 8 + 100, (sent, rows)  # 8 in flight per server
+    record = orjson.loads((run / "pipeline.json").read_bytes())
+    assert {name: s["state"] for name, s in record["steps"].items()} == dict.fromkeys(
+        ("label", "reason", "judge"), "done"
+    )
+    said = "".join(log.read_text() for log in logs[1:])
+    assert "unit_taken_over" in said
