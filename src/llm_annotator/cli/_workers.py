@@ -48,19 +48,20 @@ def worker_argv(
         ['--processes', '1', '--shard', 'claim', '--batch-size', '128']
     """
     share = max(1, math.ceil(batch_size / processes))
-    return [
-        sys.executable,
-        "-m",
-        "llm_annotator.cli",
-        *argv,
-        "--processes",
-        "1",
-        "--shard",
-        "claim",
-        "--batch-size",
-        str(share),
-        *(["--metrics-port", "0"] if metrics else []),
-    ]
+    metrics_port = ["--metrics-port", "0"] if metrics else []
+    return worker_command(argv, "--batch-size", str(share), *metrics_port)
+
+
+def worker_command(argv: Sequence[str], *flags: str) -> list[str]:
+    """A worker's command line: the user's command run again by this Python, as one
+    process that claims (later flags win), then ``flags``.
+
+    Examples:
+        >>> worker_command(["pipeline", "run", "p.toml"], "--budget-share", "2")[3:]
+        ['pipeline', 'run', 'p.toml', '--processes', '1', '--shard', 'claim', '--budget-share', '2']
+    """
+    claiming = ["--processes", "1", "--shard", "claim"]
+    return [sys.executable, "-m", "llm_annotator.cli", *argv, *claiming, *flags]
 
 
 def run_workers(argv: Sequence[str], processes: int, settings: dict[str, Any]) -> int:

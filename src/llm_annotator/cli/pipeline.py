@@ -224,6 +224,7 @@ def pipeline_run(args: argparse.Namespace) -> int:
 
 
 def _worker_count(text: str) -> int:
+    """``--processes`` and ``--budget-share``: a number of workers >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -244,27 +245,14 @@ def _shared(settings: dict[str, Any], share: int) -> dict[str, Any]:
 def _run_workers(args: argparse.Namespace) -> int:
     """``--processes N``: N workers of the same command, each ``--shard claim`` with its
     share of each server's budget."""
-    import sys
-
-    from llm_annotator.cli._workers import supervise
+    from llm_annotator.cli._workers import supervise, worker_command
 
     if args.force or args.redo:
         raise ConfigurationError(
             "--processes: elastic workers never redo a step; run the pipeline once with "
             "--force or --redo alone, then start the workers"
         )
-    command = [
-        sys.executable,
-        "-m",
-        "llm_annotator.cli",
-        *args.argv,
-        "--processes",
-        "1",
-        "--shard",
-        "claim",
-        "--budget-share",
-        str(args.processes),
-    ]
+    command = worker_command(args.argv, "--budget-share", str(args.processes))
     return supervise(command, args.processes, "pipeline run", "the pipeline")
 
 
