@@ -10,10 +10,11 @@ import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
+import orjson
 import pytest
 import structlog
 
-from llm_annotator.jobs.rundir.claims import Claims, lease_state
+from llm_annotator.jobs.rundir.claims import Claims, lease_state, process_gone
 
 
 class Clocks:
@@ -306,3 +307,59 @@ def test_the_taker_of_a_unit_removes_the_temporaries_its_dead_holder_left(
     asyncio.run(scenario())
     assert pq.read_table(annotations / unit.output_name).num_rows == 5
     assert sorted(p.name for p in annotations.glob(f".{unit.output_name}*")) == []
+
+
+def test_a_dead_holder_on_this_machine_is_taken_over_at_once_not_after_its_lease(
+    tmp_path: Path,
+) -> None:
+    """A worker SIGKILLed on this machine (a --processes worker, a task restarted on the
+    same node): another worker here takes its unit at once, with a lease of an hour; a
+    holder said to be on another machine keeps it for its lease, and so does a live one."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time; from pathlib import Path\n"
+        "from llm_annotator.jobs.rundir.claims import Claims\n"
+        "claims = Claims(Path(sys.argv[1]), 3600)\n"
+        "assert claims.try_claim(sys.argv[2]) is not None\n"
+        "print('held', flush=True); time.sleep(600)\n"
+    )
+
+    def holder(key: str) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path), key],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout is not None
+        said = [process.stdout.readline() for _ in range(2)]  # the claim's log line, then
+        assert said[-1] == "held\n", said
+        return process
+
+    live, dead, elsewhere = holder("live"), holder("dead"), holder("elsewhere")
+    try:
+        path = tmp_path / "claims" / "elsewhere.1"
+        record = orjson.loads(path.read_bytes())
+        path.write_bytes(orjson.dumps({**record, "machine": "another-host:1"}))
+        elsewhere.send_signal(signal.SIGKILL)
+        elsewhere.wait(timeout=10)
+        dead.send_signal(signal.SIGKILL)  # not reaped: a zombie has ended too
+        for _ in range(200):
+            if process_gone(dead.pid):
+                break
+            time.sleep(0.01)
+        assert process_gone(dead.pid) and not process_gone(live.pid)
+        claims = Claims(tmp_path, 3600)
+        assert claims.try_claim("live") is None
+        assert claims.try_claim("elsewhere") is None
+        taken = claims.try_claim("dead")
+        assert taken is not None and taken.generation == 2
+    finally:
+        for process in (live, dead, elsewhere):
+            process.kill()
+            process.wait(timeout=10)
+            if process.stdout is not None:
+                process.stdout.close()

@@ -24,6 +24,13 @@ held only while its file keeps changing; once this worker has seen it unchanged 
 whole lease on its own monotonic clock, its holder stopped renewing it and the unit is
 taken over (:func:`lease_state`), never held for as long as the clock is ahead.
 
+A holder on this machine whose process is gone (killed, or a worker restarted on the
+same node) is known dead at once: a claim file says the machine it was made on (the
+kernel's boot id and the process-id namespace), and a worker of the same machine that
+finds the holder's process missing (or a zombie) takes the unit over without waiting
+for the lease (:func:`holder_gone`). Holders on other machines are judged by their
+leases only.
+
 The taker of a unit removes what its dead holder was writing when it died
 (:mod:`~llm_annotator.jobs.rundir.leftovers`). A worker that waits on units held by
 others says which, by whom and until when, once a lease (:meth:`Claims.report_waiting`).
@@ -96,6 +103,52 @@ def report_due(last: float | None, now: float, every: float) -> bool:
         (True, False, True)
     """
     return last is None or now - last >= every
+
+
+def this_machine() -> str | None:
+    """Where a process id means one process: the kernel's boot id and this process's
+    pid namespace (None where the system does not say, off Linux)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        space = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return f"{boot}:{space}"
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this machine has ended (a zombie has: it only waits
+    for its parent to read its status)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # cannot tell: alive, for safety
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
+
+
+def holder_gone(record: object, machine: str | None, pid: int) -> bool:
+    """Whether a claim's record names a holder that is known dead: made on this
+    ``machine`` (not None) by another process than ``pid``, which has ended.
+
+    Examples:
+        >>> holder_gone({"owner": "h:1:ab", "machine": "m"}, None, 5)
+        False
+        >>> holder_gone({"owner": "h:5:ab", "machine": "m"}, "m", 5)  # this process
+        False
+        >>> holder_gone({"owner": "h:7:ab", "machine": "other"}, "m", 5)
+        False
+    """
+    if machine is None or not isinstance(record, dict) or record.get("machine") != machine:
+        return False
+    owner = record.get("owner")
+    try:
+        holder = int(str(owner).rsplit(":", 2)[1])
+    except (IndexError, ValueError):
+        return False
+    return holder != pid and process_gone(holder)
 
 
 def _iso(seconds: float) -> str:
@@ -172,6 +225,7 @@ class Claims:
         self.clock = clock
         self.wall = wall
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.machine = this_machine()
         self._seen: dict[str, _Seen] = {}
         """Other workers' claims as this worker last saw them, by unit."""
         self._reported: float | None = None
@@ -202,13 +256,17 @@ class Claims:
 
     def owner_of(self, key: str, generation: int) -> str | None:
         """The owner a claim file names, or None if it names none (or is gone)."""
-        try:
-            data = read_bytes(self._path(key, generation))
-            said = orjson.loads(data) if data else None
-        except (OSError, RunDirectoryError, orjson.JSONDecodeError):
-            return None
+        said = self._record(key, generation)
         owner = said.get("owner") if isinstance(said, dict) else None
         return owner if isinstance(owner, str) else None
+
+    def _record(self, key: str, generation: int) -> object:
+        """What a claim file says, or None if it cannot be read (or is gone)."""
+        try:
+            data = read_bytes(self._path(key, generation))
+            return orjson.loads(data) if data else None
+        except (OSError, RunDirectoryError, orjson.JSONDecodeError):
+            return None
 
     def _state(self, key: str, generation: int, renewed: float) -> LeaseState:
         """How another worker's claim stands (:func:`lease_state`); a clock fault is
@@ -241,10 +299,14 @@ class Claims:
         None if another worker holds it (or won the race for it)."""
         generation, renewed = self.holder(key)
         state: LeaseState | None = None
+        gone = False
         if generation and renewed is not None:
             state = self._state(key, generation, renewed)
             if state in ("held", "ahead"):
-                return None
+                record = self._record(key, generation)
+                gone = holder_gone(record, self.machine, os.getpid())
+                if not gone:
+                    return None
         path = self._path(key, generation + 1)
         try:
             fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -253,7 +315,8 @@ class Claims:
         except OSError as error:
             raise output_write_error(error, path, self.folder.parent) from None
         with os.fdopen(fd, "wb") as file:
-            file.write(orjson.dumps({"owner": self.owner, "taken_over": generation}) + b"\n")
+            said = {"owner": self.owner, "taken_over": generation, "machine": self.machine}
+            file.write(orjson.dumps(said) + b"\n")
             file.flush()  # written before the time is set: a later write would move it
             now = self.wall()
             os.utime(file.fileno(), (now, now))
@@ -265,7 +328,11 @@ class Claims:
                 generation=generation + 1,
                 owner=self.owner,
                 previous=self.owner_of(key, generation),
-                reason="clock_ahead" if state == "stale" else "lease_expired",
+                reason="holder_gone"
+                if gone
+                else "clock_ahead"
+                if state == "stale"
+                else "lease_expired",
             )
         else:
             log.info("unit_claimed", unit=key, owner=self.owner)
