@@ -148,6 +148,8 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
     )
     model = await runner.model()
     fingerprint = job_fingerprint(spec, model, **spec.hook_names())
+    if shard is None:  # before anything is written: a sharded directory is refused as it is
+        await asyncio.to_thread(not_sharded, run_dir)
     await asyncio.to_thread(_record, run_dir, recorded, fingerprint, corpus, mode, spec.force)
     claims = None
     if shard is not None:
@@ -156,7 +158,6 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         )
         status_dir = shard.directory(run_dir)
     else:
-        await asyncio.to_thread(not_sharded, run_dir)
         if claiming:
             claims = await asyncio.to_thread(Claims, run_dir, lease)
             status_dir = run_dir / f"worker-{claims.owner.replace(':', '-')}"
@@ -226,9 +227,9 @@ def runs_as_units(spec: JobSpec) -> bool:
     """Whether a job over one input file runs as a corpus of units (this module)
     rather than as one store: with claims (``shard="claim"``) always; in a run
     directory that holds a corpus job (it resumes as it began, or says why not); and
-    with static shards when the file cuts into more than one unit (a large JSONL file
-    with an id column, a Parquet file of many row groups), so that each shard reads
-    about its share of the file, not all of it. A run directory of a one-file job keeps
+    with static shards when the file cuts into more than one byte range (a large
+    uncompressed JSONL file with an id column), so that each shard reads about its
+    share of the file, not all of it. A run directory of a one-file job keeps
     its layout; so does a job the corpus does not take (``limit``, ``write_jsonl``).
     """
     run_dir = spec.output_dir
@@ -236,12 +237,15 @@ def runs_as_units(spec: JobSpec) -> bool:
         return True
     shard = Shard.of(spec.shard)
     try:
+        sharding = read_sharding(run_dir)
+        if sharding is not None and "corpus" not in sharding.get("fingerprint", {}):
+            return False  # shards of one store, split by id: it goes on that way
         if check_entry(run_dir / CORPUS_FILE):
             return True
         if shard is None or spec.write_jsonl or spec.limit is not None:
             return False
-        if read_sharding(run_dir) is not None or check_entry(run_dir / JOB_FILE):
-            return False  # begun as one store split by id: it goes on that way
+        if check_entry(run_dir / JOB_FILE):
+            return False  # begun as one store: it goes on that way
     except OSError:
         return False  # the one-file job says what is wrong with the run directory
     try:
@@ -252,7 +256,9 @@ def runs_as_units(spec: JobSpec) -> bool:
         )
     except InputError:
         return False  # the one-file job says what is wrong with it
-    return len(corpus.units) > 1
+    # Byte ranges only: a Parquet file's one-store shards read just its id column to
+    # split it, and check its ids whole before the first request, which units cannot.
+    return len(corpus.units) > 1 and all(unit.span is not None for unit in corpus.units)
 
 
 def _pair(shard: Shard) -> tuple[int, int]:
@@ -419,7 +425,14 @@ def _check_ranges_ids(corpus: Corpus, output: Path) -> None:
         ]
         if not columns:
             continue
-        ids = pa.chunked_array([chunk for column in columns for chunk in column.chunks])
+        try:
+            ids = pa.chunked_array([chunk for column in columns for chunk in column.chunks])
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            raise InputError(
+                f"{name}: its ids are of different types in different byte ranges (numbers "
+                "in some, strings in others), which each range could not see: give ids of "
+                "one type, and run it again in a new output directory"
+            ) from None
         counts = pc.value_counts(ids)
         repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
         if len(repeated):

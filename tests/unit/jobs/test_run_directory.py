@@ -68,3 +68,41 @@ def test_no_output_yet_and_a_planted_record_are_said(tmp_path: Path) -> None:
     (tmp_path / "corpus.json").symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(RunDirectoryError):
         RunDirectory.open(tmp_path)
+
+
+def test_static_shards_take_byte_ranges_only_and_a_refused_claim_writes_nothing(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """A large JSONL file with an id column runs as units under static shards; a Parquet
+    file of many row groups keeps one store (its ids checked whole before any request).
+    A claim run refused in a directory of one-store shards leaves it as it was."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from llm_annotator.errors import ConfigurationError
+    from llm_annotator.jobs.corpus import runs_as_units
+    from llm_annotator.jobs.spec import JobSpec
+
+    rows = [{"id": f"r{r}", "text": "lorem ipsum " * 50} for r in range(2000)]
+    write_jsonl(tmp_path / "big.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "big.parquet", row_group_size=100)
+
+    def spec(data: str, run: str, shard: Any) -> JobSpec:
+        job: Any = {"id_column": "id", "shard": shard, "unit_size": "64K"}
+        return JobSpec.of(str(tmp_path / data), "{text}", tmp_path / run, job)
+
+    assert runs_as_units(spec("big.jsonl", "a", (0, 2)))
+    assert not runs_as_units(spec("big.parquet", "b", (0, 2)))
+    assert not runs_as_units(spec("big.jsonl", "c", None))
+
+    async def short(_: dict[str, Any]) -> web.StreamResponse:
+        return completion("ok")
+
+    fake_server.handler = short
+    write_jsonl(tmp_path / "small.jsonl", rows[:10])
+    with pool_of([fake_server]) as pool:
+        pool.annotate(tmp_path / "small.jsonl", "{text}", tmp_path / "s", shard=(0, 2))
+        with pytest.raises(ConfigurationError, match="split into 2 shards"):
+            pool.annotate(tmp_path / "small.jsonl", "{text}", tmp_path / "s", shard="claim")
+    assert RunDirectory.open(tmp_path / "s").kind == "shards"
+    assert not (tmp_path / "s" / "corpus.json").exists()

@@ -111,20 +111,27 @@ def this_machine() -> str | None:
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         space = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
+        if int(os.readlink("/proc/self")) != os.getpid():
+            return None  # a /proc of another pid namespace: its pids are not ours
+    except (OSError, ValueError):
         return None
     return f"{boot}:{space}"
 
 
 def process_gone(pid: int) -> bool:
     """Whether process ``pid`` of this machine has ended (a zombie has: it only waits
-    for its parent to read its status)."""
+    for its parent to read its status). Only the kernel's own word counts: a process
+    that ``/proc`` hides (``hidepid``) is alive, for safety."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return True
     except OSError:
-        return False  # cannot tell: alive, for safety
+        return False  # another user's process: alive
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False  # cannot tell: alive
     state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
     return state in (b"Z", b"X")
 
