@@ -87,7 +87,12 @@ def supervise(command: Sequence[str], processes: int, name: str, what: str) -> i
         file=sys.stderr,
         flush=True,
     )
-    workers = [subprocess.Popen(command, stdin=subprocess.DEVNULL) for _ in range(processes)]
+    # Each in a session of its own: a terminal's Ctrl-C reaches them once, from here,
+    # not also from the terminal (two signals would be a hard stop).
+    workers = [
+        subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
+        for _ in range(processes)
+    ]
 
     def forward(signum: int, frame: FrameType | None) -> None:
         for worker in workers:

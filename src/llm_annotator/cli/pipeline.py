@@ -185,7 +185,7 @@ def pipeline_run(args: argparse.Namespace) -> int:
     pipeline = loaded.pipeline
     pipeline.plan(steps=steps, redo=redo, force=args.force)  # refused before clients start
     if args.processes > 1:
-        return _run_workers(args)
+        return _run_workers(args, loaded)
     clients = {
         name: _client(_shared(settings, args.budget_share))
         for name, settings in loaded.clients.items()
@@ -242,7 +242,7 @@ def _shared(settings: dict[str, Any], share: int) -> dict[str, Any]:
     return {**settings, "batch_size": max(1, -(-settings["batch_size"] // share))}
 
 
-def _run_workers(args: argparse.Namespace) -> int:
+def _run_workers(args: argparse.Namespace, loaded: Loaded) -> int:
     """``--processes N``: N workers of the same command, each ``--shard claim`` with its
     share of each server's budget."""
     from llm_annotator.cli._workers import supervise, worker_command
@@ -251,6 +251,11 @@ def _run_workers(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             "--processes: elastic workers never redo a step; run the pipeline once with "
             "--force or --redo alone, then start the workers"
+        )
+    if any(settings.get("offline_model") for settings in loaded.clients.values()):
+        raise ConfigurationError(
+            "--processes: a model in this process (offline_model) is loaded once per "
+            "process; run one process, or serve the model and give its servers"
         )
     command = worker_command(args.argv, "--budget-share", str(args.processes))
     return supervise(command, args.processes, "pipeline run", "the pipeline")

@@ -324,7 +324,12 @@ class Pipeline:
                 if step_plan.action in ("skip", "leave"):
                     results.append(self._kept(step, step_plan))
                     continue
-                data, job = self._begin_step(step, step_plan, keys, settings, elastic, claim_lease)
+                step_plan, data, job = self._begin_step(
+                    step, step_plan, keys, settings, elastic, claim_lease
+                )
+                if step_plan.action == "skip":  # done meanwhile by other workers
+                    results.append(self._kept(step, step_plan))
+                    continue
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
@@ -371,9 +376,12 @@ class Pipeline:
                 if step_plan.action in ("skip", "leave"):
                     results.append(await _settled(self._kept, step, step_plan))
                     continue
-                data, job = await _settled(
+                step_plan, data, job = await _settled(
                     self._begin_step, step, step_plan, keys, settings, elastic, claim_lease
                 )
+                if step_plan.action == "skip":  # done meanwhile by other workers
+                    results.append(await _settled(self._kept, step, step_plan))
+                    continue
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
@@ -415,12 +423,14 @@ class Pipeline:
             )
         for step in self.steps:
             self._client(step, client, servers)
+            if elastic and not step.rewrites_input and not _is_files(step.data):
+                raise ConfigurationError(
+                    f"step {step.name} reads rows in memory, which elastic workers cannot "
+                    "share (each would read its own): give it a file or a corpus"
+                )
         self._check_directory()
         lock: DirectoryLock | _SharedLock
-        if elastic:
-            lock = _SharedLock.acquire(self.output_dir)
-        else:
-            lock = DirectoryLock.acquire(self.output_dir, "run the pipeline in")
+        lock = _SharedLock.acquire(self.output_dir) if elastic else _alone(self.output_dir)
         try:
             keys, settings = self._keys()
             plans = self._plan(keys, settings, steps, redo, force)
@@ -590,16 +600,26 @@ class Pipeline:
         settings: Mapping[str, dict[str, Any]],
         elastic: bool,
         claim_lease: float | None = None,
-    ) -> tuple[Any, JobArgs]:
-        """:meth:`_begin`, by one worker at a time; a worker's job claims units."""
+    ) -> tuple[StepPlan, Any, JobArgs]:
+        """:meth:`_begin`, by one worker at a time; a worker's job claims units. A
+        worker plans the step again under the lock, from the record as other workers
+        left it (a plan made at its start may be stale: the step done since, its rows
+        written): a step done is skipped (its action ``skip``), one begun is resumed,
+        and nothing done is marked stale again."""
         with self._steps_lock(elastic):
+            if elastic:
+                fresh = self._plan(keys, settings, None, (), False)
+                step_plan = next(p for p in fresh if p.name == step.name)
+                _refuse_redo([step_plan])
+                if step_plan.action == "skip":
+                    return step_plan, None, {}
             data, job = self._begin(step, step_plan, keys, settings)
         if elastic:
             job["shard"] = CLAIM
             job["claim_lease"] = claim_lease
             if step.rewrites_input:  # the rows written for it: units every worker shares
                 job["unit_size"] = STEP_UNIT_BYTES
-        return data, job
+        return step_plan, data, job
 
     def _finish_step(
         self,
@@ -738,6 +758,33 @@ def _elastic(shard: str | None) -> bool:
     )
 
 
+def _is_files(data: Any) -> bool:
+    """Whether a step's data names files (a path, a glob, several paths), not rows."""
+    if isinstance(data, str | os.PathLike):
+        return True
+    return isinstance(data, list | tuple) and all(isinstance(d, str | os.PathLike) for d in data)
+
+
+def _alone(directory: Path) -> DirectoryLock:
+    """The pipeline's lock held alone, saying so when elastic workers hold it.
+
+    Raises:
+        JobError: Another run, or elastic workers, use the directory.
+    """
+    try:
+        return DirectoryLock.acquire(directory, "run the pipeline in")
+    except JobError as alone:
+        try:
+            probe = _SharedLock.acquire(directory)
+        except JobError:
+            raise alone from None  # a run alone holds it: its own message
+        probe.release()
+        raise JobError(
+            f"cannot run the pipeline in {directory}: elastic workers (--shard claim) are "
+            "running it; wait for them to finish, or join them with --shard claim"
+        ) from None
+
+
 def _refuse_redo(plans: Sequence[StepPlan]) -> None:
     """Refuse, for an elastic worker, a plan that redoes a step (a stale one, say):
     removing its results could pull them from under another worker."""
@@ -770,12 +817,20 @@ class _SharedLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            owner = ""
+            with contextlib.suppress(OSError):
+                owner = os.read(fd, 64).decode(errors="replace").strip()
             os.close(fd)
             raise JobError(
                 f"cannot run the pipeline in {directory} as a worker: a run without "
-                f"--shard claim (pid {owner}) is using it; wait for it to finish"
+                f"--shard claim (pid {owner or 'unknown'}) is using it; wait for it to finish"
             ) from None
+        except OSError as error:
+            os.close(fd)
+            raise JobError(
+                f"cannot lock {directory / LOCK_FILE}: {error}; the output directory must be "
+                "on a file system that supports flock"
+            ) from error
         return cls(fd)
 
     def release(self) -> None:

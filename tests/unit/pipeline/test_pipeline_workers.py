@@ -158,10 +158,49 @@ def test_workers_refuse_to_redo_and_never_mix_with_a_run_alone(tmp_path: Path) -
     (tmp_path / "p").mkdir()
     held = _SharedLock.acquire(tmp_path / "p")  # a worker runs
     try:
-        with pytest.raises(JobError, match="another run"):
+        with pytest.raises(JobError, match=r"elastic workers \(--shard claim\) are running it"):
             pipeline.run(object(), handle_signals=False)  # type: ignore[arg-type]
     finally:
         held.release()
     with pytest.raises(SystemExit) as exited:
         main(["pipeline", "run", str(tmp_path / "none.toml"), "--processes", "0"])
     assert exited.value.code == 1
+
+
+def test_rows_in_memory_are_refused_and_a_stale_plan_never_undoes_a_step_done(
+    tmp_path: Path,
+) -> None:
+    """Workers refuse a step over rows in memory before anything runs. A worker whose
+    plan was made before another finished step B plans it again under the lock: B is
+    skipped, not begun again, and step C, which reads it, is not marked stale."""
+    rows = Pipeline([Step("label", "{text}", data=[{"id": 1, "text": "x"}])], tmp_path / "m")
+    with pytest.raises(ConfigurationError, match="reads rows in memory"):
+        rows.run(object(), shard="claim", handle_signals=False)  # type: ignore[arg-type]
+
+    write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "text": "x"}])
+    pipeline = Pipeline(
+        [
+            Step("a", "{text}", data=str(tmp_path / "d.jsonl")),
+            Step("b", "{text}", from_step="a"),
+            Step("c", "{text}", from_step="b"),
+        ],
+        tmp_path / "p",
+    )
+    keys, settings = pipeline._keys()
+    stale_plans = pipeline.plan()  # before anything ran: b "run", its rows changing
+    plan_b = next(p for p in stale_plans if p.name == "b")
+    assert plan_b.action == "run" and plan_b.rows_change
+    pipeline._check_directory()
+    for name, state in (("a", "done"), ("b", "done"), ("c", "begun")):
+        pipeline.step_dir(name).mkdir(parents=True)
+        (pipeline.step_dir(name) / "annotations.parquet").touch()  # its output is there
+        pipeline._save(name, {"key": keys[name], "state": state, "settings": settings[name]})
+    step_b = pipeline.steps[1]
+    fresh, _, _ = pipeline._begin_step(step_b, plan_b, keys, settings, True)
+    assert fresh.action == "skip"
+    record = orjson.loads((tmp_path / "p" / "pipeline.json").read_bytes())
+    assert {name: entry["state"] for name, entry in record["steps"].items()} == {
+        "a": "done",
+        "b": "done",
+        "c": "begun",
+    }

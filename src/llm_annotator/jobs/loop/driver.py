@@ -247,8 +247,9 @@ def _interrupted(interrupt: Interrupt, layout: Layout, progress: Progress) -> No
     """Raise the clean stop of a signal: what is written, and how to resume."""
     done = progress.done
     log.warning("job_interrupted", done=done, total=progress.total, output_dir=str(layout.run_dir))
+    of = f" of {progress.total}" if progress.total >= max(done, 1) else ""  # a worker's: unknown
     raise RunInterruptedError(
-        f"stopped by {interrupt.reason}: {done} of {progress.total} rows are written in "
+        f"stopped by {interrupt.reason}: {done}{of} rows are written in "
         f"{layout.run_dir}. Run the same job again to resume; rows already written are not "
         "sent again.",
         output_dir=str(layout.run_dir),
