@@ -36,6 +36,7 @@ from llm_annotator.errors import (
     FingerprintMismatchError,
     InputError,
     JobError,
+    RunDirectoryError,
 )
 from llm_annotator.jobs.answers.records import RecordBuilder
 from llm_annotator.jobs.answers.schema import OutputSchema
@@ -246,7 +247,7 @@ def runs_as_units(spec: JobSpec) -> bool:
             return False
         if check_entry(run_dir / JOB_FILE):
             return False  # begun as one store: it goes on that way
-    except OSError:
+    except (OSError, RunDirectoryError):
         return False  # the one-file job says what is wrong with the run directory
     try:
         corpus = list_corpus(
@@ -326,7 +327,9 @@ class _CorpusLayout:
         try:
             yield
         finally:
-            renewing.cancel()
+            renewing.cancel()  # stopped before the store closes: no renewal meets a close
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
 
     async def drain(self) -> None:
         await self.store.drain()

@@ -225,22 +225,24 @@ async def _send(
     job: JobRun, spec: JobSpec, interrupt: Interrupt, layout: Layout, status: StatusFile
 ) -> None:
     """Run the loop until its rows are done or a signal stops it; the store is closed
-    either way."""
-    async with layout.running():
-        interrupt.sending = True
-        try:
-            await job.run(spec.options, spec.gen_kwargs, interrupt)
-            await layout.drain()
-        except asyncio.CancelledError:
-            if not interrupt.hard:
-                raise
-            interrupt.uncancel()
-        finally:
-            job.progress.close()
-            if not interrupt.triggered:
-                status.state = "consolidating"
-                await asyncio.to_thread(status.write, job.progress.figures())
-            await asyncio.to_thread(layout.close)
+    either way, once what runs beside the loop has stopped."""
+    try:
+        async with layout.running():
+            interrupt.sending = True
+            try:
+                await job.run(spec.options, spec.gen_kwargs, interrupt)
+                await layout.drain()
+            except asyncio.CancelledError:
+                if not interrupt.hard:
+                    raise
+                interrupt.uncancel()
+            finally:
+                job.progress.close()
+                if not interrupt.triggered:
+                    status.state = "consolidating"
+                    await asyncio.to_thread(status.write, job.progress.figures())
+    finally:
+        await asyncio.to_thread(layout.close)
 
 
 def _interrupted(interrupt: Interrupt, layout: Layout, progress: Progress) -> None:
