@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -494,7 +495,8 @@ async def _claimed_rows(
                 misses = 0
                 keys = [left.output_name.removesuffix(".parquet") for left in pending]
                 await asyncio.to_thread(claims.report_waiting, keys)
-                async for nothing in _idle(job, min(claims.lease / 4, 5.0)):
+                one_finished = functools.partial(_any_finished, store, list(pending))
+                async for nothing in _idle(job, min(claims.lease / 4, 5.0), one_finished):
                     yield nothing
             continue
         misses = 0
@@ -520,8 +522,21 @@ async def _claimed_rows(
             pending.append(unit)  # its taker may die too: it stays in the line
 
 
-async def _idle(job: JobRun, seconds: float) -> AsyncIterator[None]:
-    """Wait ``seconds``, yielding None each time the job has regenerations to send."""
+def _any_finished(store: PartitionedStore, units: list[Unit]) -> bool:
+    """Whether another worker has finished one of ``units`` (their records read again)."""
+    return any(store.refresh(unit) for unit in units)
+
+
+_LOOK_EVERY = 0.25
+"""Seconds between two looks, while a worker waits, for a unit finished by another (a
+record file's stat each): a step's end is seen at once, not a wait later."""
+
+
+async def _idle(
+    job: JobRun, seconds: float, ready: Callable[[], bool] | None = None
+) -> AsyncIterator[None]:
+    """Wait ``seconds``, yielding None each time the job has regenerations to send; end
+    early once ``ready()`` (a look at the file system, in a thread) says so."""
     deadline = asyncio.get_running_loop().time() + seconds
     while (left := deadline - asyncio.get_running_loop().time()) > 0:
         if job.retries:
@@ -530,8 +545,11 @@ async def _idle(job: JobRun, seconds: float) -> AsyncIterator[None]:
         job.retry_ready.clear()
         if job.retries:
             continue
+        wait = left if ready is None else min(left, _LOOK_EVERY)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.retry_ready.wait(), left)
+            await asyncio.wait_for(job.retry_ready.wait(), wait)
+        if ready is not None and not job.retries and await asyncio.to_thread(ready):
+            return
 
 
 async def _rows(
