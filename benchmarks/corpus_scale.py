@@ -17,13 +17,24 @@ Parquet and as gzip JSONL; built once into ``--cache``):
 3. **The merge** of that run (1,000 units): ``llm-annotator merge`` wall time.
 4. **Local worker processes:** ``--processes 1`` and ``--processes 2`` on the same
    corpus (fresh run folders), requests a second over ``--seconds`` each.
-5. **A whole run** of the first size, start to end (the corpus's units written as they
-   finish; the one file consolidated at the end): wall time and rows a second.
+5. **A whole run** of the first size (``--whole-rows``), start to end, side by side in
+   one run, each a fresh process pinned to the core nginx does not use: (a) the rows as
+   one JSONL file, a one-file job (scanned first, consolidated into
+   ``annotations.parquet`` at the end); (b) the same rows as the gzip JSONL corpus (its
+   units written as they finish); (c) the same one file with ``--shard claim`` (one
+   worker: ``--processes 1``), cut into byte-range units of ``--unit-size``. Each with
+   wall time, rows a second, its ratio to (a), CPU seconds, peak RSS (``ru_maxrss``:
+   the process's ``VmHWM``) and the share of its core other work took. ``--rounds``
+   repeats the three, each round begun by the next case.
+6. **Peak memory of a one-file job** over a whole run at ``--peak-rows`` (none by
+   default; 10^7 rows take over half an hour): (a) alone, its file written directly.
 
 Run it as::
 
     python benchmarks/corpus_scale.py                    # 10^6 and 10^7 rows, 1,000 files
     python benchmarks/corpus_scale.py --quick            # 10^5 rows, 100 files, 10 s windows
+    python benchmarks/corpus_scale.py --rows 1000000 --skip-start --skip-shards \
+        --skip-processes                                 # part 5 alone, about 11 minutes
 
 Prints the figures; exits 0 unless the harness fails.
 """
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import os
 import re
 import shutil
 import signal
@@ -39,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -87,6 +100,19 @@ def one_file(corpus: Path, target: Path) -> Path:
     with target.open("wb") as out:
         for part in sorted(corpus.glob("*.jsonl.gz")):
             out.write(gzip.decompress(part.read_bytes()))
+    return target
+
+
+def write_one_file(target: Path, rows: int) -> Path:
+    """``rows`` rows (``id``, ``text``, as the corpora's) as one JSONL file, built once."""
+    if target.exists():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    with partial.open("wb") as out:
+        for start in range(0, rows, 100_000):
+            ids = range(start, min(start + 100_000, rows))
+            out.write(b"".join(orjson.dumps({"id": i, "text": text_of(i)}) + b"\n" for i in ids))
+    partial.rename(target)
     return target
 
 
@@ -189,6 +215,134 @@ def bytes_read(urls: list[str], corpus: Path, out: Path, shard: str) -> tuple[in
     return total, seconds
 
 
+@dataclass
+class Whole:
+    """A whole run: wall and CPU seconds, peak RSS in MB (``ru_maxrss`` from ``wait4``:
+    the process's ``VmHWM``), the share of its core other work took."""
+
+    wall: float
+    cpu: float
+    rss: float
+    other: float | None
+
+
+def whole_run(command: list[str], cpu: int, logs: Path) -> Whole:
+    """Run ``command`` to its end pinned to ``cpu``."""
+    core0 = harness.busy_seconds(cpu)
+    began = time.perf_counter()
+    with logs.with_suffix(".out").open("wb") as out, logs.with_suffix(".err").open("wb") as err:
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+        )
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - began
+        process.returncode = os.waitstatus_to_exitcode(status)
+    core1 = harness.busy_seconds(cpu)
+    if process.returncode != 0:
+        tail = harness.tail(logs.with_suffix(".err").read_text(errors="replace"), 20)
+        raise SystemExit(f"the whole run failed (exit {process.returncode}): {tail}")
+    cpu_time = usage.ru_utime + usage.ru_stime
+    other = None
+    if core0 is not None and core1 is not None:
+        other = max(0.0, (core1 - core0 - cpu_time) / wall)
+    return Whole(wall, cpu_time, usage.ru_maxrss / 1024, other)
+
+
+def output_rows(run: Path) -> tuple[int, int]:
+    """(rows, units) of a finished run's output: ``annotations.parquet`` (one unit) or
+    ``annotations/``."""
+    single = run / "annotations.parquet"
+    if single.exists():
+        return int(pq.read_metadata(single).num_rows), 1
+    parts = list((run / "annotations").glob("*.parquet"))
+    return sum(int(pq.read_metadata(p).num_rows) for p in parts), len(parts)
+
+
+def part_five(
+    args: argparse.Namespace,
+    urls: list[str],
+    corpora: dict[tuple[int, str], Path],
+    scratch: Path,
+    cpu: int,
+) -> None:
+    """A whole run, start to end: the one file, the corpus, the one file by claims."""
+    rows = args.whole_rows or args.rows[0]
+    corpus = corpora.get((rows, "jsonl.gz"))
+    if corpus is None:
+        raise SystemExit(f"--whole-rows {rows}: give it in --rows too (its corpus is built)")
+    single = one_file(corpus, args.cache / f"one-{rows}.jsonl")
+    cases = {
+        "(a) one file, one-file job": (single, ()),
+        f"(b) corpus jsonl.gz, {args.files:,} files": (corpus, ()),
+        f"(c) one file, --shard claim, units of {args.unit_size}": (
+            single,
+            ("--shard", "claim", "--unit-size", args.unit_size),
+        ),
+    }
+    first = next(iter(cases))
+    print(
+        f"\n5. a whole run to the end, {rows:,} rows ({single.stat().st_size / 1e6:,.1f} MB "
+        f"as one file), side by side: each case a fresh process on CPU {cpu}, nginx on the "
+        f"other; {args.rounds} round(s), the cases in turn"
+    )
+    header = ["case", "round", "wall s", "rows/s", "x (a)", "CPU s", "CPU x (a)", "peak RSS MB",
+              "rows out", "units", "other %"]  # fmt: skip
+    table: list[list[str]] = []
+    rates: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
+    labels = list(cases)
+    for round_ in range(args.rounds):
+        turn = labels[round_ % 3 :] + labels[: round_ % 3]  # each case first in a round
+        for label in turn:
+            data, extra = cases[label]
+            out = scratch / f"whole-{label[1]}-{round_}"
+            f = whole_run(job_args(urls, data, out, *extra), cpu, out.with_suffix(".log"))
+            written, units = output_rows(out)
+            shutil.rmtree(out, ignore_errors=True)
+            rate = rows / f.wall
+            rates.setdefault(label, []).append(rate)
+            cpus.setdefault(label, []).append(f.cpu)
+            table.append([
+                label, str(round_ + 1), f"{f.wall:.1f}", f"{rate:,.0f}", "", f"{f.cpu:.1f}", "",
+                f"{f.rss:,.0f}", f"{written:,}", str(units), harness.percent(f.other),
+            ])  # fmt: skip
+            print(f"  {label}, round {round_ + 1}: {f.wall:.1f} s", flush=True)
+    for row in table:  # against (a) of the same round
+        label, round_ = row[0], int(row[1]) - 1
+        row[4] = f"{rates[label][round_] / rates[first][round_]:.3f}"
+        row[6] = f"{cpus[label][round_] / cpus[first][round_]:.3f}"
+    table.sort(key=lambda row: (int(row[1]), labels.index(row[0])))
+    harness.print_table(header, table)
+    best = {label: max(r) for label, r in rates.items()}
+    for label in list(cases)[1:]:
+        ratio = best[label] / best[first]
+        print(
+            f"  {label[:3]} against (a), best round of each: {ratio:.3f}x rows/s "
+            f"({'within' if abs(ratio - 1) <= 0.05 else 'outside'} 5%), "
+            f"{min(cpus[label]) / min(cpus[first]):.3f}x CPU seconds"
+        )
+
+
+def part_six(args: argparse.Namespace, urls: list[str], scratch: Path, cpu: int) -> None:
+    """Peak memory of a one-file job over a whole run, at each ``--peak-rows``."""
+    print(f"\n6. a one-file job's peak memory over a whole run (CPU {cpu})")
+    for rows in args.peak_rows:
+        single = write_one_file(args.cache / f"one-{rows}.jsonl", rows)
+        out = scratch / f"peak-{rows}"
+        f = whole_run(job_args(urls, single, out), cpu, out.with_suffix(".log"))
+        written, _ = output_rows(out)
+        shutil.rmtree(out, ignore_errors=True)
+        print(
+            f"  {rows:,} rows ({single.stat().st_size / 1e6:,.0f} MB): peak RSS "
+            f"{f.rss:,.0f} MB, {f.wall:.0f} s, {rows / f.wall:,.0f} rows/s, "
+            f"{written:,} rows out, other {harness.percent(f.other)}"
+        )
+
+
 def size_of(folder: Path) -> tuple[int, int]:
     sizes = [
         p.stat().st_size for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
@@ -240,10 +394,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-start", action="store_true", help="leave out part 1")
     parser.add_argument("--skip-shards", action="store_true", help="leave out parts 2 and 3")
+    parser.add_argument("--skip-processes", action="store_true", help="leave out part 4")
+    parser.add_argument("--skip-whole", action="store_true", help="leave out part 5")
+    parser.add_argument(
+        "--whole-rows", type=int, help="part 5's size, one of --rows (default: the first)"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="part 5's rounds")
+    parser.add_argument(
+        "--unit-size", default="16M", help="part 5 (c): the unit size of --shard claim"
+    )
+    parser.add_argument(
+        "--peak-rows", type=int, nargs="*", default=[], help="part 6: one-file job sizes"
+    )
     args = parser.parse_args()
     if args.quick:
         args.rows, args.files, args.seconds = [10**5], 100, 10.0
-    _, server_cpu = harness.pick_cpus()
+    client_cpu, server_cpu = harness.pick_cpus()
     scratch = Path(tempfile.mkdtemp(prefix="corpus-bench-"))
     log = scratch / "access.log"
     print(f"corpus_scale: {args.files} files, rows {args.rows}, windows of {args.seconds:g} s; "
@@ -279,38 +445,26 @@ def main() -> None:
             units = len(list((run / "annotations").glob("*.parquet")))
             print(f"\n3. merge of {units:,} units: {wall:.2f} s wall (the command, imports "
                   f"included; exit {merged.returncode})")  # fmt: skip
-        print("\n4. local worker processes on this machine (requests/s over the window)")
-        rows = args.rows[0]
-        for processes in (1, 2):
-            out = scratch / f"processes-{processes}"
-            f = window(
-                urls,
-                corpora[rows, "jsonl.gz"],
-                out,
-                log,
-                args.seconds,
-                "--processes",
-                str(processes),
-            )
-            print(f"  --processes {processes}: {f['rate']:,.0f} requests/s, "
-                  f"first request after {f['first']:.2f} s")  # fmt: skip
-        print(f"\n5. a whole run to the end, {rows:,} rows: the corpus against the one file")
-        for label, data in (
-            ("corpus jsonl.gz", corpora[rows, "jsonl.gz"]),
-            (
-                "one file jsonl",
-                one_file(corpora[rows, "jsonl.gz"], args.cache / f"one-{rows}.jsonl"),
-            ),
-        ):
-            began = time.monotonic()
-            done = subprocess.run(
-                job_args(urls, data, scratch / f"whole-{label.replace(' ', '-')}"),
-                capture_output=True, stdin=subprocess.DEVNULL, timeout=7200,
-            )  # fmt: skip
-            wall = time.monotonic() - began
-            print(
-                f"  {label:<18}{wall:>8.1f} s, {rows / wall:>8,.0f} rows/s (exit {done.returncode})"
-            )
+        if not args.skip_processes:
+            print("\n4. local worker processes on this machine (requests/s over the window)")
+            rows = args.rows[0]
+            for processes in (1, 2):
+                out = scratch / f"processes-{processes}"
+                f = window(
+                    urls,
+                    corpora[rows, "jsonl.gz"],
+                    out,
+                    log,
+                    args.seconds,
+                    "--processes",
+                    str(processes),
+                )
+                print(f"  --processes {processes}: {f['rate']:,.0f} requests/s, "
+                      f"first request after {f['first']:.2f} s")  # fmt: skip
+        if not args.skip_whole:
+            part_five(args, urls, corpora, scratch, client_cpu)
+        if args.peak_rows:
+            part_six(args, urls, scratch, client_cpu)
     shutil.rmtree(scratch, ignore_errors=True)
 
 
