@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import resource
 import signal
 import subprocess
@@ -140,6 +141,30 @@ class Clock:
 # --------------------------------------------------------------------------------------
 # Cores for the client and the server, a quiet machine, the quietest of a few attempts
 # --------------------------------------------------------------------------------------
+
+
+def traced_bytes(trace: Path, wanted: Callable[[str], bool]) -> int:
+    """The bytes read, by an ``strace -f -y`` log of ``read``-like calls, from the files
+    whose path ``wanted`` accepts; a call another thread cut in two is joined up."""
+    whole = re.compile(r"^(\d+)\s+\w+\(\d+<([^>]*)>.*\)\s+= (\d+)$")
+    begun = re.compile(r"^(\d+)\s+\w+\(\d+<([^>]*)>.*<unfinished \.\.\.>$")
+    resumed = re.compile(r"^(\d+)\s+<\.\.\. \w+ resumed>.*\)\s+= (\d+)$")
+    total = 0
+    pending: dict[str, str] = {}  # a thread's call cut in two by another's: its file
+    with trace.open() as file:
+        for line in file:
+            if match := whole.match(line):
+                path, count = match.group(2), int(match.group(3))
+            elif match := begun.match(line):
+                pending[match.group(1)] = match.group(2)
+                continue
+            elif match := resumed.match(line):
+                path, count = pending.pop(match.group(1), ""), int(match.group(2))
+            else:
+                continue
+            if wanted(path):
+                total += count
+    return total
 
 
 def pick_cpus() -> tuple[int, int]:

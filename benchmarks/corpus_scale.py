@@ -193,24 +193,8 @@ def bytes_read(urls: list[str], corpus: Path, out: Path, shard: str) -> tuple[in
     seconds = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"shard {shard} failed: {done.stderr.decode()[-2000:]}")
-    total, prefix = 0, str(corpus) + "/"
-    whole = re.compile(r"^(\d+)\s+\w+\(\d+<([^>]*)>.*= (\d+)$")
-    begun = re.compile(r"^(\d+)\s+\w+\(\d+<([^>]*)>.*<unfinished \.\.\.>$")
-    resumed = re.compile(r"^(\d+)\s+<\.\.\. \w+ resumed>.*= (\d+)$")
-    waiting: dict[str, str] = {}  # a thread's call cut in two by another's: its file
-    with trace.open() as file:
-        for line in file:
-            if match := whole.match(line):
-                path, count = match.group(2), int(match.group(3))
-            elif match := begun.match(line):
-                waiting[match.group(1)] = match.group(2)
-                continue
-            elif match := resumed.match(line):
-                path, count = waiting.pop(match.group(1), ""), int(match.group(2))
-            else:
-                continue
-            if path.startswith(prefix):
-                total += count
+    prefix = str(corpus) + "/"
+    total = harness.traced_bytes(trace, lambda path: path.startswith(prefix))
     trace.unlink()
     return total, seconds
 

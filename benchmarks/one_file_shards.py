@@ -260,24 +260,7 @@ def input_bytes(command: list[str], cpu: int, data: Path, logs: Path) -> int:
          "-e", "trace=read,pread64,readv,preadv", "-o", str(trace), *command],
         cpu, logs,
     )  # fmt: skip
-    whole = re.compile(r"^(\d+)\s+\w+\(\d+<([^>]*)>.*\)\s+= (\d+)$")
-    begun = re.compile(r"^(\d+)\s+\w+\(\d+<([^>]*)>.*<unfinished \.\.\.>$")
-    resumed = re.compile(r"^(\d+)\s+<\.\.\. \w+ resumed>.*\)\s+= (\d+)$")
-    path, total = str(data), 0
-    pending: dict[str, str] = {}  # a thread's call cut in two by another's: its file
-    with trace.open() as file:
-        for line in file:
-            if match := whole.match(line):
-                name, count = match.group(2), int(match.group(3))
-            elif match := begun.match(line):
-                pending[match.group(1)] = match.group(2)
-                continue
-            elif match := resumed.match(line):
-                name, count = pending.pop(match.group(1), ""), int(match.group(2))
-            else:
-                continue
-            if name == path:
-                total += count
+    total = harness.traced_bytes(trace, lambda path: path == str(data))
     trace.unlink()
     return total
 
