@@ -152,8 +152,8 @@ def add_pipeline(parser: argparse.ArgumentParser) -> None:
         type=_worker_count,
         default=1,
         metavar="N",
-        help="run N elastic workers on this machine (--shard claim each, each server's "
-        "in-flight budget divided among them)",
+        help="run N elastic workers on this machine (--shard claim each; each server's "
+        "in-flight budget is shared among all the workers of the run directory)",
     )
     run.add_argument(
         "--claim-lease",
@@ -162,14 +162,6 @@ def add_pipeline(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="with --shard claim: seconds a worker's claim on a unit lasts unrenewed "
         "before another worker takes the unit over (default 60)",
-    )
-    run.add_argument(
-        "--budget-share",
-        type=_worker_count,
-        default=1,
-        metavar="N",
-        help="this worker's share of each server's in-flight budget: its batch size "
-        "divided by N (--processes sets it for the workers it starts)",
     )
     run.set_defaults(handler=pipeline_run, human_lines=HUMAN_LINES)
     describe.set_defaults(handler=pipeline_describe)
@@ -186,10 +178,7 @@ def pipeline_run(args: argparse.Namespace) -> int:
     pipeline.plan(steps=steps, redo=redo, force=args.force)  # refused before clients start
     if args.processes > 1:
         return _run_workers(args, loaded)
-    clients = {
-        name: _client(_shared(settings, args.budget_share))
-        for name, settings in loaded.clients.items()
-    }
+    clients = {name: _client(settings) for name, settings in loaded.clients.items()}
     try:
         default = next(iter(clients.values()))
         result = pipeline.run(
@@ -224,7 +213,7 @@ def pipeline_run(args: argparse.Namespace) -> int:
 
 
 def _worker_count(text: str) -> int:
-    """``--processes`` and ``--budget-share``: a number of workers >= 1."""
+    """``--processes``: a number of workers >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -234,17 +223,9 @@ def _worker_count(text: str) -> int:
     return value
 
 
-def _shared(settings: dict[str, Any], share: int) -> dict[str, Any]:
-    """A client's settings with its batch size divided among ``share`` workers, so that
-    the servers see the load of one process."""
-    if share <= 1 or not settings.get("batch_size"):
-        return settings
-    return {**settings, "batch_size": max(1, -(-settings["batch_size"] // share))}
-
-
 def _run_workers(args: argparse.Namespace, loaded: Loaded) -> int:
-    """``--processes N``: N workers of the same command, each ``--shard claim`` with its
-    share of each server's budget."""
+    """``--processes N``: N workers of the same command, each ``--shard claim``; they
+    share each server's budget as the workers of any elastic job do."""
     from llm_annotator.cli._workers import supervise, worker_command
 
     if args.force or args.redo:
@@ -257,7 +238,7 @@ def _run_workers(args: argparse.Namespace, loaded: Loaded) -> int:
             "--processes: a model in this process (offline_model) is loaded once per "
             "process; run one process, or serve the model and give its servers"
         )
-    command = worker_command(args.argv, "--budget-share", str(args.processes))
+    command = worker_command(args.argv)
     return supervise(command, args.processes, "pipeline run", "the pipeline")
 
 

@@ -369,7 +369,7 @@ class _FileLayout:
     def said(self) -> dict[str, Any]:
         return self.told
 
-    def running(self) -> contextlib.AbstractAsyncContextManager[None]:
+    def running(self, client: Client[Any]) -> contextlib.AbstractAsyncContextManager[None]:
         return contextlib.nullcontext()
 
     async def drain(self) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from llm_annotator._validate import size_in_bytes
+from llm_annotator.clients.base import Client
 from llm_annotator.errors import (
     ConfigurationError,
     FingerprintMismatchError,
@@ -45,12 +46,14 @@ from llm_annotator.jobs.files import check_entry, make_directory
 from llm_annotator.jobs.loop.driver import Finished, Prepared, Rows, Runner, run_job
 from llm_annotator.jobs.loop.interrupt import Interrupt
 from llm_annotator.jobs.loop.runner import JobRun
+from llm_annotator.jobs.protocols import SharesServers
 from llm_annotator.jobs.result import AnnotationResult
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN, UNIT_BYTES, Corpus, Unit, list_corpus
 from llm_annotator.jobs.rows.inputs import Row
 from llm_annotator.jobs.rows.prompts import PromptTemplate, check_job_columns
 from llm_annotator.jobs.rundir.claims import LEASE, Claims
 from llm_annotator.jobs.rundir.fingerprint import describe_changes, job_fingerprint
+from llm_annotator.jobs.rundir.fleet import Fleet, keep_share, worker_slot
 from llm_annotator.jobs.rundir.partitions import (
     ANNOTATIONS_DIR,
     CORPUS_FILE,
@@ -161,7 +164,8 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         status_dir = shard.directory(run_dir)
     else:
         if claiming:
-            claims = await asyncio.to_thread(Claims, run_dir, lease)
+            slot = worker_slot(os.environ)
+            claims = await asyncio.to_thread(functools.partial(Claims, run_dir, lease, slot=slot))
             status_dir = run_dir / f"worker-{claims.owner.replace(':', '-')}"
         else:
             status_dir = run_dir
@@ -319,18 +323,24 @@ class _CorpusLayout:
         }
 
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
+    async def running(self, client: Client[Any]) -> AsyncIterator[None]:
         claims = self.plan.claims
         if claims is None:
             yield
             return
-        renewing = asyncio.ensure_future(_renew(self.store, claims))
+        beside = [asyncio.ensure_future(_renew(self.store, claims))]
+        if isinstance(client, SharesServers):  # its share of the servers, among the fleet
+            fleet = Fleet(self.run_dir, claims.owner, claims.slot, claims.machine, claims.lease)
+            busy = functools.partial(_holds_units, self.store)
+            beside.append(asyncio.ensure_future(keep_share(fleet, busy, client.share_servers)))
         try:
             yield
         finally:
-            renewing.cancel()  # stopped before the store closes: no renewal meets a close
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewing
+            for task in beside:  # stopped before the store closes: no renewal meets a close
+                task.cancel()
+            for task in beside:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def drain(self) -> None:
         await self.store.drain()
@@ -520,6 +530,11 @@ async def _claimed_rows(
             progress.total += read[0]
         if store.is_lost(unit):
             pending.append(unit)  # its taker may die too: it stays in the line
+
+
+def _holds_units(store: PartitionedStore) -> bool:
+    """Whether this worker holds a unit now (it works, and counts in the fleet)."""
+    return bool(store.held())
 
 
 def _any_finished(store: PartitionedStore, units: list[Unit]) -> bool:

@@ -1,6 +1,6 @@
 """What the job layer needs of a client, beyond :class:`~llm_annotator.clients.base.Client`.
 
-The pool satisfies all three; a single client (``OpenAIClient``, a test's fake) may
+The pool satisfies all of them; a single client (``OpenAIClient``, a test's fake) may
 satisfy none, and the job then batches for it, counts one server, and watches nothing.
 """
 
@@ -62,4 +62,14 @@ class MemberWatchable(Protocol):
 
     def watch_members(self, watcher: Callable[[MemberChange], None]) -> Callable[[], None]:
         """Call ``watcher`` with each change; returns a function that stops it."""
+        ...
+
+
+@runtime_checkable
+class SharesServers(Protocol):
+    """A client that can hold a share of each server's budget only (the pool can), for
+    the workers of one job that send to the same servers."""
+
+    def share_servers(self, workers: int) -> None:
+        """Hold a ``workers``-th of each server's budget from now on."""
         ...

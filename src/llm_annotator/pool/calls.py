@@ -111,8 +111,13 @@ class Calls:
         config = self._state.config
 
         def has_room(run: Run) -> bool:
-            slots = config.max_concurrent_batches_per_client * max(1, len(self._state.members))
-            return len(run.open) + len(outbox) < 2 * config.batch_size * slots
+            # Twice what the members may hold now: what they can start soon. A worker
+            # that shares the servers with others (``share_servers``), or whose
+            # windows start small, reads (and claims) no further ahead than that.
+            ceiling = self._dispatcher.ceiling
+            members = self._state.members.values()
+            soon = sum(min(m.window.size, ceiling) for m in members)
+            return len(run.open) + len(outbox) < 2 * max(soon, config.batch_size)
 
         run = self._begin(deliver, options, gen_kwargs)
         run.stop = stop

@@ -103,6 +103,29 @@ class Membership:
             raise KeyError(f"server {url} is not in the pool")
         self._in_loop(lambda: self._drain(url))
 
+    def share(self, workers: int) -> None:
+        """Hold a ``workers``-th of each server's budget from now on (see
+        :meth:`~llm_annotator.pool.queue.QueuePool.share_servers`).
+
+        Raises:
+            ConfigurationError: If ``workers`` is not an int >= 1.
+        """
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigurationError(f"workers must be an int >= 1, got {workers!r}")
+        self._in_loop(lambda: self._share(workers))
+
+    def _share(self, workers: int) -> None:
+        if workers == self._state.sharing:
+            return
+        was, self._state.sharing = self._state.sharing, workers
+        self._dispatcher.reshare()
+        log.info(
+            "servers_shared",
+            workers=workers,
+            was=was,
+            per_server=self._dispatcher.ceiling,
+        )
+
     def _in_loop(self, action: Callable[[], None]) -> None:
         loop = self._state.loop
         if self._state.run is not None and loop is not None and loop.is_running():

@@ -161,6 +161,30 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
         """
         self._membership.remove_server(base_url)
 
+    def share_servers(self, workers: int) -> None:
+        """Share each server with ``workers`` processes in all, this one included: from
+        now on a member holds at most ``batch_size x max_concurrent_batches_per_client /
+        workers`` requests (rounded down, at least one), so that the servers carry their
+        budget once however many independent processes send to them. Windows above the
+        new share shrink at once (requests in flight finish); with more room they grow
+        back as answers come. ``1`` (the default) gives the whole budget.
+
+        The workers of a corpus job run by claims call it themselves as they count each
+        other (:mod:`llm_annotator.jobs.rundir.fleet`).
+
+        Safe to call from another thread while a call runs.
+
+        Raises:
+            ConfigurationError: If ``workers`` is not an int >= 1.
+        """
+        self._membership.share(workers)
+
+    @property
+    def sharing(self) -> int:
+        """How many processes this pool shares its servers' budget with, itself
+        included (:meth:`share_servers`)."""
+        return self._state.sharing
+
     # -- calls -------------------------------------------------------------------------
 
     async def agenerate(

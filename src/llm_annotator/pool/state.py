@@ -111,6 +111,8 @@ class PoolState:
         params: The encoded request parameters per member, for the current call.
         options: The current call's options.
         closed: Whether the pool is closed.
+        sharing: How many processes share each server's budget, this one included
+            (:meth:`~llm_annotator.pool.queue.QueuePool.share_servers`).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class PoolState:
         self.params: dict[str, bytes] = {}
         self.options: Options = (None, None)
         self.closed = False
+        self.sharing = 1
         self.watchers: list[Callable[[MemberChange], None]] = []
         """Called with every change of a member's state, in the pool's event loop."""
         self._group: asyncio.TaskGroup | None = None

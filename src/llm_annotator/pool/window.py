@@ -3,7 +3,10 @@
 ``batch_size x max_concurrent_batches_per_client`` is the most a member ever holds.
 A member starts each call at :data:`START_WINDOW`, so that every server gets its first
 requests at once rather than behind thousands sent to the others. By default its window
-then grows by one with each answer up to that bound. With ``adaptive=True`` its window
+then grows by one with each answer up to that bound. A pool that is one of several
+processes sharing its servers (:meth:`~llm_annotator.pool.queue.QueuePool.share_servers`)
+takes its share of that bound only (:func:`budget_share`), so that a server carries
+the budget once, not once per process. With ``adaptive=True`` its window
 instead follows what its server can start soon: every :data:`INTERVAL` seconds the
 :class:`WindowTuner` reads the server's ``/metrics`` (vLLM's running and waiting gauges
 and its preemption counter) and :func:`next_window` decides the new size. A server
@@ -46,6 +49,18 @@ client takes a while to send more, and at the end of a call its queue is done in
 about this long."""
 PREEMPTED_SHARE = 0.9
 """After preemptions, the window shrinks to this share of what the server ran."""
+
+
+def budget_share(budget: int, sharing: int) -> int:
+    """The requests one of ``sharing`` processes may hold on a server whose whole
+    budget is ``budget``: an even share, rounded down so that together they hold no
+    more than the budget, and at least one.
+
+    Examples:
+        >>> budget_share(1024, 1), budget_share(64, 8), budget_share(16, 3), budget_share(4, 64)
+        (1024, 8, 5, 1)
+    """
+    return max(1, budget // max(1, sharing))
 
 
 def waiting_target(running: float, rate: float = 0.0) -> int:
@@ -115,8 +130,21 @@ class WindowTuner:
 
     @property
     def ceiling(self) -> int:
+        """The most a member may hold: the budget, or this process's share of it."""
         config = self._state.config
-        return config.batch_size * config.max_concurrent_batches_per_client
+        budget = config.batch_size * config.max_concurrent_batches_per_client
+        return budget_share(budget, self._state.sharing)
+
+    def reshare(self) -> None:
+        """The number of processes sharing the servers changed: no member holds more
+        than the new :attr:`ceiling` (a window above it shrinks now; requests in flight
+        finish); without ``adaptive`` the windows grow up to it again with answers."""
+        ceiling = self.ceiling
+        if not self._state.config.adaptive:
+            self._grow_to = ceiling
+        for member in self._state.members.values():
+            if member.window.size > ceiling:
+                member.window.resize(ceiling)
 
     def start(self, member: Member) -> None:
         """Set the member's window for a new call (or after it rejoined): with

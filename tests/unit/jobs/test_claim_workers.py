@@ -122,6 +122,49 @@ def test_workers_racing_for_every_unit_do_each_row_once(
     assert manifest is not None and manifest["complete"] and manifest["units"] == 12
 
 
+def test_workers_of_one_job_hold_each_servers_budget_once_between_them(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """Three independent workers, each given a budget of 8 on the one server (batch 4 x
+    2 batches): once they have counted each other the server holds no more than 8 (3 x 2
+    with the rounding down), not 3 x 8; each row once; and each worker left the fleet."""
+    texts = corpus(tmp_path / "c", files=12, rows=40)
+    fake_server.handler = delayed_echo(0.05)
+    held: list[tuple[float, int]] = []
+
+    async def one() -> Any:
+        pool = VLLMQueueAnnotator(
+            [fake_server.base_url], batch_size=4, max_concurrent_batches_per_client=2, **FAST
+        )
+        async with pool:
+            return await pool.aannotate(
+                tmp_path / "c", TEMPLATE, tmp_path / "run", shard="claim", progress=False
+            )
+
+    async def sample(stop: asyncio.Event) -> None:
+        start = time.monotonic()
+        while not stop.is_set():
+            held.append((time.monotonic() - start, fake_server.in_flight))
+            await asyncio.sleep(0.005)
+
+    async def three() -> list[Any]:
+        stop = asyncio.Event()
+        sampler = asyncio.ensure_future(sample(stop))
+        try:
+            return list(await asyncio.gather(one(), one(), one()))
+        finally:
+            stop.set()
+            await sampler
+
+    results = asyncio.run(three())
+    assert sum(r.num_rows for r in results) == len(texts)
+    assert sent_texts([fake_server]) == Counter(f"Label: {t}" for t in texts)
+    settled = [n for t, n in held if t >= 1.0]
+    assert settled and max(settled) <= 8, max(settled)
+    assert max(n for _, n in held) <= 3 * 8
+    assert not list((tmp_path / "run" / "fleet").glob("*.json"))
+
+
 def test_a_worker_killed_mid_unit_has_its_unit_taken_over_row_by_row(
     tmp_path: Path, fake_server: FakeServer, started: list[Worker]
 ) -> None:
@@ -172,8 +215,8 @@ def test_a_worker_stopped_past_its_lease_writes_nothing_once_it_wakes(
 def test_processes_start_workers_that_share_the_corpus_and_each_servers_budget(
     tmp_path: Path, fake_server: FakeServer
 ) -> None:
-    """``--processes 2``: two workers take the units by claims, each with half of the
-    batch size; every row once; the command prints what the manifest says."""
+    """``--processes 2``: two workers take the units by claims, counting each other in the
+    run directory's fleet; every row once; the command prints what the manifest says."""
     texts = corpus(tmp_path / "c", files=8, rows=30)
     fake_server.handler = delayed_echo(0.01)
     argv = command(fake_server, tmp_path / "c", tmp_path / "run", "--processes", "2")

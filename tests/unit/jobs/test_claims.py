@@ -363,3 +363,31 @@ def test_a_dead_holder_on_this_machine_is_taken_over_at_once_not_after_its_lease
             process.wait(timeout=10)
             if process.stdout is not None:
                 process.stdout.close()
+
+
+def test_a_worker_restarted_in_its_slot_takes_its_own_units_back_at_once(
+    tmp_path: Path,
+) -> None:
+    """A claim made in slot ``task-3`` on another machine (the array task before its
+    restart on another node) is taken back at once by a worker in the same slot, with a
+    lease of an hour; a worker of another slot waits for the lease; and two live
+    processes of one slot on this machine (a misconfigured slot) take nothing from
+    each other."""
+    from llm_annotator.jobs.rundir.claims import this_machine
+
+    def plant(key: str, owner: str, machine: str | None, slot: str) -> None:
+        folder = tmp_path / "claims"
+        folder.mkdir(exist_ok=True)
+        record = {"owner": owner, "taken_over": 0, "machine": machine, "slot": slot}
+        (folder / f"{key}.1").write_bytes(orjson.dumps(record))
+
+    plant("moved", "node-7:4242:ab", "another-host:1", "task-3")
+    plant("alive-here", f"{socket.gethostname()}:{os.getppid()}:cd", this_machine(), "task-3")
+    other = Claims(tmp_path, 3600, slot="task-4")
+    assert other.try_claim("moved") is None
+    restarted = Claims(tmp_path, 3600, slot="task-3")
+    taken = restarted.try_claim("moved")
+    assert taken is not None and taken.generation == 2
+    assert restarted.try_claim("alive-here") is None
+    said = orjson.loads((tmp_path / "claims" / "moved.2").read_bytes())
+    assert said["slot"] == "task-3" and said["owner"] == restarted.owner

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import structlog
 
-from llm_annotator import ErrorKind, ProviderError, Response, VLLMQueueAnnotator
+from llm_annotator import ConfigurationError, ErrorKind, ProviderError, Response, VLLMQueueAnnotator
 from llm_annotator.clients.metrics import EngineLoad, engine_load
 from llm_annotator.pool import dispatch, window
 from llm_annotator.pool.window import next_window, waiting_target
@@ -442,3 +442,84 @@ def test_a_member_that_rejoins_starts_its_window_again() -> None:
     test_completion, *sent = (t for t, _ in flaky.held if t >= down[1])
     back = min(t for t in sent if t > test_completion)
     assert flaky.most_held(back, back + 0.4) == window.START_WINDOW
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_pool_that_shares_its_servers_holds_its_share_and_follows_changes(
+    adaptive: bool,
+) -> None:
+    """One of four processes sharing a server holds a quarter of the budget of 256; when
+    the others leave (at 2 s) its window grows back to the whole budget, and when eight
+    share it (at 5 s) it shrinks to 32 once what was in flight is answered. Every sample
+    is answered once, in order, either way."""
+    clock = FakeClock()
+    client = LineClient("http://shared:1/v1", clock, capacity=32, service=0.1)
+    samples = 3000
+
+    async def scenario() -> list[Response]:
+        async with VLLMQueueAnnotator(
+            clients=[client],
+            clock=clock,
+            batch_size=64,
+            max_concurrent_batches_per_client=4,
+            hedge_tail=False,
+            adaptive=adaptive,
+        ) as pool:
+            pool.share_servers(4)
+            assert pool.sharing == 4
+
+            async def others() -> None:
+                await clock.sleep(2.0)
+                pool.share_servers(1)
+                await clock.sleep(3.0)
+                pool.share_servers(8)
+
+            changes = asyncio.ensure_future(others())
+            try:
+                return await pool.abatch_generate(messages=conversations(samples))
+            finally:
+                await changes
+
+    responses = asyncio.run(scenario())
+    assert_all_answered_in_order(responses, samples)
+    assert client.most_held(0.0, 2.0) == 64
+    assert client.most_held(2.0, 5.0) == 64 * 4
+    assert client.most_held(5.5) == 32
+
+
+def test_sharing_a_pools_servers_takes_a_number_of_workers() -> None:
+    clock = FakeClock()
+    pool = VLLMQueueAnnotator(clients=[ClockedClient("http://a:1/v1", clock)], clock=clock)
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ConfigurationError, match="workers must be an int >= 1"):
+            pool.share_servers(bad)  # type: ignore[arg-type]
+    assert pool.sharing == 1
+
+
+def test_a_stream_reads_ahead_only_what_its_share_of_the_servers_can_start_soon() -> None:
+    """A worker that shares its two servers with three others reads no further ahead
+    than twice its share of their windows (2 x 2 x 64/4 rows), not twice the whole
+    budget: a worker of a corpus job claims no unit it cannot start soon."""
+    clock = FakeClock()
+    clients = [LineClient(f"http://s{i}:1/v1", clock, capacity=8, service=0.1) for i in range(2)]
+    pulled: list[int] = []
+    most_ahead = [0]
+
+    def source() -> Any:
+        for i in range(400):
+            pulled.append(i)
+            yield f"k{i}", [{"role": "user", "content": f"p{i}"}]
+
+    async def scenario() -> int:
+        async with VLLMQueueAnnotator(
+            clients=clients, clock=clock, batch_size=16, max_concurrent_batches_per_client=4
+        ) as pool:
+            pool.share_servers(4)
+            done = 0
+            async for _key, _response in pool.astream(source()):
+                done += 1
+                most_ahead[0] = max(most_ahead[0], len(pulled) - done)
+            return done
+
+    assert asyncio.run(scenario()) == 400
+    assert 16 <= most_ahead[0] <= 2 * 2 * 16 + 1

@@ -116,8 +116,9 @@ class Layout(Protocol):
     def said(self) -> dict[str, Any]:
         """Entries of the ``job_started`` log line."""
 
-    def running(self) -> contextlib.AbstractAsyncContextManager[None]:
-        """What runs beside the loop (a worker's lease renewals)."""
+    def running(self, client: Client[Any]) -> contextlib.AbstractAsyncContextManager[None]:
+        """What runs beside the loop (a worker's lease renewals, its share of the
+        servers among the fleet)."""
 
     async def drain(self) -> None:
         """Wait for what the store still writes once every record is in."""
@@ -227,7 +228,7 @@ async def _send(
     """Run the loop until its rows are done or a signal stops it; the store is closed
     either way, once what runs beside the loop has stopped."""
     try:
-        async with layout.running():
+        async with layout.running(job.client):
             interrupt.sending = True
             try:
                 await job.run(spec.options, spec.gen_kwargs, interrupt)

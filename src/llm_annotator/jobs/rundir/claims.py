@@ -28,8 +28,10 @@ A holder on this machine whose process is gone (killed, or a worker restarted on
 same node) is known dead at once: a claim file says the machine it was made on (the
 kernel's boot id and the process-id namespace), and a worker of the same machine that
 finds the holder's process missing (or a zombie) takes the unit over without waiting
-for the lease (:func:`holder_gone`). Holders on other machines are judged by their
-leases only.
+for the lease (:func:`holder_gone`). So is a holder that ran in this worker's own slot
+(the same SLURM array task or Kubernetes completion index, restarted on another node:
+:func:`~llm_annotator.jobs.rundir.fleet.worker_slot`): the worker takes its own units
+back at once. Other holders on other machines are judged by their leases only.
 
 The taker of a unit removes what its dead holder was writing when it died
 (:mod:`~llm_annotator.jobs.rundir.leftovers`). A worker that waits on units held by
@@ -136,9 +138,11 @@ def process_gone(pid: int) -> bool:
     return state in (b"Z", b"X")
 
 
-def holder_gone(record: object, machine: str | None, pid: int) -> bool:
+def holder_gone(record: object, machine: str | None, pid: int, *, slot: str | None = None) -> bool:
     """Whether a claim's record names a holder that is known dead: made on this
-    ``machine`` (not None) by another process than ``pid``, which has ended.
+    ``machine`` (not None) by another process than ``pid``, which has ended; or made in
+    this worker's own ``slot`` (not None) on another machine, by the slot's earlier run
+    (a restarted array task or pod: its scheduler ended the earlier one).
 
     Examples:
         >>> holder_gone({"owner": "h:1:ab", "machine": "m"}, None, 5)
@@ -147,9 +151,15 @@ def holder_gone(record: object, machine: str | None, pid: int) -> bool:
         False
         >>> holder_gone({"owner": "h:7:ab", "machine": "other"}, "m", 5)
         False
+        >>> holder_gone({"owner": "h:7:ab", "machine": "other", "slot": "s1"}, "m", 5, slot="s1")
+        True
     """
-    if machine is None or not isinstance(record, dict) or record.get("machine") != machine:
+    if not isinstance(record, dict):
         return False
+    here = machine is not None and record.get("machine") == machine
+    if not here:
+        # Another machine's process: only the slot's own restart knows it is over.
+        return slot is not None and record.get("slot") == slot
     owner = record.get("owner")
     try:
         holder = int(str(owner).rsplit(":", 2)[1])
@@ -217,6 +227,10 @@ class Claims:
         lease: Seconds a claim lasts without being renewed.
         clock: The monotonic clock (tests give their own).
         wall: The wall clock, against the claim files' modification times.
+        slot: The slot this worker runs in, the same when it is restarted
+            (:func:`~llm_annotator.jobs.rundir.fleet.worker_slot`), or None: a claim made
+            in this slot on another machine is this slot's earlier run's, taken back at
+            once.
     """
 
     def __init__(
@@ -226,6 +240,7 @@ class Claims:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        slot: str | None = None,
     ) -> None:
         self.folder = run_dir / CLAIMS_DIR
         self.lease = lease
@@ -233,6 +248,7 @@ class Claims:
         self.wall = wall
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.machine = this_machine()
+        self.slot = slot
         self._seen: dict[str, _Seen] = {}
         """Other workers' claims as this worker last saw them, by unit."""
         self._reported: float | None = None
@@ -311,7 +327,8 @@ class Claims:
             state = self._state(key, generation, renewed)
             if state in ("held", "ahead"):
                 record = self._record(key, generation)
-                gone = holder_gone(record, self.machine, os.getpid())
+                mine = isinstance(record, dict) and record.get("owner") == self.owner
+                gone = not mine and holder_gone(record, self.machine, os.getpid(), slot=self.slot)
                 if not gone:
                     return None
         path = self._path(key, generation + 1)
@@ -322,7 +339,12 @@ class Claims:
         except OSError as error:
             raise output_write_error(error, path, self.folder.parent) from None
         with os.fdopen(fd, "wb") as file:
-            said = {"owner": self.owner, "taken_over": generation, "machine": self.machine}
+            said = {
+                "owner": self.owner,
+                "taken_over": generation,
+                "machine": self.machine,
+                "slot": self.slot,
+            }
             file.write(orjson.dumps(said) + b"\n")
             file.flush()  # written before the time is set: a later write would move it
             now = self.wall()

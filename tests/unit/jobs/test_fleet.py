@@ -1,0 +1,110 @@
+"""The fleet: the workers of one job count each other in the run directory, and each
+holds its share of every server's budget; a worker that leaves, dies or idles gives its
+share back, and a worker restarted in its slot takes its own place."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+from llm_annotator.jobs.rundir.claims import process_gone, this_machine
+from llm_annotator.jobs.rundir.fleet import FLEET_DIR, Fleet, keep_share, worker_slot
+
+LEASE = 60.0
+
+
+def fleet(run_dir: Path, name: str, slot: str | None = None, **kwargs: float) -> Fleet:
+    return Fleet(run_dir, f"host:{os.getpid()}:{name}", slot, this_machine(), LEASE, **kwargs)  # type: ignore[arg-type]
+
+
+def test_workers_count_each_other_and_one_that_leaves_or_expires_no_longer_counts(
+    tmp_path: Path,
+) -> None:
+    a, b, c = fleet(tmp_path, "a"), fleet(tmp_path, "b"), fleet(tmp_path, "c")
+    assert a.count() == 0  # not joined: it counts no one, itself neither
+    for worker in (a, b, c):
+        worker.join()
+    assert [w.count() for w in (a, b, c)] == [3, 3, 3]
+    b.leave()
+    assert a.count() == 2 and not (tmp_path / FLEET_DIR / b.path.name).exists()
+    old = time.time() - LEASE - 1  # c stopped renewing a lease ago
+    os.utime(c.path, (old, old))
+    assert a.count() == 1
+    c.renew()
+    assert a.count() == 2
+
+
+def test_a_worker_whose_process_is_gone_on_this_machine_no_longer_counts_at_once(
+    tmp_path: Path,
+) -> None:
+    """A worker of this machine SIGKILLed (its file fresh, its lease far from over)
+    gives its share back at the next count; one said to be on another machine counts
+    until its lease ends."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    assert process_gone(gone.pid)
+    me = fleet(tmp_path, "me")
+    me.join()
+    folder = tmp_path / FLEET_DIR
+    dead = {"owner": f"host:{gone.pid}:x", "slot": None, "machine": this_machine()}
+    (folder / "dead.json").write_bytes(orjson.dumps(dead))
+    elsewhere = {**dead, "machine": "another-host:1"}
+    (folder / "elsewhere.json").write_bytes(orjson.dumps(elsewhere))
+    assert me.count() == 2  # itself and the one elsewhere
+
+
+def test_a_worker_restarted_in_its_slot_takes_its_place_and_the_old_cannot_remove_it(
+    tmp_path: Path,
+) -> None:
+    first = fleet(tmp_path, "first", slot="slurm-7_3")
+    first.join()
+    again = fleet(tmp_path, "again", slot="slurm-7_3")
+    again.join()
+    assert again.count() == 1 and again.path == first.path
+    first.leave()  # the old run's leaving (it was not dead after all) keeps the new one's
+    assert again.path.exists() and again.count() == 1
+
+
+def test_slots_come_from_the_scheduler_or_the_variable() -> None:
+    assert worker_slot({"SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "0"}) == "slurm-9_0"
+    assert worker_slot({"JOB_COMPLETION_INDEX": "4"}) == "index-4"
+    assert worker_slot({"LLM_ANNOTATOR_WORKER_SLOT": "  "}) is None
+
+
+def test_the_share_follows_workers_that_join_idle_and_leave(tmp_path: Path) -> None:
+    """A worker keeps its share: alone it has the whole budget; when two more join it
+    holds a third; one that holds no unit for a while leaves the fleet and the others
+    take its share; at the end each leaves."""
+    shares: list[int] = []
+    others = [fleet(tmp_path, name) for name in ("b", "c")]
+    idle = [False]
+
+    async def scenario() -> None:
+        me = fleet(tmp_path, "me")
+        task = asyncio.ensure_future(
+            keep_share(me, lambda: True, shares.append, every=0.02, idle_for=0.1)
+        )
+        await asyncio.sleep(0.3)
+        for other in others:
+            other.join()
+        await asyncio.sleep(0.3)
+        busy_c = asyncio.ensure_future(
+            keep_share(others[1], lambda: not idle[0], lambda n: None, every=0.02, idle_for=0.1)
+        )
+        idle[0] = True
+        await asyncio.sleep(0.5)  # c holds no unit: it leaves within idle_for
+        others[0].leave()
+        await asyncio.sleep(0.3)
+        for running in (task, busy_c):
+            running.cancel()
+        await asyncio.gather(task, busy_c, return_exceptions=True)
+        assert not me.path.exists() and not me.joined
+
+    asyncio.run(scenario())
+    assert shares == [1, 3, 2, 1]
