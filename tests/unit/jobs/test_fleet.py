@@ -57,6 +57,10 @@ def test_a_worker_whose_process_is_gone_on_this_machine_no_longer_counts_at_once
     elsewhere = {**dead, "machine": "another-host:1"}
     (folder / "elsewhere.json").write_bytes(orjson.dumps(elsewhere))
     assert me.count() == 2  # itself and the one elsewhere
+    assert not (folder / "dead.json").exists() and (folder / "elsewhere.json").exists()
+    forgotten = time.time() - 10 * LEASE  # expired for ten leases: removed too
+    os.utime(folder / "elsewhere.json", (forgotten, forgotten))
+    assert me.count() == 1 and not (folder / "elsewhere.json").exists()
 
 
 def test_a_worker_restarted_in_its_slot_takes_its_place_and_the_old_cannot_remove_it(
@@ -108,3 +112,23 @@ def test_the_share_follows_workers_that_join_idle_and_leave(tmp_path: Path) -> N
 
     asyncio.run(scenario())
     assert shares == [1, 3, 2, 1]
+
+
+def test_a_worker_that_joins_others_holds_back_for_a_look_before_its_share(
+    tmp_path: Path,
+) -> None:
+    """Two workers already hold the whole budget between them: the third holds one
+    request a server (a count of 2**30) until they have counted it, then its third."""
+    shares: list[int] = []
+    for name in ("a", "b"):
+        fleet(tmp_path, name).join()
+
+    async def scenario() -> None:
+        me = fleet(tmp_path, "me")
+        task = asyncio.ensure_future(keep_share(me, lambda: True, shares.append, every=0.05))
+        await asyncio.sleep(0.4)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert shares == [1 << 30, 3]

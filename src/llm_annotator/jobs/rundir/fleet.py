@@ -5,7 +5,8 @@ Each worker of a job run by claims (``--shard claim``: an array of workers on an
 that share the run directory) keeps a file ``RUN_DIR/fleet/<name>.json`` while it holds
 units, renewed as claims are (its modification time, every :data:`LOOK_EVERY`
 seconds). Every worker counts the files renewed within a lease, less those whose
-holder is known dead (a process of this machine that is gone, as for claims), and
+holder is known dead (a process of this machine that is gone, as for claims: such a
+file is removed, as is one expired for :data:`FORGET_AFTER` leases), and
 holds ``batch_size x max_concurrent_batches_per_client / workers`` requests on each
 server (:meth:`~llm_annotator.pool.queue.QueuePool.share_servers`): the servers carry
 their budget once, however many workers send to them. A worker that joins takes its
@@ -28,6 +29,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, TypeVar
 
 import orjson
 import structlog
@@ -38,6 +40,8 @@ from llm_annotator.jobs.rundir.claims import holder_gone
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 FLEET_DIR = "fleet"
 LOOK_EVERY = 1.0
 """Seconds between two counts of the fleet (and renewals of this worker's file)."""
@@ -46,6 +50,10 @@ FIRST_LOOK = 0.1
 IDLE_FOR = 2.0
 """Seconds a worker holds no unit before it leaves the fleet (it waits for units that
 others hold, to take them over if they die): the others take its share."""
+HOLD_BACK = 1 << 30
+"""The count a worker that joins others shares by for a look: one request a server."""
+FORGET_AFTER = 10
+"""Leases after which an expired file is removed by the worker that counts."""
 SLOT_VARIABLE = "LLM_ANNOTATOR_WORKER_SLOT"
 """The environment variable that names a worker's slot, over what the scheduler says."""
 
@@ -190,16 +198,28 @@ class Fleet:
             except FileNotFoundError:
                 continue
             age = now - info.st_mtime
-            if age >= self.lease:
-                continue  # expired: not read at all
+            if age >= self.lease:  # expired: not read; long expired: removed
+                if age >= FORGET_AFTER * self.lease:
+                    self._forget(entry.path)
+                continue
             key = (entry.name, info.st_ino)
             record = self._records.get(key)
             if record is None:
                 record = self._read(Path(entry.path))
-            records[key] = record
-            live += is_live(record, age, self.lease, self.machine, pid)
+            if is_live(record, age, self.lease, self.machine, pid):
+                records[key] = record
+                live += 1
+            else:
+                self._forget(entry.path)  # its process is gone: it renews nothing more
         self._records = records
         return live + (1 if self.joined else 0)
+
+    @staticmethod
+    def _forget(path: str) -> None:
+        """Remove a dead worker's file (a live worker that was only slow writes its
+        own again at its next renewal)."""
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
     @staticmethod
     def _read(path: Path) -> dict[str, object]:
@@ -222,20 +242,41 @@ async def keep_share(
     seconds (sooner at first: :data:`FIRST_LOOK`, doubling) renew its file and count the
     fleet, and tell ``share`` the count when it changes. A worker that has not been
     ``busy()`` (it holds no unit) for ``idle_for`` seconds leaves the fleet until it is
-    busy again. Runs until cancelled, then leaves. A file system that fails is logged
-    and tried again at the next look (the share stays as it was)."""
+    busy again. A worker that joins (or comes back) while others work holds one request
+    a server for a look, until they have counted it. Runs until cancelled, then leaves.
+    A file system that fails is logged and tried again at the next look (the share
+    stays as it was)."""
+    pending: asyncio.Future[Any] | None = None
+
+    async def in_thread(action: Callable[[], T]) -> T:
+        """``action()`` in a thread; a cancel does not stop it, and the end waits for it."""
+        nonlocal pending
+        done = asyncio.ensure_future(asyncio.to_thread(action))
+        pending = done
+        return await asyncio.shield(done)
+
     looks = 0
     loop = asyncio.get_running_loop()
     idle_since: float | None = None
+    joining = True
     try:
-        await asyncio.to_thread(fleet.join)  # a worker that starts means to work
+        await in_thread(fleet.join)  # a worker that starts means to work
         while True:
             try:
-                workers = await asyncio.to_thread(fleet.count)
+                workers = await in_thread(fleet.count)
             except (OSError, RunDirectoryError) as error:
                 log.warning("fleet_not_counted", folder=str(fleet.folder), error=str(error))
             else:
                 workers = max(1, workers)
+                if joining and fleet.joined and workers > 1:
+                    # The others hold the whole budget until they count this one (within
+                    # a look): hold one request a server until then, not a share more.
+                    joining = False
+                    log.info("fleet_joined", workers=workers, holding_back=every)
+                    share(HOLD_BACK)
+                    await asyncio.sleep(every + FIRST_LOOK)
+                    continue
+                joining = False
                 if workers != fleet.workers:
                     log.info("fleet_changed", workers=workers, was=fleet.workers or None)
                     fleet.workers = workers
@@ -250,12 +291,16 @@ async def keep_share(
                 idle_since = loop.time()
             try:
                 if idle_since is None or loop.time() - idle_since < idle_for:
-                    await asyncio.to_thread(fleet.join if not fleet.joined else fleet.renew)
+                    await in_thread(fleet.join if not fleet.joined else fleet.renew)
                 elif fleet.joined:
-                    await asyncio.to_thread(fleet.leave)
+                    await in_thread(fleet.leave)
                     log.info("fleet_left", worker=fleet.path.stem, reason="no unit to work on")
+                    joining, fleet.workers = True, 0  # back: it holds back again
             except (OSError, RunDirectoryError) as error:
                 log.warning("fleet_not_renewed", path=str(fleet.path), error=str(error))
     finally:
+        if pending is not None:  # a join still writing, when cancelled: leave after it
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await pending
         with contextlib.suppress(OSError, RunDirectoryError):
             fleet.leave()
