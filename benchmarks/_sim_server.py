@@ -1,4 +1,4 @@
-"""A simulated continuous-batching vLLM server, one per process, for pool benchmarks.
+"""A simulated continuous-batching vLLM server, for pool benchmarks.
 
 A server serves at most ``capacity`` requests at once; requests beyond that wait in a
 first-come, first-served line inside the server, as in vLLM's scheduler. A request that
@@ -21,7 +21,12 @@ serve the benchmark: ``GET /bench/stats`` (what the server measured since the la
 reset) and ``POST /bench/reset``.
 
 Run as a script it binds a free loopback port and prints ``READY <port>`` on stdout;
-:class:`SimServer` starts such a process and talks to it from the benchmark.
+:class:`SimServer` starts such a process and talks to it from the benchmark. With
+``--servers K`` one process serves K independent servers (each its own model, line and
+counters) on K ports and prints ``READY <port1>,<port2>,...``; on any of its ports
+``GET /bench/group`` then gives the counters of every server of the process, in the
+order of the ports, so that a benchmark of hundreds of servers reads them in one call
+a process.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _nginx import CHAT_COMPLETION
+from _nginx import CHAT_COMPLETION, raise_nofile_limit
 
 LOOPBACK = "127.0.0.1"
 READY = "READY "
@@ -90,6 +95,9 @@ class ServerStats:
         last_finish: ``time.monotonic()`` of the last answer, or None.
         max_waiting: The longest line of requests waiting for a slot.
         aborted: Requests dropped because their client went away.
+        received: Chat requests that came in (answered, dropped or still held).
+        max_held: The most requests the server held at once, in service and waiting
+            together (what its clients had sent it and not yet had answered).
     """
 
     completed: int
@@ -100,6 +108,8 @@ class ServerStats:
     last_finish: float | None
     max_waiting: int
     aborted: int
+    received: int = 0
+    max_held: int = 0
 
 
 class _Load:
@@ -123,6 +133,8 @@ class _Load:
         self.last_finish: float | None = None
         self.max_waiting = self.waiting
         self.aborted = 0
+        self.received = 0
+        self.max_held = self.active + self.waiting
 
     def advance(self) -> float:
         now = time.monotonic()
@@ -146,7 +158,13 @@ class _Load:
             last_finish=self.last_finish,
             max_waiting=self.max_waiting,
             aborted=self.aborted,
+            received=self.received,
+            max_held=self.max_held,
         )
+
+    def as_dict(self) -> dict[str, Any]:
+        snapshot = self.snapshot()
+        return {name: getattr(snapshot, name) for name in ServerStats.__slots__}
 
 
 def _bodies(model: str) -> tuple[bytes, bytes]:
@@ -158,11 +176,10 @@ def _bodies(model: str) -> tuple[bytes, bytes]:
     return json.dumps(completion).encode(), json.dumps(models).encode()
 
 
-async def serve(model: ServerModel, served_model: str, host: str = LOOPBACK) -> None:
-    """Serve ``model`` on a free port of ``host`` until cancelled; print ``READY <port>``."""
+def _app(model: ServerModel, served_model: str, load: _Load) -> Any:
+    """The aiohttp application of one simulated server, counting into ``load``."""
     from aiohttp import web
 
-    load = _Load(model.capacity)
     slots = asyncio.Semaphore(model.capacity)  # FIFO: waiters are woken in order
     completion_body, models_body = _bodies(served_model)
 
@@ -175,8 +192,10 @@ async def serve(model: ServerModel, served_model: str, host: str = LOOPBACK) -> 
 
     async def serve_one(request: web.Request) -> web.Response:
         await request.read()
+        load.received += 1
         load.waiting += 1
         load.max_waiting = max(load.max_waiting, load.waiting)
+        load.max_held = max(load.max_held, load.active + load.waiting)
         try:
             await slots.acquire()
         finally:
@@ -216,9 +235,7 @@ async def serve(model: ServerModel, served_model: str, host: str = LOOPBACK) -> 
         return web.Response(text=text, content_type="text/plain")
 
     async def stats(_request: web.Request) -> web.Response:
-        snapshot = load.snapshot()
-        body = {name: getattr(snapshot, name) for name in ServerStats.__slots__}
-        return web.json_response(body)
+        return web.json_response(load.as_dict())
 
     async def reset(_request: web.Request) -> web.Response:
         load.reset()
@@ -231,17 +248,42 @@ async def serve(model: ServerModel, served_model: str, host: str = LOOPBACK) -> 
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/bench/stats", stats)
     app.router.add_post("/bench/reset", reset)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, 0))
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-    await runner.setup()
-    await web.SockSite(runner, listener, backlog=8192).start()
-    print(f"{READY}{listener.getsockname()[1]}", flush=True)
+    return app
+
+
+async def serve(
+    model: ServerModel, served_model: str, host: str = LOOPBACK, servers: int = 1
+) -> None:
+    """Serve ``servers`` independent copies of ``model``, each on a free port of
+    ``host``, until cancelled; print ``READY <port>[,<port>...]``."""
+    from aiohttp import web
+
+    loads = [_Load(model.capacity) for _ in range(servers)]
+
+    async def group(_request: web.Request) -> web.Response:
+        return web.json_response([load.as_dict() for load in loads])
+
+    runners = []
+    ports = []
     try:
+        for load in loads:
+            app = _app(model, served_model, load)
+            app.router.add_get("/bench/group", group)
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, 0))
+            runner = web.AppRunner(
+                app, access_log=None, handle_signals=False, handler_cancellation=True
+            )
+            await runner.setup()
+            runners.append(runner)
+            await web.SockSite(runner, listener, backlog=8192).start()
+            ports.append(listener.getsockname()[1])
+        print(f"{READY}{','.join(map(str, ports))}", flush=True)
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
 
 
 class SimServer:
@@ -377,18 +419,20 @@ def _exit_on_signal(_signum: int, _frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve one simulated server until SIGTERM."""
+    """Serve one simulated server (``--servers K``: K of them) until SIGTERM."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-latency", type=float, required=True)
     parser.add_argument("--capacity", type=int, required=True)
     parser.add_argument("--alpha", type=float, required=True)
     parser.add_argument("--served-model", default="sim")
     parser.add_argument("--cpu", type=int)
+    parser.add_argument("--servers", type=int, default=1, help="servers, one port each")
     args = parser.parse_args(argv)
     if args.cpu is not None:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {args.cpu})
     model = ServerModel("sim", args.base_latency, args.capacity, args.alpha)
+    raise_nofile_limit()  # every request held is a connection
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         import uvloop
@@ -397,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         runner = asyncio.run
     with contextlib.suppress(KeyboardInterrupt, SystemExit):
-        runner(serve(model, args.served_model))
+        runner(serve(model, args.served_model, servers=args.servers))
 
 
 if __name__ == "__main__":
