@@ -210,3 +210,24 @@ def _share_taken_back(log: Path) -> bool:
     """Whether a worker counted three workers, then fewer."""
     counts = fleet_counts(log)
     return 3 in counts and min(counts[counts.index(3) :]) < 3
+
+
+def test_static_shards_of_a_corpus_read_only_their_units(
+    idle: LocalServers, tmp_path: Path
+) -> None:
+    """Two static shards split 10 files by unit: each sends only its units' rows (the
+    servers' counters), together every row once, and the last writes the manifest."""
+    n = write_corpus(tmp_path / "corpus", files=10, rows=20)
+    run = tmp_path / "run"
+    sent = []
+    for index in range(2):
+        before = finished_requests(idle)
+        done = finish(
+            run_args(idle, tmp_path / "corpus", run, "--shard", f"{index}/2"), tmp_path / "log"
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        wait_until_idle(idle)
+        sent.append(finished_requests(idle) - before)
+    assert sent == [n // 2, n // 2]
+    manifest = read_manifest(run)
+    assert manifest is not None and manifest["complete"] and manifest["rows"] == n
