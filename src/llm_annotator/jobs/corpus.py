@@ -329,6 +329,7 @@ class _CorpusLayout:
             yield
             return
         beside = [asyncio.ensure_future(_renew(self.store, claims))]
+        sharing = isinstance(client, SharesServers)
         if isinstance(client, SharesServers):  # its share of the servers, among the fleet
             fleet = Fleet(self.run_dir, claims.owner, claims.slot, claims.machine, claims.lease)
             busy = functools.partial(_holds_units, self.store)
@@ -341,6 +342,8 @@ class _CorpusLayout:
             for task in beside:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if sharing and isinstance(client, SharesServers):
+                client.share_servers(1)  # the pool outlives the job: its whole budget back
 
     async def drain(self) -> None:
         await self.store.drain()

@@ -137,9 +137,11 @@ def test_workers_of_one_job_hold_each_servers_budget_once_between_them(
             [fake_server.base_url], batch_size=4, max_concurrent_batches_per_client=2, **FAST
         )
         async with pool:
-            return await pool.aannotate(
+            result = await pool.aannotate(
                 tmp_path / "c", TEMPLATE, tmp_path / "run", shard="claim", progress=False
             )
+            assert pool.sharing == 1  # the pool has its whole budget back for what follows
+            return result
 
     async def sample(stop: asyncio.Event) -> None:
         start = time.monotonic()

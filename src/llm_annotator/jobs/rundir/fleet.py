@@ -14,9 +14,10 @@ share within a look; one that has no unit left to work on leaves the fleet, so t
 the others take its share; one that dies gives its share back within a lease (at once
 to workers of its machine).
 
-A worker's name is its slot when it has one (:func:`worker_slot`: the same SLURM array
-task or Kubernetes completion index across restarts), else its claim owner. A worker
-restarted in the same slot takes over its own file, and its own units at once
+A worker's file is named by its claim owner (``host:pid:token``) and says its slot
+(:func:`worker_slot`: the same SLURM array task, or ``LLM_ANNOTATOR_WORKER_SLOT``, across
+restarts). A worker restarted in its slot on another machine no longer counts the
+earlier run's file, and takes its own units back at once
 (:func:`~llm_annotator.jobs.rundir.claims.holder_gone`).
 """
 
@@ -59,35 +60,26 @@ SLOT_VARIABLE = "LLM_ANNOTATOR_WORKER_SLOT"
 
 
 def worker_slot(environ: Mapping[str, str]) -> str | None:
-    """The slot a worker runs in, the same when it is restarted: ``LLM_ANNOTATOR_WORKER_SLOT``
-    if set; else a SLURM array task (``<array job>_<task>``) or job (``<job>``), with the
-    step's task when it has several; else a Kubernetes Indexed Job's completion index;
-    else None (the worker is known by its process only).
+    """The slot a worker runs in, the same when it is restarted and never the same for
+    two live workers: ``LLM_ANNOTATOR_WORKER_SLOT`` if set; else a SLURM array task
+    (``<array job>_<task>``, with the step's task when it runs several), which SLURM
+    ends before it runs it again; else None (the worker is known by its process only).
 
     Examples:
         >>> array = {"SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "80"}
-        >>> worker_slot(array)
-        'slurm-77_3'
-        >>> worker_slot({"SLURM_JOB_ID": "80", "SLURM_PROCID": "1"}), worker_slot({})
-        ('slurm-80.1', None)
-        >>> worker_slot({"JOB_COMPLETION_INDEX": "5", "LLM_ANNOTATOR_WORKER_SLOT": "a/2"})
-        'a/2'
+        >>> worker_slot(array), worker_slot({**array, "SLURM_PROCID": "1"})
+        ('slurm-77_3', 'slurm-77_3.1')
+        >>> worker_slot({"SLURM_JOB_ID": "80"}), worker_slot({SLOT_VARIABLE: "pod-a"})
+        (None, 'pod-a')
     """
     given = environ.get(SLOT_VARIABLE, "").strip()
     if given:
         return given
-    task = environ.get("SLURM_PROCID", "0")
-    step = "" if task in ("", "0") else f".{task}"
     array, index = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array and index:
-        return f"slurm-{array}_{index}{step}"
-    job = environ.get("SLURM_JOB_ID")
-    if job:
-        return f"slurm-{job}{step}"
-    completion = environ.get("JOB_COMPLETION_INDEX")
-    if completion:
-        return f"index-{completion}"
-    return None
+    if not (array and index):
+        return None  # a job's steps, or an allocation's several commands, share its id
+    task = environ.get("SLURM_PROCID", "0")
+    return f"slurm-{array}_{index}" + ("" if task in ("", "0") else f".{task}")
 
 
 def file_name(name: str) -> str:
@@ -101,16 +93,26 @@ def file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".json"
 
 
-def is_live(record: object, age: float, lease: float, machine: str | None, pid: int) -> bool:
+def is_live(
+    record: object,
+    age: float,
+    lease: float,
+    machine: str | None,
+    pid: int,
+    slot: str | None = None,
+) -> bool:
     """Whether a fleet file renewed ``age`` seconds ago (by this host's clock) stands for
-    a live worker: renewed within a lease (a file ahead of this clock counts), and not
-    made by a process of this machine that is gone.
+    a live worker: renewed within a lease (a file ahead of this clock counts), not made
+    by a process of this machine that is gone, nor by the earlier run of this worker's
+    ``slot`` on another machine.
 
     Examples:
         >>> is_live({"owner": "h:1:x"}, 5.0, 60.0, None, 9), is_live({}, 61.0, 60.0, None, 9)
         (True, False)
+        >>> is_live({"owner": "h:1:x", "machine": "m2", "slot": "s"}, 5.0, 60.0, "m1", 9, "s")
+        False
     """
-    return age < lease and not holder_gone(record, machine, pid)
+    return age < lease and not holder_gone(record, machine, pid, slot=slot)
 
 
 class Fleet:
@@ -139,7 +141,7 @@ class Fleet:
         self.owner, self.slot, self.machine = owner, slot, machine
         self.lease = lease
         self.wall = wall
-        self.path = self.folder / file_name(slot or owner)
+        self.path = self.folder / file_name(owner)
         self.joined = False
         self.workers = 0
         """The live workers at the last count (0: not counted yet)."""
@@ -150,7 +152,7 @@ class Fleet:
         return f"<Fleet {str(self.folder)!r} name={self.path.name!r} workers={self.workers}>"
 
     def join(self) -> None:
-        """Write (or take over, in the same slot) this worker's file."""
+        """Write this worker's file."""
         make_directory(self.folder)
         record = {
             "owner": self.owner,
@@ -206,7 +208,7 @@ class Fleet:
             record = self._records.get(key)
             if record is None:
                 record = self._read(Path(entry.path))
-            if is_live(record, age, self.lease, self.machine, pid):
+            if is_live(record, age, self.lease, self.machine, pid, self.slot):
                 records[key] = record
                 live += 1
             else:
@@ -267,16 +269,19 @@ async def keep_share(
             except (OSError, RunDirectoryError) as error:
                 log.warning("fleet_not_counted", folder=str(fleet.folder), error=str(error))
             else:
-                workers = max(1, workers)
+                if not fleet.joined:
+                    workers += 1  # out of the fleet (idle): it still counts itself
                 if joining and fleet.joined and workers > 1:
                     # The others hold the whole budget until they count this one (within
                     # a look): hold one request a server until then, not a share more.
                     joining = False
+                    fleet.workers = 0  # the share after the hold-back is always told
                     log.info("fleet_joined", workers=workers, holding_back=every)
                     share(HOLD_BACK)
                     await asyncio.sleep(every + FIRST_LOOK)
                     continue
-                joining = False
+                if fleet.joined:
+                    joining = False
                 if workers != fleet.workers:
                     log.info("fleet_changed", workers=workers, was=fleet.workers or None)
                     fleet.workers = workers
@@ -295,12 +300,12 @@ async def keep_share(
                 elif fleet.joined:
                     await in_thread(fleet.leave)
                     log.info("fleet_left", worker=fleet.path.stem, reason="no unit to work on")
-                    joining, fleet.workers = True, 0  # back: it holds back again
+                    joining = True  # when it comes back, it holds back again
             except (OSError, RunDirectoryError) as error:
                 log.warning("fleet_not_renewed", path=str(fleet.path), error=str(error))
     finally:
         if pending is not None:  # a join still writing, when cancelled: leave after it
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await pending
-        with contextlib.suppress(OSError, RunDirectoryError):
-            fleet.leave()
+        with contextlib.suppress(OSError, RunDirectoryError, asyncio.CancelledError):
+            await asyncio.to_thread(fleet.leave)
