@@ -495,6 +495,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"prefix_affinity=True, groups of {GROUP_SIZE}) ({','.join(DEFAULT_DISPATCHES)})",
     )
     _against.add_against(parser, "the default dispatch (in the efficiency table)")
+    parser.add_argument(
+        "--against-dispatch",
+        default="window",
+        choices=sorted(DISPATCHES),
+        help="the dispatch --against runs on the older commit (window)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     harness.add_number(
         parser,
@@ -525,26 +531,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 @dataclass
 class WorkerSpec:
-    """A run of ``window`` for a worker on an older commit's library.
+    """A run of one dispatch for a worker on an older commit's library.
 
     Attributes:
         servers: Each running server as (name, base latency, capacity, alpha, port, pid).
         batch_size: The pool's batch size.
         samples: Conversations sent.
         batches_per_server: ``max_concurrent_batches_per_client``.
+        mode: The dispatch (``window`` unless ``--against-dispatch`` says another).
     """
 
     servers: tuple[tuple[str, float, int, float, int, int], ...]
     batch_size: int
     samples: int
     batches_per_server: int
+    mode: str = "window"
 
 
 def run_against(
     tree: Path, label: str, servers: Sequence[SimServer], batch_size: int, args: argparse.Namespace
 ) -> RunResult:
-    """One ``window`` run of the library in ``tree`` (an older commit), in a worker
-    process against the same ``servers``.
+    """One run of ``--against-dispatch`` (``window`` by default) of the library in
+    ``tree`` (an older commit), in a worker process against the same ``servers``.
 
     Raises:
         RuntimeError: If the worker reports no result.
@@ -557,6 +565,7 @@ def run_against(
         batch_size,
         args.samples,
         args.batches_per_server,
+        args.against_dispatch,
     )
     output = harness.run_worker(__file__, spec, RESULT, 600.0, _against.environment(tree))
     if output.data is None:
@@ -567,7 +576,7 @@ def run_against(
         name: ServerStats(**stats) if stats is not None else None
         for name, stats in data["server_stats"].items()
     }
-    data["dispatch"] = f"window@{label}"
+    data["dispatch"] = f"{spec.mode}@{label}"
     return RunResult(**data)
 
 
@@ -581,7 +590,7 @@ def worker(text: str) -> int:
     events = harness.EventLog(echo=False)
     events.install()
     result = run_once(
-        servers, spec.batch_size, spec.samples, spec.batches_per_server, events, mode="window"
+        servers, spec.batch_size, spec.samples, spec.batches_per_server, events, mode=spec.mode
     )
     harness.report_result(RESULT, result)
     return 0
@@ -677,9 +686,10 @@ def _run(args: argparse.Namespace, tree: Path | None, against: str | None) -> in
                 )
                 clean[batch_size, mode] = quietest(args, measure)
             if tree is not None and against is not None:
-                print(f"running batch size {batch_size}, window dispatch of {against} ...")
+                mode = args.against_dispatch
+                print(f"running batch size {batch_size}, {mode} dispatch of {against} ...")
                 older = partial(run_against, tree, against, servers, batch_size, args)
-                clean[batch_size, f"window@{against}"] = quietest(args, older)
+                clean[batch_size, f"{mode}@{against}"] = quietest(args, older)
         print("\nPool efficiency (makespan against total work / total capacity)\n")
         print_efficiency(list(clean.values()), models)
         if args.no_fault:

@@ -117,8 +117,9 @@ class Membership:
     def _share(self, workers: int) -> None:
         if workers == self._state.sharing:
             return
-        was, self._state.sharing = self._state.sharing, workers
-        self._dispatcher.reshare()
+        was, ceiling = self._state.sharing, self._dispatcher.ceiling
+        self._state.sharing = workers
+        self._dispatcher.reshare(ceiling)
         log.info(
             "servers_shared",
             workers=workers,
