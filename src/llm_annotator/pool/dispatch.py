@@ -75,11 +75,10 @@ class Dispatcher:
         for _ in range(self._state.config.max_concurrent_batches_per_client):
             self._state.spawn(self._slot(run, member))
 
-    def reshare(self, was: int) -> None:
-        """Apply a new number of processes sharing the servers to every member's window,
-        the ceiling having been ``was`` (see
-        :meth:`~llm_annotator.pool.window.WindowTuner.reshare`)."""
-        self._windows.reshare(was)
+    def reshare(self) -> None:
+        """Apply a new number of processes sharing the servers to every member's window
+        (see :meth:`~llm_annotator.pool.window.WindowTuner.reshare`)."""
+        self._windows.reshare()
         if self._state.run is not None:
             self._state.run.notify()  # a window that may grow again wakes idle slots
 

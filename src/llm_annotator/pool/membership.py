@@ -117,9 +117,8 @@ class Membership:
     def _share(self, workers: int) -> None:
         if workers == self._state.sharing:
             return
-        was, ceiling = self._state.sharing, self._dispatcher.ceiling
-        self._state.sharing = workers
-        self._dispatcher.reshare(ceiling)
+        was, self._state.sharing = self._state.sharing, workers
+        self._dispatcher.reshare()
         log.info(
             "servers_shared",
             workers=workers,

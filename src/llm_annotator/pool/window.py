@@ -135,23 +135,16 @@ class WindowTuner:
         budget = config.batch_size * config.max_concurrent_batches_per_client
         return budget_share(budget, self._state.sharing)
 
-    def reshare(self, was: int) -> None:
-        """The number of processes sharing the servers changed (the ceiling was ``was``):
-        no member holds more than the new :attr:`ceiling` (a window above it shrinks now;
-        requests in flight finish). When the ceiling grew, a window below the start
-        window (or the new ceiling, if less) starts again from there, as at the start of
-        a call: one grown by one an answer from a share of one request would take a
-        round of answers per request on a slow server. Without ``adaptive`` the windows
-        then grow up to the ceiling with answers."""
+    def reshare(self) -> None:
+        """The number of processes sharing the servers changed: no member holds more
+        than the new :attr:`ceiling` (a window above it shrinks now; requests in flight
+        finish); without ``adaptive`` the windows grow up to it again with answers."""
         ceiling = self.ceiling
         if not self._state.config.adaptive:
             self._grow_to = ceiling
-        start = min(START_WINDOW, ceiling)
         for member in self._state.members.values():
             if member.window.size > ceiling:
                 member.window.resize(ceiling)
-            elif ceiling > was and member.window.size < start:
-                member.window.resize(start)
 
     def start(self, member: Member) -> None:
         """Set the member's window for a new call (or after it rejoined): with

@@ -523,38 +523,3 @@ def test_a_stream_reads_ahead_only_what_its_share_of_the_servers_can_start_soon(
 
     assert asyncio.run(scenario()) == 400
     assert 16 <= most_ahead[0] <= 2 * 2 * 16 + 1
-
-
-def test_a_window_held_back_starts_again_from_the_start_window_when_its_share_grows() -> None:
-    """A worker that held one request (a share of 2**30) while the others counted it
-    takes its share at once when it grows: its window starts again from the start
-    window, not from one request grown by one an answer (a round of answers a request on
-    a slow server)."""
-    clock = FakeClock()
-    client = LineClient("http://slow:1/v1", clock, capacity=8, service=1.0)
-
-    async def scenario() -> list[Response]:
-        async with VLLMQueueAnnotator(
-            clients=[client],
-            clock=clock,
-            batch_size=64,
-            max_concurrent_batches_per_client=4,
-            hedge_tail=False,
-        ) as pool:
-            pool.share_servers(1 << 30)
-
-            async def counted() -> None:
-                await clock.sleep(3.0)
-                pool.share_servers(2)
-
-            later = asyncio.ensure_future(counted())
-            try:
-                return await pool.abatch_generate(messages=conversations(400))
-            finally:
-                await later
-
-    responses = asyncio.run(scenario())
-    assert_all_answered_in_order(responses, 400)
-    assert client.most_held(0.0, 3.0) == 1
-    # (the one request held back, answered meanwhile, grows it by one)
-    assert window.START_WINDOW <= client.most_held(3.0, 3.5) <= window.START_WINDOW + 1
