@@ -99,12 +99,16 @@ def show_corpus_status(status: dict[str, Any], out: TextIO) -> None:
         ...     "by_error_type": {"read_timeout": 10}, "complete": False, "model": "small",
         ...     "processes": [{"where": "shard-0000-of-0002", "state": "running", "pid": 7,
         ...     "host": "n1", "total": 2000, "done": 700, "rows_per_second": 5.0,
-        ...     "eta_seconds": 260.0}]}, out)
+        ...     "eta_seconds": 260.0}], "fleet": {"workers": 2, "servers_out": [{"url":
+        ...     "http://n4:8000/v1", "by": "n1:7:ab", "reason": "connect timeout",
+        ...     "seconds_ago": 12.0}]}}, out)
         >>> print(out.getvalue())
         runs/c: a corpus job of 30 files (1 skipped) in 32 units: 12 finished
           rows in finished units: 1200: 1190 answered, 10 failed
           failed by type: read_timeout 10
           shard-0000-of-0002: running (pid 7 on n1), 700 of 2000 rows, 5.0 rows/s, ETA 4m20s
+          workers sharing the servers now: 2
+          server out: http://n4:8000/v1, evicted by worker n1:7:ab 12s ago (connect timeout)
           model: small
         <BLANKLINE>
     """
@@ -135,6 +139,15 @@ def show_corpus_status(status: dict[str, Any], out: TextIO) -> None:
         if process["eta_seconds"] is not None:
             line += f", ETA {duration(process['eta_seconds'])}"
         print(line, file=out)
+    fleet = status.get("fleet") or {}
+    if fleet.get("workers"):
+        print(f"  workers sharing the servers now: {fleet['workers']}", file=out)
+    for server in fleet.get("servers_out") or ():
+        print(
+            f"  server out: {server['url']}, evicted by worker {server['by']} "
+            f"{duration(server['seconds_ago'])} ago ({server['reason']})",
+            file=out,
+        )
     if status["model"]:
         print(f"  model: {status['model']}", file=out)
 

@@ -46,14 +46,20 @@ from llm_annotator.jobs.files import check_entry, make_directory
 from llm_annotator.jobs.loop.driver import Finished, Prepared, Rows, Runner, run_job
 from llm_annotator.jobs.loop.interrupt import Interrupt
 from llm_annotator.jobs.loop.runner import JobRun
-from llm_annotator.jobs.protocols import SharesServers
+from llm_annotator.jobs.protocols import MemberWatchable, SharesServers, SuspectsServers
 from llm_annotator.jobs.result import AnnotationResult
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN, UNIT_BYTES, Corpus, Unit, list_corpus
 from llm_annotator.jobs.rows.inputs import Row
 from llm_annotator.jobs.rows.prompts import PromptTemplate, check_job_columns
 from llm_annotator.jobs.rundir.claims import LEASE, Claims
 from llm_annotator.jobs.rundir.fingerprint import describe_changes, job_fingerprint
-from llm_annotator.jobs.rundir.fleet import Fleet, keep_share, worker_slot
+from llm_annotator.jobs.rundir.fleet import (
+    Fleet,
+    fleet_lease,
+    keep_share,
+    share_evictions,
+    worker_slot,
+)
 from llm_annotator.jobs.rundir.partitions import (
     ANNOTATIONS_DIR,
     CORPUS_FILE,
@@ -330,13 +336,25 @@ class _CorpusLayout:
             return
         beside = [asyncio.ensure_future(_renew(self.store, claims))]
         sharing = isinstance(client, SharesServers)
+        lease = fleet_lease(claims.lease)
+        fleet = Fleet(self.run_dir, claims.owner, claims.slot, claims.machine, lease)
         if isinstance(client, SharesServers):  # its share of the servers, among the fleet
-            fleet = Fleet(self.run_dir, claims.owner, claims.slot, claims.machine, claims.lease)
             busy = functools.partial(_holds_units, self.store)
             beside.append(asyncio.ensure_future(keep_share(fleet, busy, client.share_servers)))
+        stop_watching = None
+        if isinstance(client, SuspectsServers) and isinstance(client, MemberWatchable):
+            changes: list[tuple[str, str, str | None]] = []
+            stop_watching = client.watch_members(
+                lambda change: changes.append((change.server, change.after, change.reason))
+            )
+            told = functools.partial(_taken, changes)
+            evictions = share_evictions(fleet, told, client.suspect_server)
+            beside.append(asyncio.ensure_future(evictions))
         try:
             yield
         finally:
+            if stop_watching is not None:
+                stop_watching()
             for task in beside:  # stopped before the store closes: no renewal meets a close
                 task.cancel()
             for task in beside:
@@ -533,6 +551,13 @@ async def _claimed_rows(
             progress.total += read[0]
         if store.is_lost(unit):
             pending.append(unit)  # its taker may die too: it stays in the line
+
+
+def _taken(changes: list[tuple[str, str, str | None]]) -> list[tuple[str, str, str | None]]:
+    """The members' changes gathered since the last call, the list emptied."""
+    taken = changes[:]
+    del changes[: len(taken)]
+    return taken
 
 
 def _holds_units(store: PartitionedStore) -> bool:

@@ -73,3 +73,13 @@ class SharesServers(Protocol):
     def share_servers(self, workers: int) -> None:
         """Hold a ``workers``-th of each server's budget from now on."""
         ...
+
+
+@runtime_checkable
+class SuspectsServers(Protocol):
+    """A client that can take a server out that another process found dead (the pool
+    can), for the workers of one job that send to the same servers."""
+
+    def suspect_server(self, base_url: str, reason: str) -> bool:
+        """Evict the server if it is a healthy member now; True if it was."""
+        ...

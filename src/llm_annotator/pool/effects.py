@@ -25,11 +25,21 @@ class Effects:
     def __init__(self, state: PoolState) -> None:
         self._state = state
 
-    def evict(self, run: Run, member: Member, reason: str, cause: int | None = None) -> None:
+    def evict(
+        self,
+        run: Run,
+        member: Member,
+        reason: str,
+        cause: int | None = None,
+        *,
+        probation: bool = True,
+    ) -> None:
         """Take a member out of rotation and cancel what it holds (requeued by its slots).
 
         ``cause`` is the sample whose request revealed the failure: it counts as in
-        flight, and goes back on the queue unless that makes it poison.
+        flight, and goes back on the queue unless that makes it poison. Without
+        ``probation`` its probes may readmit it at their next answer (another process
+        found it dead: if it answers here, there is nothing to wait out).
         """
         draining = member.state is MemberState.DRAINING
         if not member.evict(reason):
@@ -39,7 +49,8 @@ class Effects:
         # Counted as on the member at this eviction (its number is now incremented).
         if cause is not None and not self.note_eviction(run, member, cause):
             self.requeue(run, member, cause)
-        self.start_probation(member)
+        if probation:
+            self.start_probation(member)
         poisoned = self._cancel_in_flight(run, member)
         log.warning(
             "member_evicted",

@@ -12,6 +12,8 @@ from llm_annotator.clients.urls import normalize_base_url
 from llm_annotator.errors import ConfigurationError
 from llm_annotator.pool.backend import MemberClient, lacks
 from llm_annotator.pool.dispatch import Dispatcher
+from llm_annotator.pool.effects import Effects
+from llm_annotator.pool.lifecycle import MemberState
 from llm_annotator.pool.member import Member
 from llm_annotator.pool.state import PoolState
 
@@ -29,9 +31,10 @@ class Membership:
     caller's thread.
     """
 
-    def __init__(self, state: PoolState, dispatcher: Dispatcher) -> None:
+    def __init__(self, state: PoolState, dispatcher: Dispatcher, effects: Effects) -> None:
         self._state = state
         self._dispatcher = dispatcher
+        self._effects = effects
 
     def populate(self, base_urls: Iterable[str], clients: Iterable[object]) -> None:
         """The pool's first members: ``base_urls``, ``clients``, and what its discovery
@@ -102,6 +105,26 @@ class Membership:
         if url not in self._state.members:
             raise KeyError(f"server {url} is not in the pool")
         self._in_loop(lambda: self._drain(url))
+
+    def suspect(self, base_url: str, reason: str) -> bool:
+        """Evict a healthy member that another process found dead (see
+        :meth:`~llm_annotator.pool.queue.QueuePool.suspect_server`); True if it was.
+
+        Raises:
+            ConfigurationError: If the URL is not an http(s) URL.
+        """
+        url = normalize_base_url(base_url)
+        done: list[bool] = []
+        self._in_loop(lambda: done.append(self._suspect(url, reason)))
+        return bool(done and done[0])
+
+    def _suspect(self, url: str, reason: str) -> bool:
+        member = self._state.members.get(url)
+        run = self._state.run
+        if member is None or run is None or member.state is not MemberState.HEALTHY:
+            return False  # not ours, not in a call, or out of rotation already
+        self._effects.evict(run, member, reason, probation=False)
+        return True
 
     def share(self, workers: int) -> None:
         """Hold a ``workers``-th of each server's budget from now on (see

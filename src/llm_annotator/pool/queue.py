@@ -121,7 +121,7 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
         effects = Effects(state)
         self._health = HealthMonitor(state, effects)
         dispatcher = Dispatcher(state, effects, self._health, StallWatch(state, effects))
-        self._membership = Membership(state, dispatcher)
+        self._membership = Membership(state, dispatcher, effects)
         self._membership.populate(base_urls or (), clients or ())
         self._calls = Calls(state, dispatcher, self._health, self._membership)
 
@@ -178,6 +178,25 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
             ConfigurationError: If ``workers`` is not an int >= 1.
         """
         self._membership.share(workers)
+
+    def suspect_server(self, base_url: str, reason: str) -> bool:
+        """Take a server out of rotation that another process sending to it found dead
+        (the workers of one job tell each other: :mod:`llm_annotator.jobs.rundir.fleet`),
+        before this pool's own requests find it so: its requests in flight go back on
+        the queue, and it rejoins once it answers a probe and a test completion here,
+        with no probation to wait out (if it answers this process, it was not dead to
+        it). A server that is not a healthy member now (unknown, evicted already,
+        joining) is left as it is, as is any server outside a call.
+
+        Safe to call from another thread while a call runs.
+
+        Returns:
+            True if the server was evicted.
+
+        Raises:
+            ConfigurationError: If the URL is not an http(s) URL.
+        """
+        return self._membership.suspect(base_url, reason)
 
     @property
     def sharing(self) -> int:

@@ -22,6 +22,7 @@ import structlog
 from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN
 from llm_annotator.jobs.rundir.claims import Claims
+from llm_annotator.jobs.rundir.fleet import FOUND_DEAD
 from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, UNITS_DIR, read_manifest
 from tests.unit.conftest import FakeServer
 from tests.unit.helpers import FAST, command, delayed_echo, sent_texts, write_jsonl
@@ -165,6 +166,54 @@ def test_workers_of_one_job_hold_each_servers_budget_once_between_them(
     assert settled and max(settled) <= 8, max(settled)
     assert max(n for _, n in held) <= 3 * 8
     assert not list((tmp_path / "run" / "fleet").glob("*.json"))
+
+
+def test_a_server_that_hangs_is_taken_out_by_every_worker_once_one_finds_it_dead(
+    tmp_path: Path, fake_servers: Any
+) -> None:
+    """Two workers over two servers; one server hangs mid-run (its requests and its
+    /health). Worker a checks health often and evicts it; worker b, whose own checks
+    would take minutes to (a long request timeout, rare probes, no tail hedging), takes
+    it out at its next look at the fleet, and its rows there go to the other server:
+    each row once."""
+    texts = corpus(tmp_path / "c", files=12, rows=40)
+    hung, fine = fake_servers(2)
+    fine.handler = delayed_echo(0.02)
+    stuck = asyncio.Event()
+
+    async def hang_after_some(request: dict[str, Any]) -> Any:
+        if len(hung.requests) > 40:
+            hung.health_delay = 3600.0
+            await stuck.wait()  # never set: a stopped server
+        return await delayed_echo(0.02)(request)
+
+    hung.handler = hang_after_some
+    quick = {**FAST, "max_failed_health_checks": 1}
+    slow = {"health_check_interval": 60.0, "timeout": 120.0, "hedge_tail": False}
+
+    async def one(settings: dict[str, Any]) -> Any:
+        pool = VLLMQueueAnnotator(
+            [hung.base_url, fine.base_url],
+            batch_size=2,
+            max_concurrent_batches_per_client=2,
+            **settings,
+        )
+        async with pool:
+            result = await pool.aannotate(
+                tmp_path / "c", TEMPLATE, tmp_path / "run", shard="claim", progress=False
+            )
+            return result, pool.statistics().member(hung.base_url)
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(one(quick), one(slow)))
+
+    (a, a_hung), (b, b_hung) = asyncio.run(both())
+    assert a.num_rows + b.num_rows == len(texts)
+    rows = output(tmp_path / "run")
+    assert Counter(r["text"] for r in rows) == Counter(texts)
+    assert a_hung.evictions >= 1 and "health checks" in (a_hung.last_error or "")
+    assert b_hung.evictions == 1, b_hung
+    assert (b_hung.last_error or "").startswith(FOUND_DEAD), b_hung.last_error
 
 
 def test_a_worker_killed_mid_unit_has_its_unit_taken_over_row_by_row(

@@ -10,11 +10,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 from llm_annotator.jobs.rundir.claims import process_gone, this_machine
-from llm_annotator.jobs.rundir.fleet import FLEET_DIR, Fleet, keep_share, worker_slot
+from llm_annotator.jobs.rundir.fleet import (
+    FLEET_DIR,
+    FOUND_DEAD,
+    SERVERS_DIR,
+    Fleet,
+    keep_share,
+    share_evictions,
+    worker_slot,
+)
 
 LEASE = 60.0
 
@@ -170,3 +179,57 @@ def test_a_worker_that_comes_back_holds_back_again_and_counts_itself_while_out(
 
     asyncio.run(scenario())
     assert shares == [1 << 30, 2, 1 << 30, 2]
+
+
+def test_a_server_one_worker_evicts_is_taken_out_by_the_others_once_each_eviction(
+    tmp_path: Path,
+) -> None:
+    """Worker a evicts a server: b takes it out at its next look (once for that
+    eviction, not again at every look), and does not tell it on (an eviction told by
+    another is never told again); a's eviction of another server that has answered a
+    since, and one told more than a lease ago, are not acted on."""
+    a, b = fleet(tmp_path, "a"), fleet(tmp_path, "b")
+    told_a: list[tuple[str, str, str | None]] = [
+        ("http://s1/v1", "evicted", "connect timeout"),
+        ("http://s2/v1", "evicted", "hung"),
+    ]
+    suspected: list[tuple[str, str]] = []
+    told_b: list[tuple[str, str, str | None]] = []
+
+    def taken(changes: list[tuple[str, str, str | None]]) -> Any:
+        def take() -> list[tuple[str, str, str | None]]:
+            out = changes[:]
+            changes.clear()
+            return out
+
+        return take
+
+    def suspect(url: str, reason: str) -> bool:
+        suspected.append((url, reason))
+        told_b.append((url, "evicted", reason))  # b's pool says what it did
+        return True
+
+    async def run() -> None:
+        tasks = [
+            asyncio.ensure_future(
+                share_evictions(a, taken(told_a), lambda u, r: False, every=0.02)
+            ),
+        ]
+        await asyncio.sleep(0.1)
+        told_a.append(("http://s2/v1", "healthy", None))  # s2 answers a again
+        await asyncio.sleep(0.1)
+        tasks.append(asyncio.ensure_future(share_evictions(b, taken(told_b), suspect, every=0.02)))
+        await asyncio.sleep(0.2)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+    assert [url for url, _ in suspected] == ["http://s1/v1"]
+    assert suspected[0][1].startswith(f"{FOUND_DEAD} {a.owner}: connect timeout")
+    records = [orjson.loads(p.read_bytes()) for p in (tmp_path / FLEET_DIR / SERVERS_DIR).iterdir()]
+    assert [(r["url"], r["by"]) for r in records] == [("http://s1/v1", a.owner)]
+    old = time.time() - LEASE - 1
+    for path in (tmp_path / FLEET_DIR / SERVERS_DIR).iterdir():
+        os.utime(path, (old, old))
+    assert fleet(tmp_path, "c").evictions() == []

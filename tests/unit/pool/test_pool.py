@@ -280,6 +280,46 @@ def test_late_member_joins_and_takes_work(fake_servers: FakeServers) -> None:
     assert stats.member(late.base_url).completed > 20
 
 
+def test_a_server_another_process_found_dead_leaves_at_once_and_rejoins_if_it_answers(
+    fake_servers: FakeServers,
+) -> None:
+    """suspect_server during a call evicts a healthy member (its requests in flight go
+    back on the queue, answered once each); it answers its probe and test completion
+    here, so it rejoins and takes work again. Outside a call, or for a
+    server the pool does not hold, nothing changes."""
+    other, suspected = fake_servers(2)
+    other.handler = suspected.handler = delayed_echo(0.05)
+    said: list[bool] = []
+    with VLLMQueueAnnotator(
+        [other.base_url, suspected.base_url],
+        batch_size=5,
+        max_concurrent_batches_per_client=1,
+        **FAST,
+    ) as pool:
+        assert pool.suspect_server(suspected.base_url, "before the call") is False
+
+        def suspect_once_it_works() -> None:
+            deadline = time.monotonic() + 10
+            while suspected.in_flight == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            said.append(pool.suspect_server(suspected.base_url, "found dead by worker w"))
+            said.append(pool.suspect_server("http://127.0.0.1:9/v1", "not a member"))
+            sent = len(suspected.requests)
+            while len(suspected.requests) <= sent + 5 and time.monotonic() < deadline:
+                time.sleep(0.01)  # it rejoined and takes work again
+
+        suspecter = threading.Thread(target=suspect_once_it_works)
+        suspecter.start()
+        responses = pool.batch_generate(messages=conversations(300))
+        suspecter.join()
+        stats = pool.statistics().member(suspected.base_url)
+    assert said == [True, False]
+    assert_all_answered_in_order(responses, 300)
+    assert stats.evictions == 1 and stats.readmissions == 1
+    canaries = [r for r in suspected.requests if index_of(r) == -1]
+    assert len(canaries) == 1  # it proved itself with one test completion
+
+
 def test_removed_member_drains_and_leaves(fake_servers: FakeServers) -> None:
     """remove_server during a call: the member finishes what it holds, takes nothing new."""
     keep, leave = fake_servers(2)

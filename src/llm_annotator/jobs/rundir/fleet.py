@@ -4,15 +4,21 @@ every server's budget, with no central process.
 Each worker of a job run by claims (``--shard claim``: an array of workers on any hosts
 that share the run directory) keeps a file ``RUN_DIR/fleet/<name>.json`` while it holds
 units, renewed as claims are (its modification time, every :data:`LOOK_EVERY`
-seconds). Every worker counts the files renewed within a lease, less those whose
-holder is known dead (a process of this machine that is gone, as for claims: such a
-file is removed, as is one expired for :data:`FORGET_AFTER` leases), and
+seconds). Every worker counts the files renewed within a lease (the claims', at
+least :data:`LEASE_FLOOR`), less those whose holder is known dead (a process of this
+machine that is gone, as for claims: such a file is removed, as is one expired for
+:data:`FORGET_AFTER` leases), and
 holds ``batch_size x max_concurrent_batches_per_client / workers`` requests on each
 server (:meth:`~llm_annotator.pool.queue.QueuePool.share_servers`): the servers carry
 their budget once, however many workers send to them. A worker that joins takes its
 share within a look; one that has no unit left to work on leaves the fleet, so that
 the others take its share; one that dies gives its share back within a lease (at once
 to workers of its machine).
+
+A worker that evicts a server (it hung, refused connections, answered garbage) says so
+in ``RUN_DIR/fleet/servers/`` (:func:`share_evictions`); the others take it out at their
+next look rather than each finding it out with its own requests and timeouts, and each
+takes it back when it answers its own probe and test completion.
 
 A worker's file is named by its claim owner (``host:pid:token``) and says its slot
 (:func:`worker_slot`: the same SLURM array task, or ``LLM_ANNOTATOR_WORKER_SLOT``, across
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import re
 import time
@@ -37,7 +44,7 @@ import structlog
 
 from llm_annotator.errors import RunDirectoryError
 from llm_annotator.jobs.files import atomic_write, make_directory, read_bytes
-from llm_annotator.jobs.rundir.claims import holder_gone
+from llm_annotator.jobs.rundir.claims import LEASE, holder_gone
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +62,14 @@ HOLD_BACK = 1 << 30
 """The count a worker that joins others shares by for a look: one request a server."""
 FORGET_AFTER = 10
 """Leases after which an expired file is removed by the worker that counts."""
+LEASE_FLOOR = 10.0
+"""The fewest seconds a fleet file counts unrenewed, whatever the claims' lease: a
+worker starved of CPU renews late, and a lease as short as a test's (a few seconds)
+would drop it from the count and back, moving every other worker's share each time."""
+SERVERS_DIR = "servers"
+"""``RUN_DIR/fleet/servers/``: one file a server that a worker evicted, lately."""
+FOUND_DEAD = "found dead by worker"
+"""How an eviction told by another worker begins its reason (never told on again)."""
 SLOT_VARIABLE = "LLM_ANNOTATOR_WORKER_SLOT"
 """The environment variable that names a worker's slot, over what the scheduler says."""
 
@@ -80,6 +95,18 @@ def worker_slot(environ: Mapping[str, str]) -> str | None:
         return None  # a job's steps, or an allocation's several commands, share its id
     task = environ.get("SLURM_PROCID", "0")
     return f"slurm-{array}_{index}" + ("" if task in ("", "0") else f".{task}")
+
+
+def fleet_lease(claim_lease: float) -> float:
+    """The seconds a fleet file counts unrenewed: the claims' lease, at least
+    :data:`LEASE_FLOOR` (a worker that dies on this machine is dropped at once all the
+    same, its process gone).
+
+    Examples:
+        >>> fleet_lease(60.0), fleet_lease(3.0)
+        (60.0, 10.0)
+    """
+    return max(float(claim_lease), LEASE_FLOOR)
 
 
 def file_name(name: str) -> str:
@@ -216,6 +243,47 @@ class Fleet:
         self._records = records
         return live + (1 if self.joined else 0)
 
+    def tell_evicted(self, url: str, reason: str) -> None:
+        """Tell the others that this worker evicted the server ``url``, and why."""
+        folder = self.folder / SERVERS_DIR
+        make_directory(self.folder)
+        make_directory(folder)
+        record = {"url": url, "reason": reason, "by": self.owner, "at": self.wall()}
+        with atomic_write(folder / _server_file(url), durable=False) as file:
+            file.write(orjson.dumps(record) + b"\n")
+
+    def tell_rejoined(self, url: str) -> None:
+        """Take back this worker's word that ``url`` is dead: it answers again."""
+        path = self.folder / SERVERS_DIR / _server_file(url)
+        if self._read(path).get("by") == self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def evictions(self) -> list[dict[str, Any]]:
+        """The servers other workers evicted within a lease: records with ``url``,
+        ``reason``, ``by`` (the worker) and ``at`` (its wall clock)."""
+        now = self.wall()
+        try:
+            entries = list(os.scandir(self.folder / SERVERS_DIR))
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            if not entry.name.endswith(".json"):
+                continue
+            try:
+                age = now - entry.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age >= self.lease:
+                if age >= FORGET_AFTER * self.lease:
+                    self._forget(entry.path)
+                continue
+            record = self._read(Path(entry.path))
+            if record.get("by") != self.owner and isinstance(record.get("url"), str):
+                found.append(record)
+        return found
+
     @staticmethod
     def _forget(path: str) -> None:
         """Remove a dead worker's file (a live worker that was only slow writes its
@@ -309,3 +377,95 @@ async def keep_share(
                 await pending
         with contextlib.suppress(OSError, RunDirectoryError, asyncio.CancelledError):
             await asyncio.to_thread(fleet.leave)
+
+
+def fleet_now(run_dir: Path, *, wall: Callable[[], float] = time.time) -> dict[str, Any]:
+    """The fleet of a run directory as it stands, for ``status``: ``workers``, those
+    whose file was renewed within :data:`LEASE_FLOOR` (a working worker renews it every
+    :data:`LOOK_EVERY`), and ``servers_out``, the servers a worker said within the
+    claims' default lease that it evicted (``url``, ``by``, ``reason``, ``seconds_ago``),
+    and has not said since that they answer again.
+
+    Examples:
+        >>> fleet_now(Path("no-such-run"))
+        {'workers': 0, 'servers_out': []}
+    """
+    folder = run_dir / FLEET_DIR
+    now = wall()
+    workers = 0
+    servers: list[dict[str, Any]] = []
+    for where, young in ((folder, LEASE_FLOOR), (folder / SERVERS_DIR, LEASE)):
+        try:
+            entries = list(os.scandir(where))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            if not entry.name.endswith(".json") or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                age = now - entry.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age >= young:
+                continue
+            if where == folder:
+                workers += 1
+                continue
+            record = Fleet._read(Path(entry.path))
+            if isinstance(record.get("url"), str):
+                servers.append(
+                    {
+                        "url": record["url"],
+                        "by": record.get("by"),
+                        "reason": record.get("reason"),
+                        "seconds_ago": round(max(age, 0.0), 1),
+                    }
+                )
+    servers.sort(key=lambda server: (server["seconds_ago"], server["url"]))
+    return {"workers": workers, "servers_out": servers}
+
+
+def _server_file(url: str) -> str:
+    """A server's file name in ``fleet/servers/``: a digest of its URL (two URLs never
+    share one, whatever their characters)."""
+    return hashlib.sha256(url.encode()).hexdigest()[:24] + ".json"
+
+
+async def share_evictions(
+    fleet: Fleet,
+    changes: Callable[[], list[tuple[str, str, str | None]]],
+    suspect: Callable[[str, str], bool],
+    *,
+    every: float = LOOK_EVERY,
+) -> None:
+    """Tell the fleet of the servers this worker evicts, and evict those others evicted,
+    every ``every`` seconds, until cancelled: a server that one worker found dead (it
+    hung, it refused connections) is taken out by the others at their next look, not
+    after each has sent to it and waited out its own timeouts; each probes it and takes
+    it back as soon as it answers (:meth:`~llm_annotator.pool.queue.QueuePool.suspect_server`).
+
+    ``changes()`` hands over this worker's members' changes since the last call, as
+    ``(server, state after, reason)``; ``suspect(server, reason)`` evicts a server here
+    (True if it did). An eviction told by another worker is not told on again, so two
+    workers never keep each other's servers out. A file system that fails is logged
+    and tried again at the next look."""
+    acted: set[tuple[str, str, float]] = set()
+    while True:
+        try:
+            for server, after, reason in changes():
+                if after == "evicted" and not (reason or "").startswith(FOUND_DEAD):
+                    await asyncio.to_thread(fleet.tell_evicted, server, reason or "evicted")
+                    log.info("server_evicted_told", server=server, reason=reason)
+                elif after == "healthy":
+                    await asyncio.to_thread(fleet.tell_rejoined, server)
+            for record in await asyncio.to_thread(fleet.evictions):
+                key = (str(record["url"]), str(record.get("by")), float(record.get("at") or 0))
+                if key in acted:
+                    continue
+                acted.add(key)
+                why = f"{FOUND_DEAD} {record.get('by')}: {record.get('reason')}"
+                if suspect(key[0], why):
+                    log.warning("server_evicted_by_fleet", server=key[0], by=key[1])
+        except (OSError, RunDirectoryError) as error:
+            log.warning("evictions_not_shared", folder=str(fleet.folder), error=str(error))
+        await asyncio.sleep(every)

@@ -32,6 +32,7 @@ from llm_annotator.errors import JobError, RunDirectoryError
 from llm_annotator.jobs.files import atomic_write, check_entry, read_bytes
 from llm_annotator.jobs.ids import IdSet
 from llm_annotator.jobs.rundir.fingerprint import read_job_record
+from llm_annotator.jobs.rundir.fleet import fleet_now
 from llm_annotator.jobs.rundir.partitions import UnitCounts, read_corpus_record, read_unit_records
 from llm_annotator.jobs.rundir.store import (
     JOB_FILE,
@@ -305,6 +306,7 @@ def corpus_status(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         "complete": counts.units == len(outputs),
         "model": model if isinstance(model, str) else None,
         "processes": processes,
+        "fleet": fleet_now(directory),
     }
 
 
