@@ -2,8 +2,9 @@
 second over all steps, each worker's peak memory, and when the last step begins.
 
 ``llm-annotator pipeline run FILE --processes N`` runs a pipeline as N elastic workers
-(``--shard claim`` each) that share every step's units by claims; the steps still run
-one after the other. This script runs the same pipeline, side by side in one run:
+(``--shard claim`` each) that share every step's units by claims; the steps stream, a
+step's unit starting once the unit it reads is finished. This script runs the same
+pipeline, side by side in one run:
 
 - ``--processes 1``: the pipeline in one process, no claims;
 - ``--processes 2``: two workers, each with half of every server's in-flight budget;
@@ -37,6 +38,10 @@ the server; and the share of the machine's CPUs other work took meanwhile. For t
 elastic cases, each worker's part of each step (the rows it sent, its seconds in the
 step) from the report in its folder of the step. Nothing is pinned: the workers and the
 server share the machine's cores.
+
+``--against REV`` also runs the cases of ``--against-cases`` (``2``) on the library of
+an older commit (a git worktree of it, first on the workers' import path), on the same
+servers, in the same rounds.
 
 Run it as::
 
@@ -72,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import orjson
 import pyarrow.parquet as pq
 
+import _against
 import _harness as harness
 from _nginx import CHAT_COMPLETION, LOOPBACK, MODEL, MODELS, free_ports, raise_nofile_limit
 
@@ -92,6 +98,21 @@ CASES = {
     "claim": ("--shard claim (one worker)", ("--shard", "claim")),
 }
 """The cases: a name for ``--cases``, its label, its flags of ``pipeline run``."""
+AT = "@"
+"""A case run on an older commit's library is named ``<case>@<commit>`` (``--against``)."""
+
+
+def base(case: str) -> str:
+    """The case a name runs (``2`` for ``2@1a2b3c4``)."""
+    return case.split(AT, 1)[0]
+
+
+def label(case: str) -> str:
+    """A case's label in the tables (with the commit, for a case of ``--against``)."""
+    name, _, rev = case.partition(AT)
+    return CASES[name][0] + (f" at {rev}" if rev else "")
+
+
 MARKERS = [(step, f'"{step}: '.encode()) for step in STEPS]
 """What the server looks for in a request's body: the start of each step's prompt."""
 READY = "READY "
@@ -427,11 +448,19 @@ def worker_parts(step_dir: Path) -> dict[int, tuple[int, float]]:
     return parts
 
 
-def run_once(case: str, round_: int, servers: Servers, corpus: Path, scratch: Path) -> Run:
-    """Run the pipeline once, in a fresh directory, with the case's flags."""
+def run_once(
+    case: str,
+    round_: int,
+    servers: Servers,
+    corpus: Path,
+    scratch: Path,
+    env: dict[str, str] | None = None,
+) -> Run:
+    """Run the pipeline once, in a fresh directory, with the case's flags (and
+    ``env``: an older commit's library, for a case of ``--against``)."""
     out = scratch / f"run-{case}-{round_}"
     toml = pipeline_file(scratch / f"pipeline-{case}-{round_}.toml", out, corpus, servers.urls)
-    command = [COMMAND, "pipeline", "run", str(toml), *CASES[case][1]]
+    command = [COMMAND, "pipeline", "run", str(toml), *CASES[base(case)][1]]
     result = Run(case, round_)
     servers.reset()
     server0 = servers.cpu_seconds()
@@ -439,7 +468,9 @@ def run_once(case: str, round_: int, servers: Servers, corpus: Path, scratch: Pa
     log = scratch / f"run-{case}-{round_}.log"
     with log.open("wb") as sink:
         started = time.time()
-        process = subprocess.Popen(command, stdout=sink, stderr=sink, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=sink, stdin=subprocess.DEVNULL, env=env
+        )
         peaks: dict[int, int] = {}
         status, usage = 0, None
         while True:
@@ -455,7 +486,7 @@ def run_once(case: str, round_: int, servers: Servers, corpus: Path, scratch: Pa
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         tail = harness.tail(log.read_text(errors="replace"), 25)
-        raise SystemExit(f"{CASES[case][0]} failed (exit {process.returncode}):\n{tail}")
+        raise SystemExit(f"{label(case)} failed (exit {process.returncode}):\n{tail}")
     busy1 = harness.busy_seconds()
     result.server_cpu = servers.cpu_seconds() - server0
     assert usage is not None
@@ -476,7 +507,7 @@ def run_once(case: str, round_: int, servers: Servers, corpus: Path, scratch: Pa
         result.parts[step] = worker_parts(out / "steps" / step)
         books = seen["steps"].get(step)
         if books is None:
-            raise SystemExit(f"{CASES[case][0]}: the server saw no request of step {step}")
+            raise SystemExit(f"{label(case)}: the server saw no request of step {step}")
         result.requests[step] = books["requests"]
         result.first[step] = books["first"] - started
         result.last[step] = books["last"] - started
@@ -497,7 +528,7 @@ def print_runs(runs: list[Run]) -> None:
     header = ["case", "round", "wall s", "rows", "rows/s", "worker peak RSS MB",
               "cmd RSS MB", "max RSS MB", "CPU s", "server CPU s", "other %"]  # fmt: skip
     table = [
-        [CASES[r.case][0], str(r.round), f"{r.wall:.2f}", f"{r.total_rows:,}", f"{r.rate:,.0f}",
+        [label(r.case), str(r.round), f"{r.wall:.2f}", f"{r.total_rows:,}", f"{r.rate:,.0f}",
          _mb(r.workers_mb), "-" if r.supervisor_mb is None else f"{r.supervisor_mb:,.0f}",
          f"{r.max_mb:,.0f}",
          f"{r.cpu:.1f}", f"{r.server_cpu:.1f}", harness.percent(r.other)]
@@ -514,7 +545,7 @@ def print_steps(runs: list[Run]) -> None:
     header += ["gap 1-2 s", "gap 2-3 s", "requests / rows"]
     table = []
     for r in runs:
-        row = [CASES[r.case][0], str(r.round)]
+        row = [label(r.case), str(r.round)]
         for step in STEPS:
             row += [f"{r.first[step]:.2f}", f"{r.last[step]:.2f}"]
         gaps = [r.first[b] - r.last[a] for a, b in itertools.pairwise(STEPS)]
@@ -539,7 +570,7 @@ def print_parts(runs: list[Run]) -> None:
             for step in STEPS:
                 sent, seconds = r.parts[step].get(pid, (0, 0.0))
                 cells.append(f"{sent:,} / {seconds:.2f}")
-            table.append([CASES[r.case][0], str(r.round), str(n), *cells])
+            table.append([label(r.case), str(r.round), str(n), *cells])
     harness.print_table(header, table)
 
 
@@ -554,14 +585,14 @@ def summary(runs: list[Run], target: float) -> None:
         judge = [r.first["judge"] for r in rs]
         peak = max(max(r.workers_mb) for r in rs)
         print(
-            f"  {CASES[case][0]:<27} wall {statistics.median(walls):6.2f} s "
+            f"  {label(case):<27} wall {statistics.median(walls):6.2f} s "
             f"[{', '.join(f'{w:.2f}' for w in walls)}]  rows/s {statistics.median(rates):7,.0f} "
             f"[{', '.join(f'{x:,.0f}' for x in rates)}]  judge's first request "
             f"{statistics.median(judge):5.2f} s [{', '.join(f'{j:.2f}' for j in judge)}]  "
             f"worker peak RSS up to {peak:,.0f} MB"
         )
-    for case in ("2", "2-short"):
-        if "1" not in by_case or case not in by_case:
+    for case in by_case:
+        if "1" not in by_case or base(case) not in ("2", "2-short"):
             continue
         one, two = by_case["1"], by_case[case]
         ratios = [b.rate / a.rate for a, b in zip(one, two, strict=False)]
@@ -571,7 +602,7 @@ def summary(runs: list[Run], target: float) -> None:
             r.first["judge"] for r in one
         )
         print(
-            f"  {CASES[case][0]} against --processes 1: rows/s {ratio:.2f}x of the medians "
+            f"  {label(case)} against --processes 1: rows/s {ratio:.2f}x of the medians "
             f"(round by round: {', '.join(f'{x:.2f}' for x in ratios)}; target >= "
             f"{target:.1f}x: {verdict}); judge's first request {delay:+.2f} s"
         )
@@ -599,6 +630,10 @@ def main() -> None:
     )
     parser.add_argument("--target", type=float, default=1.7, help="--processes 2 over 1")
     parser.add_argument("--quick", action="store_true", help="40 files of 50 rows")
+    _against.add_against(parser, "the cases of --against-cases")
+    parser.add_argument(
+        "--against-cases", default="2", help="comma-separated cases to run --against too"
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -623,18 +658,17 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="pipeline-workers-"))
     servers = Servers(args.ports, args.latency)
     runs: list[Run] = []
+    envs: dict[str, dict[str, str] | None] = dict.fromkeys(cases)
     try:
-        corpus = build(scratch / "corpus", args.files, args.rows)
-        for round_ in range(1, args.rounds + 1):
-            order = cases if round_ % 2 else cases[::-1]
-            for case in order:
-                run = run_once(case, round_, servers, corpus, scratch)
-                runs.append(run)
-                print(
-                    f"  round {round_}, {CASES[case][0]}: {run.wall:.2f} s, "
-                    f"{run.rate:,.0f} rows/s, other {harness.percent(run.other)}%",
-                    flush=True,
-                )
+        with contextlib.ExitStack() as stack:
+            if args.against:
+                rev = _against.short(args.against)
+                env = _against.environment(stack.enter_context(_against.worktree(rev)))
+                for case in args.against_cases.split(","):
+                    if case.strip() in CASES:
+                        envs[f"{case.strip()}{AT}{rev}"] = env
+            cases = list(envs)
+            run_rounds(args, cases, envs, servers, scratch, runs)
     finally:
         servers.stop()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -645,6 +679,28 @@ def main() -> None:
     print_steps(runs)
     print_parts(runs)
     summary(runs, args.target)
+
+
+def run_rounds(
+    args: argparse.Namespace,
+    cases: list[str],
+    envs: dict[str, dict[str, str] | None],
+    servers: Servers,
+    scratch: Path,
+    runs: list[Run],
+) -> None:
+    """Every case once a round, in turn (every other round in the other order)."""
+    corpus = build(scratch / "corpus", args.files, args.rows)
+    for round_ in range(1, args.rounds + 1):
+        order = cases if round_ % 2 else cases[::-1]
+        for case in order:
+            run = run_once(case, round_, servers, corpus, scratch, envs[case])
+            runs.append(run)
+            print(
+                f"  round {round_}, {label(case)}: {run.wall:.2f} s, "
+                f"{run.rate:,.0f} rows/s, other {harness.percent(run.other)}%",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

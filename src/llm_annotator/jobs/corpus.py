@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -48,7 +49,14 @@ from llm_annotator.jobs.loop.interrupt import Interrupt
 from llm_annotator.jobs.loop.runner import JobRun
 from llm_annotator.jobs.protocols import MemberWatchable, SharesServers, SuspectsServers
 from llm_annotator.jobs.result import AnnotationResult
-from llm_annotator.jobs.rows.corpus import FILE_COLUMN, UNIT_BYTES, Corpus, Unit, list_corpus
+from llm_annotator.jobs.rows.corpus import (
+    FILE_COLUMN,
+    UNIT_BYTES,
+    Corpus,
+    Unit,
+    UnitFeed,
+    list_corpus,
+)
 from llm_annotator.jobs.rows.inputs import Row
 from llm_annotator.jobs.rows.prompts import PromptTemplate, check_job_columns
 from llm_annotator.jobs.rundir.claims import LEASE, Claims
@@ -106,6 +114,9 @@ class _Plan:
     """Where this process keeps its status, timeline and report."""
     claims: Claims | None
     started: float
+    feed: UnitFeed | None = None
+    """The corpus as a pipeline's step takes it: its worker leaves when it can take no
+    unit now, and a growing feed's files are written as they are claimed."""
 
 
 async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -> AnnotationResult:
@@ -129,19 +140,28 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
     retry = retry_choice(spec.retry_errors)
     spec.hook_names()  # refuses a hook that is not callable
     claiming = isinstance(spec.shard, str) and spec.shard.strip() == CLAIM
+    feed = spec.data if isinstance(spec.data, UnitFeed) else None
+    if feed is not None:
+        if not claiming:
+            raise ConfigurationError("a unit feed is taken by claims: give shard='claim'")
+        if not feed.growing:
+            spec = dataclasses.replace(spec, data=feed.data)
     shard = None if claiming else Shard.of(spec.shard)
     mode = CLAIM if claiming else "shards" if shard is not None else "whole"
     lease = _lease(spec.claim_lease)
     run_dir = spec.output_dir
     recorded = await asyncio.to_thread(_recorded, run_dir)
     unit_bytes, split_lines = _cutting(recorded, spec, shard)
-    corpus = await asyncio.to_thread(
-        list_corpus,
-        spec.data,
-        skip_bad_files=spec.skip_bad_files,
-        unit_bytes=unit_bytes,
-        split_lines=split_lines,
-    )
+    if feed is not None and feed.growing:
+        corpus = feed.listed()
+    else:
+        corpus = await asyncio.to_thread(
+            list_corpus,
+            spec.data,
+            skip_bad_files=spec.skip_bad_files,
+            unit_bytes=unit_bytes,
+            split_lines=split_lines,
+        )
     log.info(
         "corpus_listed",
         corpus=corpus.description,
@@ -171,7 +191,10 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
     else:
         if claiming:
             slot = worker_slot(os.environ)
-            claims = await asyncio.to_thread(functools.partial(Claims, run_dir, lease, slot=slot))
+            owner = feed.owner if feed is not None else None
+            claims = await asyncio.to_thread(
+                functools.partial(Claims, run_dir, lease, slot=slot, owner=owner)
+            )
             status_dir = run_dir / f"worker-{claims.owner.replace(':', '-')}"
         else:
             status_dir = run_dir
@@ -181,7 +204,17 @@ async def annotate_corpus(runner: Runner, spec: JobSpec, interrupt: Interrupt) -
         raise output_write_error(error, status_dir, run_dir) from None
     lock = await asyncio.to_thread(DirectoryLock.acquire, status_dir, "annotate")
     plan = _Plan(
-        corpus, units, builder, template, schema, fingerprint, retry, status_dir, claims, started
+        corpus,
+        units,
+        builder,
+        template,
+        schema,
+        fingerprint,
+        retry,
+        status_dir,
+        claims,
+        started,
+        feed,
     )
     try:
         return await _run(runner, spec, interrupt, plan)
@@ -315,7 +348,10 @@ class _CorpusLayout:
         if claims is None:
             return _rows(self.todo, self.store, self.spec, estimate)
         # a worker's rows also hand the loop its regenerations while it waits
-        return _claimed_rows(self.todo, self.store, claims, self.spec, estimate, job)
+        first = functools.partial(_check_written, template=self.plan.template, spec=self.spec)
+        return _claimed_rows(
+            self.todo, self.store, claims, self.spec, estimate, job, self.plan.feed, first
+        )
 
     def said(self) -> dict[str, Any]:
         units = self.plan.units
@@ -337,7 +373,15 @@ class _CorpusLayout:
         beside = [asyncio.ensure_future(_renew(self.store, claims))]
         sharing = isinstance(client, SharesServers)
         lease = fleet_lease(claims.lease)
-        fleet = Fleet(self.run_dir, claims.owner, claims.slot, claims.machine, lease)
+        feed = self.plan.feed
+        fleet = Fleet(
+            self.run_dir,
+            claims.owner,
+            claims.slot,
+            claims.machine,
+            lease,
+            folder=feed.fleet if feed is not None else None,
+        )
         if isinstance(client, SharesServers):  # its share of the servers, among the fleet
             busy = functools.partial(_holds_units, self.store)
             beside.append(asyncio.ensure_future(keep_share(fleet, busy, client.share_servers)))
@@ -421,7 +465,7 @@ async def _run(
         todo, known = await asyncio.to_thread(_survey, todo, store, spec)
     else:  # each unit is looked at when claimed: a worker reads only what it takes
         known = [None] * len(todo)
-    if todo:
+    if todo and (plan.feed is None or not plan.feed.growing):  # else as it is written
         try:
             await asyncio.to_thread(_check_columns, todo[0], plan.template, spec)
         except InputError as error:
@@ -503,34 +547,53 @@ async def _claimed_rows(
     spec: JobSpec,
     estimate: _Estimate,
     job: JobRun,
+    feed: UnitFeed | None = None,
+    first: Callable[[Unit], bool] | None = None,
 ) -> AsyncIterator[Row | None]:
     """The rows of the units this worker claims, one unit after another, in the
     corpus's order. Units another worker holds go to the back of the line; when every
     unit left is held by a live worker, it waits (a lease at most) for one to finish or
     to be left to take over, and ends once all are finished; once a lease it says which
     units it waits on, held by whom and until when. While it waits it hands the loop a
-    None whenever the job has regenerations to send (they must not wait on it)."""
+    None whenever the job has regenerations to send (they must not wait on it).
+
+    Over a ``feed`` (a pipeline's step), a unit not ready yet goes to the back of the
+    line too, and when no unit left can be taken now the rows end, unless the feed
+    waits and every unit left is ready (held by others): the worker has other steps to
+    go to. The file of a growing feed's unit is written once the unit is claimed, and
+    the first one written with rows is checked against the template (``first``, which
+    says whether the unit had rows to check)."""
     pending = deque(units)
-    misses = 0
+    misses = unready = 0
+    checked = feed is None or not feed.growing
     while pending:
         unit = pending.popleft()
         if await asyncio.to_thread(store.refresh, unit):
             continue
         key = unit.output_name.removesuffix(".parquet")
-        held = await asyncio.to_thread(claims.try_claim, key)
+        ready = feed is None or await asyncio.to_thread(feed.is_ready, unit)
+        held = await asyncio.to_thread(claims.try_claim, key) if ready else None
         if held is None or await asyncio.to_thread(store.refresh, unit):
             if not store.is_finished(unit):
-                pending.append(unit)  # another worker's: back of the line
+                pending.append(unit)  # another worker's, or not ready: back of the line
                 misses += 1
+                unready += not ready
             if misses >= len(pending) and pending:  # every unit left is held elsewhere
-                misses = 0
+                if feed is not None and (unready or not feed.wait):
+                    log.info("units_left_to_others", units=len(pending), not_ready=unready)
+                    return
+                misses = unready = 0
                 keys = [left.output_name.removesuffix(".parquet") for left in pending]
                 await asyncio.to_thread(claims.report_waiting, keys)
                 one_finished = functools.partial(_any_finished, store, list(pending))
                 async for nothing in _idle(job, min(claims.lease / 4, 5.0), one_finished):
                     yield nothing
             continue
-        misses = 0
+        misses = unready = 0
+        if feed is not None:
+            await asyncio.to_thread(feed.make, unit)
+            if not checked and first is not None:
+                checked = await asyncio.to_thread(first, unit)
         known: int | None = None
         if unit.has_metadata:
             try:
@@ -739,6 +802,15 @@ def _check_columns(unit: Unit, template: PromptTemplate, spec: JobSpec) -> None:
     (where its format says them up front)."""
     source = unit.source(spec.id_column)
     check_job_columns(template, source, keep=spec.columns, group_by=spec.group_by)
+
+
+def _check_written(unit: Unit, template: PromptTemplate, spec: JobSpec) -> bool:
+    """:func:`_check_columns` for a unit of a growing feed, just written; False (nothing
+    checked) if it has no rows."""
+    if not os.path.getsize(unit.file.path):
+        return False
+    _check_columns(unit, template, spec)
+    return True
 
 
 def _recorded(run_dir: Path) -> dict[str, Any] | None:

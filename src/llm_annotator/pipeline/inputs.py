@@ -40,6 +40,11 @@ from llm_annotator.jobs.files import (
 from llm_annotator.jobs.rows.corpus import is_corpus, list_corpus
 from llm_annotator.jobs.rows.inputs import Row, open_input
 from llm_annotator.jobs.run_directory import RunDirectory
+from llm_annotator.jobs.rundir.partitions import (
+    ANNOTATIONS_DIR,
+    read_corpus_record,
+    unit_finished,
+)
 from llm_annotator.pipeline.steps import Step
 from llm_annotator.pipeline.where import Where
 
@@ -226,6 +231,47 @@ def write_input(step: Step, inputs_dir: Path, upstream: Path | None) -> Written:
         read=written.read,
         path=str(target),
     )
+    return written
+
+
+def stream_names(upstream: Path) -> tuple[str, ...] | None:
+    """The files of a step that reads the corpus run ``upstream`` unit by unit: one a
+    unit of it, named after the unit; None if ``upstream`` holds no corpus job yet."""
+    record = read_corpus_record(upstream)
+    if record is None:
+        return None
+    units = record["corpus"].get("units") or ()
+    return tuple(str(unit).removesuffix(".parquet") + ".jsonl" for unit in units)
+
+
+def unit_ready(upstream: Path, name: str) -> bool:
+    """Whether the unit of ``upstream`` that the file ``name`` is written from is
+    finished (see :func:`stream_names`)."""
+    return unit_finished(upstream, name.removesuffix(".jsonl") + ".parquet")
+
+
+def write_unit_input(step: Step, folder: Path, upstream: Path, name: str) -> Written:
+    """Write the file ``name`` of a step that reads an earlier step unit by unit: the
+    answered rows of that unit of the run ``upstream`` (none if the unit wrote no file),
+    filtered and reshaped as a whole input is (:func:`write_input`), to a temporary
+    renamed into ``folder`` whole. The workers that may race to write it write the same
+    rows; the last rename wins.
+
+    Raises:
+        ConfigurationError: As for :func:`write_input` (a filter's column that the
+            unit's rows lack, a hook that fails).
+    """
+    assert step.from_step is not None
+    make_directory(folder)
+    source = upstream / ANNOTATIONS_DIR / (name.removesuffix(".jsonl") + ".parquet")
+    rows = _answered(source, step.from_step) if check_entry(source) else iter(())
+    where = Where(step.where) if step.where is not None else None
+    shape = _Shape(step, where)
+    written = Written(folder / name)
+    with atomic_write(folder / name) as file:
+        shape.write(rows, file, written)
+        shape.check()
+    log.info("step_unit_input_written", step=step.name, unit=name, rows=written.rows)
     return written
 
 

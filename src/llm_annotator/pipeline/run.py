@@ -8,18 +8,24 @@ The output directory holds::
         inputs/NAME.jsonl      a step's rows, written before its job (see pipeline.inputs)
         inputs/NAME/           ... one file per unit, when they come from a corpus
         steps/NAME/            the step's run directory: a job like ``llm-annotator run``'s
+        fleet/GROUP/           elastic workers counting each other, by server group
 
-A step starts when the step it reads is done (no streaming between steps: a step's
-input is then complete and fixed, so resuming it reads the very rows it began with).
+Run alone, a step starts when the step it reads is done (its input is then complete
+and fixed, so resuming it reads the very rows it began with).
 
 **Elastic workers** (``shard="claim"``, ``llm-annotator pipeline run FILE --shard claim``
 or ``--processes N``): any number of processes, started at any time on hosts sharing
 the directory, run the same pipeline. Each step's job takes its input's units by claims
 (:mod:`llm_annotator.jobs.corpus`), so the workers share every step and a worker that
-dies leaves its units to the others after a lease; each worker goes on to the next step
-once the step is complete (all its units finished, by whichever worker). What a step
-writes before its job (its rows in ``inputs/``) and the pipeline's records are written
-by one worker at a time, under ``OUTPUT_DIR/.steps.lock`` (an ``flock``, let go when its
+dies leaves its units to the others after a lease. A worker takes turns at the steps
+(:mod:`~llm_annotator.pipeline.turns`): it goes on to the next step as soon as it can
+take no unit of this one now. A step that reads a step has one unit per unit of it,
+which starts once that unit is finished, its rows written then by the worker that
+claims it (``inputs/NAME/<unit>.jsonl``): the steps stream, unit by unit. The workers
+count each other by server group in ``OUTPUT_DIR/fleet/<group>/`` to share each
+server's budget, whatever step each is in. What a step writes before its job (its
+rows in ``inputs/``, when they are written whole) and the pipeline's records are
+written by one worker at a time, under ``OUTPUT_DIR/.steps.lock`` (an ``flock``, let go when its
 holder dies). Workers hold ``.lock`` shared, so a run that is not elastic (which holds it
 alone) and workers never mix; nor do workers redo steps (``force``, ``redo``, a step
 made stale): run the pipeline once without claims for that, then start them.
@@ -34,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
+import functools
 import os
 import shutil
 import time
@@ -53,6 +61,7 @@ from llm_annotator.errors import (
     FingerprintMismatchError,
     JobError,
     RunDirectoryError,
+    RunInterruptedError,
 )
 from llm_annotator.jobs.annotate import RUN_FILES, AnnotationResult, Annotator
 from llm_annotator.jobs.files import (
@@ -63,7 +72,9 @@ from llm_annotator.jobs.files import (
     refused,
 )
 from llm_annotator.jobs.loop.summary import write_json
+from llm_annotator.jobs.rows.corpus import UnitFeed
 from llm_annotator.jobs.run_directory import RunDirectory
+from llm_annotator.jobs.rundir.fleet import FLEET_DIR, folder_name
 from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, CORPUS_FILE, UNITS_DIR
 from llm_annotator.jobs.rundir.store import LOCK_FILE, SHARDS_DIR, DirectoryLock
 from llm_annotator.jobs.spec import JobArgs
@@ -73,11 +84,15 @@ from llm_annotator.pipeline.inputs import (
     data_identity,
     input_entries,
     remove_input,
+    stream_names,
+    unit_ready,
     write_input,
+    write_unit_input,
     written_input,
 )
 from llm_annotator.pipeline.plan import Recorded, StepPlan, downstream, plan
 from llm_annotator.pipeline.steps import Step, ordered, step_key
+from llm_annotator.pipeline.turns import Turns
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
@@ -96,6 +111,18 @@ STEP_UNIT_BYTES = 1 << 20
 """The units of the rows a step writes for its job (from an earlier step, or prompts),
 when workers share it: small enough that every worker gets some."""
 _FORMAT = 1
+
+_Work = tuple[
+    Client[Any],
+    "Mapping[str, Client[Any]] | None",
+    Mapping[str, str],
+    Mapping[str, dict[str, Any]],
+    "bool | None",
+    float,
+    "float | None",
+]
+"""What an elastic worker's steps run with: the client, the server groups, the steps'
+keys and settings, progress, stop grace and claim lease."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,17 +346,15 @@ class Pipeline:
         elastic = _elastic(shard)
         lock, plans, keys, settings = self._start(client, servers, steps, redo, force, elastic)
         try:
+            if elastic:
+                work = (client, servers, keys, settings, progress, stop_grace, claim_lease)
+                return self._work(plans, work, handle_signals)
             results: list[StepResult] = []
             for step, step_plan in zip(self.steps, plans, strict=True):
                 if step_plan.action in ("skip", "leave"):
                     results.append(self._kept(step, step_plan))
                     continue
-                step_plan, data, job = self._begin_step(
-                    step, step_plan, keys, settings, elastic, claim_lease
-                )
-                if step_plan.action == "skip":  # done meanwhile by other workers
-                    results.append(self._kept(step, step_plan))
-                    continue
+                data, job = self._begin(step, step_plan, keys, settings)
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
@@ -344,8 +369,8 @@ class Pipeline:
                     )
                 except FingerprintMismatchError as error:
                     raise _mismatch(step, error) from None
-                results.append(self._finish_step(step, step_plan, keys, settings, result, elastic))
-            return self._report_step(results, elastic)
+                results.append(self._finish(step, step_plan, keys, settings, result))
+            return self._report(results)
         finally:
             lock.release()
 
@@ -371,17 +396,15 @@ class Pipeline:
             self._start, client, servers, steps, redo, force, elastic
         )
         try:
+            if elastic:
+                work = (client, servers, keys, settings, progress, stop_grace, claim_lease)
+                return await self._awork(plans, work, stop)
             results: list[StepResult] = []
             for step, step_plan in zip(self.steps, plans, strict=True):
                 if step_plan.action in ("skip", "leave"):
                     results.append(await _settled(self._kept, step, step_plan))
                     continue
-                step_plan, data, job = await _settled(
-                    self._begin_step, step, step_plan, keys, settings, elastic, claim_lease
-                )
-                if step_plan.action == "skip":  # done meanwhile by other workers
-                    results.append(await _settled(self._kept, step, step_plan))
-                    continue
+                data, job = await _settled(self._begin, step, step_plan, keys, settings)
                 annotator = Annotator(
                     self._client(step, client, servers), progress=progress, stop_grace=stop_grace
                 )
@@ -393,11 +416,9 @@ class Pipeline:
                 except FingerprintMismatchError as error:
                     raise _mismatch(step, error) from None
                 results.append(
-                    await _settled(
-                        self._finish_step, step, step_plan, keys, settings, result, elastic
-                    )
+                    await _settled(self._finish, step, step_plan, keys, settings, result)
                 )
-            return await _settled(self._report_step, results, elastic)
+            return await _settled(self._report, results)
         finally:
             lock.release()
 
@@ -477,8 +498,8 @@ class Pipeline:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         for path, folder in own_entries(self.output_dir, [step.name for step in self.steps]):
             _check_entry(path, folder)
-        for folder_name in (STEPS_DIR, INPUTS_DIR):
-            make_directory(self.output_dir / folder_name)
+        for entry_name in (STEPS_DIR, INPUTS_DIR, FLEET_DIR):
+            make_directory(self.output_dir / entry_name)
 
     def _record(self) -> dict[str, Any]:
         path = self.output_dir / PIPELINE_FILE
@@ -534,9 +555,11 @@ class Pipeline:
         step_plan: StepPlan,
         keys: Mapping[str, str],
         settings: Mapping[str, dict[str, Any]],
+        streaming: bool = False,
     ) -> tuple[Any, JobArgs]:
-        """Make ready to run a step: clear what a redo replaces, write its rows, record
-        it begun; return its job's input and arguments."""
+        """Make ready to run a step: clear what a redo replaces, write its rows (or,
+        ``streaming``, say how each unit's rows are written, see :meth:`_streamed`),
+        record it begun; return its job's input and arguments."""
         inputs = self.output_dir / INPUTS_DIR
         entry = self._record()["steps"].get(step.name) or {}
         if step_plan.rows_change:
@@ -550,7 +573,20 @@ class Pipeline:
             entry = {}
         data: Any = step.data
         columns = list(step.columns) if step.columns is not None else None
-        if step.rewrites_input:
+        names = self._streamed(step, entry, keys) if streaming else None
+        if names is not None:  # written unit by unit, as the step it reads finishes them
+            assert step.from_step is not None
+            source = self.step_dir(step.from_step)
+            folder = inputs / step.name
+            data = UnitFeed(
+                folder=folder,
+                names=names,
+                ready=functools.partial(unit_ready, source),
+                write=functools.partial(_write_unit, step, folder, source),
+                description=f"step {step.from_step}'s answers, unit by unit",
+            )
+            entry["input"] = {"streamed": True, "units": len(names)}
+        elif step.rewrites_input:
             existing = written_input(inputs, step)
             if existing is None or entry.get("key") != keys[step.name]:
                 remove_input(inputs, step)
@@ -565,8 +601,10 @@ class Pipeline:
             data = str(existing)
             if columns is None:
                 columns = list(entry.get("input", {}).get("columns", []))
+        begun = dict(entry)
         entry.update(key=keys[step.name], state="begun", settings=settings[step.name])
-        self._save(step.name, entry)
+        if entry != begun:  # an elastic worker comes back to a step at every pass
+            self._save(step.name, entry)
         job: JobArgs = {
             **step.job_args(),
             "id_column": ID if step.rewrites_input else step.id_column,
@@ -575,6 +613,24 @@ class Pipeline:
             "skip_bad_files": step.skip_bad_files and not step.rewrites_input,
         }
         return data, job
+
+    def _streamed(
+        self, step: Step, entry: Mapping[str, Any], keys: Mapping[str, str]
+    ) -> tuple[str, ...] | None:
+        """The files of a step that elastic workers run unit by unit as the step it
+        reads finishes its units (one a unit of it), or None where it cannot: a step
+        that reads no step, or a step that retries errors (a unit it read could change
+        after it), or one whose rows were written whole when it began, or whose step
+        has not begun as a corpus job."""
+        if step.reads != "step" or step.from_step is None:
+            return None
+        upstream = next(s for s in self.steps if s.name == step.from_step)
+        if upstream.retry_errors:
+            return None
+        said = entry.get("input") if entry.get("key") == keys[step.name] else None
+        if isinstance(said, dict) and not said.get("streamed"):
+            return None  # begun with its rows written whole: it goes on so
+        return stream_names(self.step_dir(step.from_step))
 
     @contextlib.contextmanager
     def _steps_lock(self, elastic: bool) -> Iterator[None]:
@@ -600,6 +656,7 @@ class Pipeline:
         settings: Mapping[str, dict[str, Any]],
         elastic: bool,
         claim_lease: float | None = None,
+        turns: Turns | None = None,
     ) -> tuple[StepPlan, Any, JobArgs]:
         """:meth:`_begin`, by one worker at a time; a worker's job claims units. A
         worker plans the step again under the lock, from the record as other workers
@@ -613,13 +670,131 @@ class Pipeline:
                 _refuse_redo([step_plan])
                 if step_plan.action == "skip":
                     return step_plan, None, {}
-            data, job = self._begin(step, step_plan, keys, settings)
+            data, job = self._begin(step, step_plan, keys, settings, streaming=elastic)
         if elastic:
             job["shard"] = CLAIM
             job["claim_lease"] = claim_lease
-            if step.rewrites_input:  # the rows written for it: units every worker shares
-                job["unit_size"] = STEP_UNIT_BYTES
+            if not isinstance(data, UnitFeed):
+                if step.rewrites_input:  # the rows written for it: units every worker shares
+                    job["unit_size"] = STEP_UNIT_BYTES
+                data = UnitFeed(data=data)
+            if turns is not None:
+                data = dataclasses.replace(
+                    data,
+                    wait=turns.is_last(step.name),
+                    owner=turns.owner,
+                    fleet=self.output_dir / FLEET_DIR / folder_name(step.servers or "default"),
+                )
         return step_plan, data, job
+
+    def _work(self, plans: Sequence[StepPlan], work: _Work, handle_signals: bool) -> PipelineResult:
+        """The steps, by an elastic worker: turn after turn at each step not done (see
+        :mod:`~llm_annotator.pipeline.turns`)."""
+        client, servers, keys, settings, progress, stop_grace, claim_lease = work
+        turns, done = self._turns(plans)
+        while (turn := turns.next()) is not None:
+            if not isinstance(turn, str):
+                time.sleep(turn)
+                continue
+            begun = self._take_turn(turn, plans, keys, settings, claim_lease, turns, done)
+            if begun is None:
+                continue
+            step, step_plan, data, job = begun
+            client_of = self._client(step, client, servers)
+            annotator = Annotator(client_of, progress=progress, stop_grace=stop_grace)
+            try:
+                result = annotator.annotate(
+                    data,
+                    step.template,
+                    self.step_dir(step.name),
+                    handle_signals=handle_signals,
+                    **job,
+                )
+            except FingerprintMismatchError as error:
+                raise _mismatch(step, error) from None
+            self._end_turn(step, step_plan, keys, settings, result, turns, done)
+        return self._report_step(self._in_order(done), True)
+
+    async def _awork(
+        self, plans: Sequence[StepPlan], work: _Work, stop: asyncio.Event | None
+    ) -> PipelineResult:
+        """Async twin of :meth:`_work`; the file work in a thread."""
+        client, servers, keys, settings, progress, stop_grace, claim_lease = work
+        turns, done = await _settled(self._turns, plans)
+        while (turn := turns.next()) is not None:
+            if not isinstance(turn, str):
+                await _pause(turn, stop)
+                continue
+            begun = await _settled(
+                self._take_turn, turn, plans, keys, settings, claim_lease, turns, done
+            )
+            if begun is None:
+                continue
+            step, step_plan, data, job = begun
+            client_of = self._client(step, client, servers)
+            annotator = Annotator(client_of, progress=progress, stop_grace=stop_grace)
+            try:
+                result = await annotator.aannotate(
+                    data, step.template, self.step_dir(step.name), stop=stop, **job
+                )
+            except FingerprintMismatchError as error:
+                raise _mismatch(step, error) from None
+            await _settled(self._end_turn, step, step_plan, keys, settings, result, turns, done)
+        return await _settled(self._report_step, self._in_order(done), True)
+
+    def _turns(self, plans: Sequence[StepPlan]) -> tuple[Turns, dict[str, StepResult]]:
+        """An elastic worker's turns over the steps it runs, and the results of those
+        it leaves as they are (done, or not asked for)."""
+        kept = {}
+        for step, step_plan in zip(self.steps, plans, strict=True):
+            if step_plan.action in ("skip", "leave"):
+                kept[step.name] = self._kept(step, step_plan)
+        return Turns([p.name for p in plans if p.name not in kept]), kept
+
+    def _take_turn(
+        self,
+        name: str,
+        plans: Sequence[StepPlan],
+        keys: Mapping[str, str],
+        settings: Mapping[str, dict[str, Any]],
+        claim_lease: float | None,
+        turns: Turns,
+        done: dict[str, StepResult],
+    ) -> tuple[Step, StepPlan, Any, JobArgs] | None:
+        """Begin step ``name`` for an elastic worker's turn: its plan, input and job
+        arguments; None if other workers have finished it (its result then in ``done``)."""
+        step = next(s for s in self.steps if s.name == name)
+        first = next(p for p in plans if p.name == name)
+        step_plan, data, job = self._begin_step(
+            step, first, keys, settings, True, claim_lease, turns
+        )
+        if step_plan.action == "skip":  # done meanwhile by other workers
+            done[name] = self._kept(step, step_plan)
+            turns.ran(name, finished=True, worked=False)
+            return None
+        log.debug("step_turn", step=name, action=step_plan.action, last=turns.is_last(name))
+        return step, step_plan, data, job
+
+    def _end_turn(
+        self,
+        step: Step,
+        step_plan: StepPlan,
+        keys: Mapping[str, str],
+        settings: Mapping[str, dict[str, Any]],
+        result: AnnotationResult,
+        turns: Turns,
+        done: dict[str, StepResult],
+    ) -> None:
+        """What an elastic worker's turn at ``step`` did: the step done (recorded, its
+        result in ``done``), or left to come back to."""
+        finished = self._finish_step(step, step_plan, keys, settings, result, True)
+        if finished is not None:
+            done[step.name] = finished
+        worked = result.num_rows > 0 or result.num_sent > 0
+        turns.ran(step.name, finished=finished is not None, worked=worked)
+
+    def _in_order(self, done: Mapping[str, StepResult]) -> list[StepResult]:
+        return [done[step.name] for step in self.steps]
 
     def _finish_step(
         self,
@@ -629,22 +804,16 @@ class Pipeline:
         settings: Mapping[str, dict[str, Any]],
         result: AnnotationResult,
         elastic: bool,
-    ) -> StepResult:
-        """:meth:`_finish`, by one worker at a time. A worker's job ends once every
-        unit of the step is finished, by whichever worker: the step's figures are then
-        its manifest's, not the worker's part.
-
-        Raises:
-            JobError: The step's units are not all finished (it cannot be marked done).
-        """
+    ) -> StepResult | None:
+        """:meth:`_finish`, by one worker at a time. An elastic worker's job ends once
+        every unit of the step is finished, by whichever worker, or once it can take no
+        unit now (see :mod:`~llm_annotator.pipeline.turns`): the step's figures are
+        then its manifest's, not the worker's part; None while units are left."""
         if not elastic:
             return self._finish(step, step_plan, keys, settings, result)
         manifest = RunDirectory.open(self.step_dir(step.name)).manifest() or {}
         if result.merged_path is None or not manifest.get("complete"):
-            raise JobError(
-                f"step {step.name}: this worker's claims ended before every unit of the "
-                "step was finished; run the worker again to go on with it"
-            )
+            return None
         whole = {key: manifest.get(key) for key in ("rows", "succeeded", "failed")}
         with self._steps_lock(elastic):
             return self._finish(step, step_plan, keys, settings, result, whole=whole)
@@ -732,7 +901,7 @@ def own_entries(output_dir: Path, names: Sequence[str]) -> list[tuple[Path, bool
     entries = [
         (output_dir / name, False) for name in (LOCK_FILE, STEPS_LOCK, PIPELINE_FILE, REPORT_FILE)
     ]
-    entries += [(output_dir / STEPS_DIR, True), (output_dir / INPUTS_DIR, True)]
+    entries += [(output_dir / folder, True) for folder in (STEPS_DIR, INPUTS_DIR, FLEET_DIR)]
     for name in names:
         entries += input_entries(output_dir / INPUTS_DIR, name)
         run_dir = output_dir / STEPS_DIR / name
@@ -870,6 +1039,25 @@ def _mismatch(step: Step, error: FingerprintMismatchError) -> ConfigurationError
     )
 
 
+async def _pause(seconds: float, stop: asyncio.Event | None) -> None:
+    """Wait ``seconds`` between an elastic worker's passes, or until ``stop`` is set:
+    then the worker stops as a job stopped by it would.
+
+    Raises:
+        RunInterruptedError: ``stop`` is set.
+    """
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+    if stop.is_set():
+        raise RunInterruptedError(
+            "stopped between two steps' turns; everything done is kept, and running the "
+            "worker again goes on with it"
+        )
+
+
 async def _settled(function: Callable[..., _T], *args: Any) -> _T:
     """``function(*args)`` in a thread; cancelled, it waits for the thread to end (a
     thread cannot be stopped half way) before the cancellation goes on."""
@@ -880,3 +1068,7 @@ async def _settled(function: Callable[..., _T], *args: Any) -> _T:
         with contextlib.suppress(BaseException):
             await work
         raise
+
+
+def _write_unit(step: Step, folder: Path, upstream: Path, name: str) -> None:
+    write_unit_input(step, folder, upstream, name)

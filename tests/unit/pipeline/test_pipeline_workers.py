@@ -18,13 +18,14 @@ import pyarrow.dataset as ds
 import pytest
 from aiohttp import web
 
+from llm_annotator import VLLMQueueAnnotator
 from llm_annotator.cli import main
 from llm_annotator.errors import ConfigurationError, JobError
 from llm_annotator.pipeline import Pipeline, Step
 from llm_annotator.pipeline.run import _SharedLock
 from tests.cli import COMMAND
 from tests.unit.conftest import FakeServer, completion
-from tests.unit.helpers import write_jsonl
+from tests.unit.helpers import FAST, write_jsonl
 
 FILES, ROWS = 12, 8
 
@@ -204,3 +205,84 @@ def test_rows_in_memory_are_refused_and_a_stale_plan_never_undoes_a_step_done(
         "b": "done",
         "c": "begun",
     }
+
+
+def test_step_two_runs_while_step_one_still_answers_each_row_of_each_step_once(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """Two workers (pools of their own in one process) over a 3-step pipeline, the first
+    step's last file slow to answer: the worker that can take no more of the first step
+    goes on to the units of the second whose first-step units are done, so reasons are
+    asked for before the last label is answered; each step's rows once, every step done,
+    and each step's units as many as the first's."""
+    answered: dict[str, float] = {}
+    asked: dict[str, float] = {}
+    slow = "Label: f11-"
+
+    async def answer(request: dict[str, Any]) -> web.StreamResponse:
+        prompt = request["messages"][-1]["content"]
+        asked.setdefault(prompt, time.monotonic())
+        await asyncio.sleep(1.5 if prompt.startswith(slow) else 0.01)
+        response: web.StreamResponse = await _answering(0.0)(request)
+        answered[prompt] = time.monotonic()
+        return response
+
+    fake_server.handler = answer
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(FILES):
+        rows = [{"id": f"f{f}-r{r}", "text": f"f{f}-r{r}"} for r in range(ROWS)]
+        write_jsonl(corpus / f"part-{f:02d}.jsonl", rows)
+    steps = [
+        Step("label", "Label: {text}", data=str(corpus), id_column="id"),
+        Step("reason", "Why: {text}", from_step="label", where="label_response == 'negative'"),
+        Step("judge", "Judge: {reason_response}", from_step="reason"),
+    ]
+
+    async def worker() -> Any:
+        async with VLLMQueueAnnotator(
+            [fake_server.base_url], batch_size=4, max_concurrent_batches_per_client=1, **FAST
+        ) as pool:
+            pipeline = Pipeline(steps, tmp_path / "run")
+            return await pipeline.arun(pool, shard="claim", claim_lease=5, progress=False)
+
+    async def two() -> list[Any]:
+        return list(await asyncio.gather(worker(), worker()))
+
+    results = asyncio.run(two())
+    run = tmp_path / "run"
+    _check_steps(run)
+    assert all(r.steps[2].figures["rows"] == 48 for r in results)
+    label_done = max(t for p, t in answered.items() if p.startswith("Label: "))
+    first_reason = min(t for p, t in asked.items() if p.startswith("Why: "))
+    assert first_reason < label_done - 0.5, (first_reason, label_done)
+    units = sorted(p.name for p in (run / "inputs" / "reason").iterdir())
+    assert len(units) == FILES and all(name.endswith(".jsonl.jsonl") for name in units)
+    assert main(["status", str(run / "steps" / "judge")]) == 0
+    # one fleet for the steps' one server group, not one a step: a worker in step 1 and
+    # one in step 2 share each server's budget between them
+    assert (run / "fleet" / "default").is_dir() and not list(run.glob("steps/*/fleet"))
+
+
+def test_a_filter_on_a_column_no_row_has_stops_the_streamed_step_with_its_name(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """A step that reads the first step unit by unit, with a typo in its filter: the
+    worker stops with one line naming the column and the columns there are, and the
+    first step is done."""
+    fake_server.handler = _answering(0.0)
+    path = _pipeline_file(tmp_path, fake_server)
+    path.write_text(path.read_text().replace('where = "label_response', 'where = "labl_response'))
+    done = subprocess.run(
+        [COMMAND, "pipeline", "run", str(path), "--shard", "claim"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    said = done.stderr.decode()
+    assert done.returncode != 0
+    assert "'labl_response'" in said and "label_response" in said, said[-2000:]
+    assert "Traceback" not in said, said[-3000:]
+    record = orjson.loads((tmp_path / "run" / "pipeline.json").read_bytes())
+    assert record["steps"]["label"]["state"] == "done"

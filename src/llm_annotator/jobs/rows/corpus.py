@@ -23,7 +23,7 @@ import glob
 import hashlib
 import os
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,6 +260,73 @@ class Corpus:
         return changes
 
 
+@dataclass(frozen=True, slots=True)
+class UnitFeed:
+    """A corpus for workers that take its units by claims and have other work to go to
+    (the steps of a pipeline): a worker's job over it ends as soon as it can take no
+    unit now, rather than waiting for the units that others hold, and its files may be
+    written as the work they come from is done (a step that reads an earlier step's
+    units as they finish: step 2 runs while step 1 is still answering).
+
+    Attributes:
+        data: The corpus to list (a path, a glob, several paths; see
+            :func:`list_corpus`), or None for the files named by ``folder`` and ``names``.
+        folder: The folder of files written as they become ready.
+        names: Their names in ``folder``, in order, known before any is written. A
+            file's identity is its name alone: it is written once, whole.
+        ready: Whether the file ``name`` can be written now.
+        write: Write the file ``name`` into ``folder`` (whole, renamed into place): the
+            worker that claims its unit does, before reading it, if it is not there.
+        wait: Wait for units that other workers hold, as a corpus job does, rather than
+            leave (the last step: there is nothing else to go to). A worker still leaves
+            when a unit left is not ready.
+        owner: The worker's name in its claims, the same each time its jobs come back to
+            this corpus (None: a new one each job).
+        fleet: The folder where the workers that send to the same servers count each
+            other (:mod:`~llm_annotator.jobs.rundir.fleet`), when they are those of
+            several jobs (a pipeline's steps); None: the run directory's.
+        description: What the corpus is, for messages.
+    """
+
+    data: Any = None
+    folder: Path | None = None
+    names: tuple[str, ...] = ()
+    ready: Callable[[str], bool] | None = None
+    write: Callable[[str], None] | None = None
+    wait: bool = False
+    owner: str | None = None
+    fleet: Path | None = None
+    description: str = ""
+
+    @property
+    def growing(self) -> bool:
+        """Whether its files are written as they become ready (no ``data``)."""
+        return self.data is None
+
+    def listed(self) -> Corpus:
+        """The corpus of a growing feed, each file a unit, listed before any exists.
+
+        Examples:
+            >>> feed = UnitFeed(folder=Path("in/b"), names=("u1.jsonl", "u2.jsonl"))
+            >>> [(unit.name, unit.file.identity()) for unit in feed.listed().units]
+            [('u1.jsonl', ['u1.jsonl', 0, 0]), ('u2.jsonl', ['u2.jsonl', 0, 0])]
+        """
+        assert self.folder is not None
+        files = tuple(CorpusFile(name, str(self.folder / name), 0, 0) for name in self.names)
+        units = tuple(Unit(index, file) for index, file in enumerate(files))
+        shown = self.description or shown_path(str(self.folder))
+        return Corpus(shown, str(self.folder), files, units)
+
+    def is_ready(self, unit: Unit) -> bool:
+        """Whether ``unit`` can be read now (always, for a listed corpus)."""
+        return self.ready is None or self.ready(unit.file.name)
+
+    def make(self, unit: Unit) -> None:
+        """Write ``unit``'s file if it is not there yet (a growing feed's)."""
+        if self.write is not None and not os.path.exists(unit.file.path):
+            self.write(unit.file.name)
+
+
 def is_corpus(data: Any) -> bool:
     """Whether ``data`` names a corpus rather than one input: a directory, a glob, or
     a list of paths.
@@ -268,6 +335,8 @@ def is_corpus(data: Any) -> bool:
         >>> is_corpus(["a.jsonl", "b.jsonl"]), is_corpus([{"text": "x"}]), is_corpus("*.csv")
         (True, False, True)
     """
+    if isinstance(data, UnitFeed):
+        return True
     if isinstance(data, str | os.PathLike):
         path = os.fspath(data)
         if os.path.isdir(path):

@@ -219,6 +219,11 @@ class Claim:
     lost: bool = False
 
 
+def new_owner() -> str:
+    """A worker's name in claims, never another's: ``host:pid:random``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
 class Claims:
     """This worker's side of the claim protocol (see the module).
 
@@ -231,6 +236,8 @@ class Claims:
             (:func:`~llm_annotator.jobs.rundir.fleet.worker_slot`), or None: a claim made
             in this slot on another machine is this slot's earlier run's, taken back at
             once.
+        owner: This worker's name in its claims (:func:`new_owner`), for a worker whose
+            jobs come back to the run directory (a pipeline's steps); None: a new one.
     """
 
     def __init__(
@@ -241,12 +248,13 @@ class Claims:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         slot: str | None = None,
+        owner: str | None = None,
     ) -> None:
         self.folder = run_dir / CLAIMS_DIR
         self.lease = lease
         self.clock = clock
         self.wall = wall
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.owner = owner if owner is not None else new_owner()
         self.machine = this_machine()
         self.slot = slot
         self._seen: dict[str, _Seen] = {}

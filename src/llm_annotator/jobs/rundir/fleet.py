@@ -120,6 +120,18 @@ def file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".json"
 
 
+def folder_name(name: str) -> str:
+    """A name (a server group's) as a folder's: as :func:`file_name` without the
+    ``.json``, a leading dot made ``_`` (never ``.`` nor ``..`` nor hidden).
+
+    Examples:
+        >>> folder_name("default"), folder_name("judge/large"), folder_name("..")
+        ('default', 'judge_large', '_.')
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
+    return "_" + safe[1:] if safe.startswith(".") else safe
+
+
 def is_live(
     record: object,
     age: float,
@@ -152,6 +164,8 @@ class Fleet:
         machine: Its machine (:func:`~llm_annotator.jobs.rundir.claims.this_machine`).
         lease: Seconds a file counts without being renewed.
         wall: The wall clock, against the files' modification times.
+        folder: Where the fleet's files go, if not ``RUN_DIR/fleet``: the workers of
+            several jobs that send to the same servers (a pipeline's steps) share one.
     """
 
     def __init__(
@@ -163,8 +177,9 @@ class Fleet:
         lease: float,
         *,
         wall: Callable[[], float] = time.time,
+        folder: Path | None = None,
     ) -> None:
-        self.folder = run_dir / FLEET_DIR
+        self.folder = folder if folder is not None else run_dir / FLEET_DIR
         self.owner, self.slot, self.machine = owner, slot, machine
         self.lease = lease
         self.wall = wall

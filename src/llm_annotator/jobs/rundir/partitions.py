@@ -546,6 +546,15 @@ def read_unit_records(run_dir: Path) -> dict[str, dict[str, Any]]:
     return _read_records(run_dir, names)
 
 
+def unit_finished(run_dir: Path, output: str) -> bool:
+    """Whether the unit of output file ``output`` (``<unit>.parquet``) of a corpus run
+    is finished: its record is there and whole, and so is its file if it has rows."""
+    name = output + ".json"
+    if not check_entry(run_dir / ANNOTATIONS_DIR / RECORDS_DIR / name):
+        return False  # not finished yet
+    return bool(_read_records(run_dir, [name]))
+
+
 def _read_records(run_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     """The unit records of these names (in ``annotations/_units``) that are whole."""
     folder = run_dir / ANNOTATIONS_DIR / RECORDS_DIR
