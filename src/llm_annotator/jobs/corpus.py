@@ -381,6 +381,7 @@ class _CorpusLayout:
             claims.machine,
             lease,
             folder=feed.fleet if feed is not None else None,
+            stays=feed is not None and feed.owner is not None,  # it comes back: a turn
         )
         if isinstance(client, SharesServers):  # its share of the servers, among the fleet
             busy = functools.partial(_holds_units, self.store)
@@ -560,16 +561,21 @@ async def _claimed_rows(
     Over a ``feed`` (a pipeline's step), a unit not ready yet goes to the back of the
     line too, and when no unit left can be taken now the rows end, unless the feed
     waits and every unit left is ready (held by others): the worker has other steps to
-    go to. The file of a growing feed's unit is written once the unit is claimed, and
+    go to. They end too once the feed's turn is over (no new unit is claimed then).
+    The file of a growing feed's unit is written once the unit is claimed, and
     the first one written with rows is checked against the template (``first``, which
     says whether the unit had rows to check)."""
     pending = deque(units)
     misses = unready = 0
     checked = feed is None or not feed.growing
+    turn_ends = None if feed is None or feed.turn is None else time.monotonic() + feed.turn
     while pending:
         unit = pending.popleft()
         if await asyncio.to_thread(store.refresh, unit):
             continue
+        if turn_ends is not None and time.monotonic() >= turn_ends:
+            log.info("turn_over", units_left=len(pending) + 1)
+            return  # the worker's other steps have their turn; it comes back
         key = unit.output_name.removesuffix(".parquet")
         ready = feed is None or await asyncio.to_thread(feed.is_ready, unit)
         held = await asyncio.to_thread(claims.try_claim, key) if ready else None

@@ -43,6 +43,7 @@ from llm_annotator.jobs.run_directory import RunDirectory
 from llm_annotator.jobs.rundir.partitions import (
     ANNOTATIONS_DIR,
     read_corpus_record,
+    read_unit_records,
     unit_finished,
 )
 from llm_annotator.pipeline.steps import Step
@@ -270,9 +271,41 @@ def write_unit_input(step: Step, folder: Path, upstream: Path, name: str) -> Wri
     written = Written(folder / name)
     with atomic_write(folder / name) as file:
         shape.write(rows, file, written)
-        shape.check()
+        if shape.unseen and shape.seen:
+            _check_unit_filter(shape, upstream, step.from_step, name)
     log.info("step_unit_input_written", step=step.name, unit=name, rows=written.rows)
     return written
+
+
+def _check_unit_filter(shape: _Shape, upstream: Path, source: str, name: str) -> None:
+    """A unit's rows lack a column of the filter: refuse it as :func:`write_input`
+    would (a typo, most likely) if no finished unit of the step it reads has it and
+    that step is done; while it is not, or where another unit has it, the unit's rows
+    read it as None (the units of a corpus may differ in their columns).
+
+    Raises:
+        ConfigurationError: No unit of the step it reads has the column.
+    """
+    records = read_unit_records(upstream)
+    renamed = {column: f"{source}_{column}" for column in RENAMED}
+    seen = {
+        renamed.get(str(column[0]), str(column[0]))
+        for record in records.values()
+        for column in record.get("schema") or ()
+        if isinstance(column, list) and column
+    }
+    if not shape.unseen - seen:
+        return
+    names = stream_names(upstream) or ()
+    if len(records) >= len(names):
+        shape.check()  # every unit of it is finished, and none has the column
+    log.warning(
+        "filter_column_not_seen_yet",
+        step=shape.step.name,
+        unit=name,
+        columns=sorted(shape.unseen - seen),
+        detail="no unit of the step it reads has it so far; its rows read it as None",
+    )
 
 
 class _Shape:

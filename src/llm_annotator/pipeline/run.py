@@ -74,7 +74,7 @@ from llm_annotator.jobs.files import (
 from llm_annotator.jobs.loop.summary import write_json
 from llm_annotator.jobs.rows.corpus import UnitFeed
 from llm_annotator.jobs.run_directory import RunDirectory
-from llm_annotator.jobs.rundir.fleet import FLEET_DIR, folder_name
+from llm_annotator.jobs.rundir.fleet import FLEET_DIR, folder_name, leave_fleet
 from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, CORPUS_FILE, UNITS_DIR
 from llm_annotator.jobs.rundir.store import LOCK_FILE, SHARDS_DIR, DirectoryLock
 from llm_annotator.jobs.spec import JobArgs
@@ -92,7 +92,7 @@ from llm_annotator.pipeline.inputs import (
 )
 from llm_annotator.pipeline.plan import Recorded, StepPlan, downstream, plan
 from llm_annotator.pipeline.steps import Step, ordered, step_key
-from llm_annotator.pipeline.turns import Turns
+from llm_annotator.pipeline.turns import TURN_SECONDS, Turns
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
@@ -248,14 +248,18 @@ class Pipeline:
         steps: Sequence[str] | None,
         redo: Sequence[str],
         force: bool,
+        retry: bool = True,
     ) -> list[StepPlan]:
+        """:func:`~llm_annotator.pipeline.plan.plan` from the record; without ``retry``,
+        a step with ``retry_errors`` that is done stays done (an elastic worker's plan
+        of a step in its turns: done by another worker in this run)."""
         return plan(
             self._order(),
             keys,
             settings,
             self._recorded(),
             selected=steps,
-            retrying=[step.name for step in self.steps if step.retry_errors],
+            retrying=[step.name for step in self.steps if step.retry_errors and retry],
             redo=redo,
             force=force,
         )
@@ -587,6 +591,13 @@ class Pipeline:
             )
             entry["input"] = {"streamed": True, "units": len(names)}
         elif step.rewrites_input:
+            said = entry.get("input") if entry.get("key") == keys[step.name] else None
+            if isinstance(said, dict) and said.get("streamed") and entry.get("state") == "begun":
+                raise ConfigurationError(
+                    f"step {step.name} was begun by elastic workers, its rows written unit "
+                    "by unit as the step it reads finished them: go on with it with "
+                    f"--shard claim (or --processes N), or redo it alone with --redo {step.name}"
+                )
             existing = written_input(inputs, step)
             if existing is None or entry.get("key") != keys[step.name]:
                 remove_input(inputs, step)
@@ -613,6 +624,15 @@ class Pipeline:
             "skip_bad_files": step.skip_bad_files and not step.rewrites_input,
         }
         return data, job
+
+    def _can_stream(self, step: Step) -> bool:
+        """Whether elastic workers may run ``step`` unit by unit before the step it reads
+        is done: that step retries no errors (a unit read could change after), and
+        has begun as a corpus job (its units are known)."""
+        upstream = next((s for s in self.steps if s.name == step.from_step), None)
+        if upstream is None or upstream.retry_errors:
+            return False
+        return stream_names(self.step_dir(upstream.name)) is not None
 
     def _streamed(
         self, step: Step, entry: Mapping[str, Any], keys: Mapping[str, str]
@@ -665,7 +685,7 @@ class Pipeline:
         and nothing done is marked stale again."""
         with self._steps_lock(elastic):
             if elastic:
-                fresh = self._plan(keys, settings, None, (), False)
+                fresh = self._plan(keys, settings, None, (), False, retry=False)
                 step_plan = next(p for p in fresh if p.name == step.name)
                 _refuse_redo([step_plan])
                 if step_plan.action == "skip":
@@ -679,21 +699,37 @@ class Pipeline:
                     job["unit_size"] = STEP_UNIT_BYTES
                 data = UnitFeed(data=data)
             if turns is not None:
+                last = turns.is_last(step.name)
                 data = dataclasses.replace(
                     data,
-                    wait=turns.is_last(step.name),
+                    wait=last,
+                    turn=None if last else TURN_SECONDS,
                     owner=turns.owner,
-                    fleet=self.output_dir / FLEET_DIR / folder_name(step.servers or "default"),
+                    fleet=self._fleet(step),
                 )
         return step_plan, data, job
 
     def _work(self, plans: Sequence[StepPlan], work: _Work, handle_signals: bool) -> PipelineResult:
         """The steps, by an elastic worker: turn after turn at each step not done (see
         :mod:`~llm_annotator.pipeline.turns`)."""
-        client, servers, keys, settings, progress, stop_grace, claim_lease = work
         turns, done = self._turns(plans)
+        try:
+            return self._work_turns(turns, done, plans, work, handle_signals)
+        finally:
+            self._leave_fleets(turns.owner)
+
+    def _work_turns(
+        self,
+        turns: Turns,
+        done: dict[str, StepResult],
+        plans: Sequence[StepPlan],
+        work: _Work,
+        handle_signals: bool,
+    ) -> PipelineResult:
+        client, servers, keys, settings, progress, stop_grace, claim_lease = work
         while (turn := turns.next()) is not None:
             if not isinstance(turn, str):
+                self._leave_fleets(turns.owner)  # idle: the others take its share
                 time.sleep(turn)
                 continue
             begun = self._take_turn(turn, plans, keys, settings, claim_lease, turns, done)
@@ -719,10 +755,24 @@ class Pipeline:
         self, plans: Sequence[StepPlan], work: _Work, stop: asyncio.Event | None
     ) -> PipelineResult:
         """Async twin of :meth:`_work`; the file work in a thread."""
-        client, servers, keys, settings, progress, stop_grace, claim_lease = work
         turns, done = await _settled(self._turns, plans)
+        try:
+            return await self._awork_turns(turns, done, plans, work, stop)
+        finally:
+            await _settled(self._leave_fleets, turns.owner)
+
+    async def _awork_turns(
+        self,
+        turns: Turns,
+        done: dict[str, StepResult],
+        plans: Sequence[StepPlan],
+        work: _Work,
+        stop: asyncio.Event | None,
+    ) -> PipelineResult:
+        client, servers, keys, settings, progress, stop_grace, claim_lease = work
         while (turn := turns.next()) is not None:
             if not isinstance(turn, str):
+                await _settled(self._leave_fleets, turns.owner)  # idle: others take its share
                 await _pause(turn, stop)
                 continue
             begun = await _settled(
@@ -741,6 +791,19 @@ class Pipeline:
                 raise _mismatch(step, error) from None
             await _settled(self._end_turn, step, step_plan, keys, settings, result, turns, done)
         return await _settled(self._report_step, self._in_order(done), True)
+
+    def _fleet(self, step: Step) -> Path:
+        """Where the elastic workers that send to ``step``'s servers count each other."""
+        return self.output_dir / FLEET_DIR / folder_name(step.servers or "default")
+
+    def _leave_fleets(self, owner: str) -> None:
+        """Take worker ``owner`` out of every fleet of the pipeline (its jobs keep it in
+        from one turn to the next): it is idle, or done."""
+        for folder in {self._fleet(step) for step in self.steps}:
+            try:
+                leave_fleet(folder, owner)
+            except (OSError, RunDirectoryError) as error:  # it expires after a lease
+                log.warning("fleet_not_left", folder=str(folder), error=str(error))
 
     def _turns(self, plans: Sequence[StepPlan]) -> tuple[Turns, dict[str, StepResult]]:
         """An elastic worker's turns over the steps it runs, and the results of those
@@ -765,6 +828,10 @@ class Pipeline:
         arguments; None if other workers have finished it (its result then in ``done``)."""
         step = next(s for s in self.steps if s.name == name)
         first = next(p for p in plans if p.name == name)
+        if step.from_step in turns.left and not self._can_stream(step):
+            # Its rows are written whole, once the step it reads is done: not yet.
+            turns.ran(name, finished=False, worked=False)
+            return None
         step_plan, data, job = self._begin_step(
             step, first, keys, settings, True, claim_lease, turns
         )

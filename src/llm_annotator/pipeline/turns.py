@@ -3,7 +3,10 @@
 A worker (``shard="claim"``) does not run the steps one after the other to their ends:
 it takes the units it can of each step in turn, in the steps' order, and goes on to the
 next step as soon as it can take no unit now (the others hold the rest, or they are not
-ready: their rows come from units of the step before that are not finished yet). A
+ready: their rows come from units of the step before that are not finished yet), or
+once it has taken units of the step for :data:`TURN_SECONDS` (the units it holds then
+are finished first). So the later steps' units start while the first step has units
+left, a turn after the units they read are finished, even for a worker alone. A
 pass over the steps that did nothing (every unit held or waiting) is followed by a
 pause, doubling from :data:`FIRST_PAUSE` to :data:`LONGEST_PAUSE`, then the next
 pass; a step is left out of the passes once it is done. So step 2 runs while step 1
@@ -23,6 +26,11 @@ from collections.abc import Sequence
 
 from llm_annotator.jobs.rundir.claims import new_owner
 
+TURN_SECONDS = 20.0
+"""Seconds a worker claims units of a step before it goes on to the next steps (the
+last step not done excepted); each turn ends with the units in hand finished, so the
+servers wait a moment at a turn's end (the rows in flight drain, the next job starts):
+a turn is long beside that."""
 FIRST_PAUSE = 0.25
 """Seconds a worker waits after a pass that did nothing, doubling to the longest."""
 LONGEST_PAUSE = 4.0

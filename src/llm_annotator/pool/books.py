@@ -175,6 +175,16 @@ class HealthBook:
     """An evicted member gets its next test completion no sooner than this."""
     failed_canaries: int = 0
     """Test completions it failed since it was last admitted."""
+    suspected: str | None = None
+    """Why another process last said it was dead (``QueuePool.suspect_server``): the
+    same word is acted on once, admissions or not."""
+
+    def suspect(self, reason: str) -> bool:
+        """Note another process's word that it is dead; False if it was said already."""
+        if self.suspected == reason:
+            return False
+        self.suspected = reason
+        return True
 
     def probe(self, healthy: bool) -> int:
         """Count a probe of a HEALTHY member; the failed probes in a row so far."""

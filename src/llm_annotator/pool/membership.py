@@ -123,6 +123,8 @@ class Membership:
         run = self._state.run
         if member is None or run is None or member.state is not MemberState.HEALTHY:
             return False  # not ours, not in a call, or out of rotation already
+        if not member.health.suspect(reason):
+            return False  # acted on already (it came back since: it answers here)
         self._effects.evict(run, member, reason, probation=False)
         return True
 

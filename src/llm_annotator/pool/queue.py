@@ -186,7 +186,8 @@ class QueuePool(Client[VLLMOnlineRuntimeOptions]):
         the queue, and it rejoins once it answers a probe and a test completion here,
         with no probation to wait out (if it answers this process, it was not dead to
         it). A server that is not a healthy member now (unknown, evicted already,
-        joining) is left as it is, as is any server outside a call.
+        joining) is left as it is, as is any server outside a call; so is one told
+        again with the same ``reason`` (one eviction is acted on once).
 
         Safe to call from another thread while a call runs.
 

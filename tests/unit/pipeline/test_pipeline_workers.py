@@ -286,3 +286,100 @@ def test_a_filter_on_a_column_no_row_has_stops_the_streamed_step_with_its_name(
     assert "Traceback" not in said, said[-3000:]
     record = orjson.loads((tmp_path / "run" / "pipeline.json").read_bytes())
     assert record["steps"]["label"]["state"] == "done"
+
+
+def test_a_streamed_step_is_redone_whole_by_a_run_alone_and_then_skipped_by_workers(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """A worker streams the steps; a run alone with redo=["reason"] redoes reason and
+    judge (their unit inputs written again, whole), each row sent once more and written
+    once; a worker started afterwards finds every step done and sends nothing."""
+    fake_server.handler = _answering(0.0)
+    path = _pipeline_file(tmp_path, fake_server)
+    run = tmp_path / "run"
+    argv = [COMMAND, "pipeline", "run", str(path)]
+    for extra in (["--shard", "claim"], ["--redo", "reason"], ["--shard", "claim"]):
+        done = subprocess.run(
+            [*argv, *extra], stdin=subprocess.DEVNULL, capture_output=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        if extra[0] == "--shard" and len(fake_server.requests) == 96 + 48 + 48:
+            record = orjson.loads((run / "pipeline.json").read_bytes())
+            assert record["steps"]["reason"]["input"]["streamed"] is True
+        _check_steps(run)
+    sent = _sent(fake_server)
+    assert sum(sent.values()) == 96 + 2 * (48 + 48)
+    assert {n for p, n in sent.items() if p.startswith("Label: ")} == {1}
+    assert {n for p, n in sent.items() if not p.startswith("Label: ")} == {2}
+    record = orjson.loads((run / "pipeline.json").read_bytes())
+    assert not record["steps"]["reason"]["input"].get("streamed")  # written whole, alone
+
+
+def test_a_worker_alone_streams_turn_by_turn(
+    tmp_path: Path, fake_server: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker, turns of 0.3 s: it leaves the first step after a turn (the units it
+    holds finished), runs the later steps' units that are ready, and comes back, so
+    the second and third steps are asked before the first is done; each row once."""
+    monkeypatch.setattr("llm_annotator.pipeline.run.TURN_SECONDS", 0.3)
+    asked: dict[str, float] = {}
+
+    async def answer(request: dict[str, Any]) -> web.StreamResponse:
+        asked.setdefault(request["messages"][-1]["content"], time.monotonic())
+        response: web.StreamResponse = await _answering(0.03)(request)
+        return response
+
+    fake_server.handler = answer
+    path = _pipeline_file(tmp_path, fake_server)
+    path.write_text(path.read_text().replace("batch_size = 4", "batch_size = 2"))
+    assert main(["pipeline", "run", str(path), "--shard", "claim"]) == 0
+    _check_steps(tmp_path / "run")
+    last_label = max(t for p, t in asked.items() if p.startswith("Label: "))
+    for step in ("Why: ", "Judge: "):
+        assert min(t for p, t in asked.items() if p.startswith(step)) < last_label, step
+    assert max(Counter(r["messages"][-1]["content"] for r in fake_server.requests).values()) == 1
+
+
+def test_a_step_reading_a_step_that_retries_errors_waits_for_it_to_be_done(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """The first step retries its error rows, so the second cannot read its units as
+    they finish: two workers, the first step's last file slow; the worker that can take
+    no more of the first step does not begin the second (its rows written whole, once
+    the first is done): every negative label is reasoned about, each once."""
+    slow = "Label: f11-"
+
+    async def answer(request: dict[str, Any]) -> web.StreamResponse:
+        prompt = request["messages"][-1]["content"]
+        await asyncio.sleep(1.0 if prompt.startswith(slow) else 0.01)
+        response: web.StreamResponse = await _answering(0.0)(request)
+        return response
+
+    fake_server.handler = answer
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(FILES):
+        rows = [{"id": f"f{f}-r{r}", "text": f"f{f}-r{r}"} for r in range(ROWS)]
+        write_jsonl(corpus / f"part-{f:02d}.jsonl", rows)
+    steps = [
+        Step("label", "Label: {text}", data=str(corpus), id_column="id", retry_errors=True),
+        Step("reason", "Why: {text}", from_step="label", where="label_response == 'negative'"),
+        Step("judge", "Judge: {reason_response}", from_step="reason"),
+    ]
+
+    async def worker() -> Any:
+        async with VLLMQueueAnnotator(
+            [fake_server.base_url], batch_size=4, max_concurrent_batches_per_client=1, **FAST
+        ) as pool:
+            pipeline = Pipeline(steps, tmp_path / "run")
+            return await pipeline.arun(pool, shard="claim", claim_lease=5, progress=False)
+
+    async def two() -> list[Any]:
+        return list(await asyncio.gather(worker(), worker()))
+
+    asyncio.run(two())
+    _check_steps(tmp_path / "run")
+    record = orjson.loads((tmp_path / "run" / "pipeline.json").read_bytes())
+    assert not record["steps"]["reason"]["input"].get("streamed")
+    assert record["steps"]["reason"]["input"]["rows"] == 48
+    assert max(_sent(fake_server).values()) == 1

@@ -280,6 +280,8 @@ class UnitFeed:
         wait: Wait for units that other workers hold, as a corpus job does, rather than
             leave (the last step: there is nothing else to go to). A worker still leaves
             when a unit left is not ready.
+        turn: Seconds after which the worker claims no new unit (it goes on to other
+            work and comes back), or None: as long as there are units to take.
         owner: The worker's name in its claims, the same each time its jobs come back to
             this corpus (None: a new one each job).
         fleet: The folder where the workers that send to the same servers count each
@@ -294,6 +296,7 @@ class UnitFeed:
     ready: Callable[[str], bool] | None = None
     write: Callable[[str], None] | None = None
     wait: bool = False
+    turn: float | None = None
     owner: str | None = None
     fleet: Path | None = None
     description: str = ""

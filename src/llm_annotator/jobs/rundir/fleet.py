@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import orjson
 import structlog
 
-from llm_annotator.errors import RunDirectoryError
+from llm_annotator.errors import ConfigurationError, RunDirectoryError
 from llm_annotator.jobs.files import atomic_write, make_directory, read_bytes
 from llm_annotator.jobs.rundir.claims import LEASE, holder_gone
 
@@ -166,6 +166,8 @@ class Fleet:
         wall: The wall clock, against the files' modification times.
         folder: Where the fleet's files go, if not ``RUN_DIR/fleet``: the workers of
             several jobs that send to the same servers (a pipeline's steps) share one.
+        stays: Keep this worker's file when its job ends (its next job comes back at
+            once: a pipeline's next turn); :func:`leave_fleet` removes it.
     """
 
     def __init__(
@@ -178,8 +180,10 @@ class Fleet:
         *,
         wall: Callable[[], float] = time.time,
         folder: Path | None = None,
+        stays: bool = False,
     ) -> None:
         self.folder = folder if folder is not None else run_dir / FLEET_DIR
+        self.stays = stays
         self.owner, self.slot, self.machine = owner, slot, machine
         self.lease = lease
         self.wall = wall
@@ -193,8 +197,19 @@ class Fleet:
     def __repr__(self) -> str:
         return f"<Fleet {str(self.folder)!r} name={self.path.name!r} workers={self.workers}>"
 
-    def join(self) -> None:
-        """Write this worker's file."""
+    def join(self) -> bool:
+        """Write this worker's file; True if it was there, renewed within a lease (the
+        others count this worker already: it left it when its last job ended)."""
+        with contextlib.suppress(OSError):
+            age = self.wall() - os.stat(self.path).st_mtime
+            if age < self.lease and self._read(self.path).get("owner") == self.owner:
+                self.joined = True
+                self.renew()
+                return True
+        self._write()
+        return False
+
+    def _write(self) -> None:
         make_directory(self.folder)
         record = {
             "owner": self.owner,
@@ -214,7 +229,7 @@ class Fleet:
         try:
             os.utime(self.path, (now, now))
         except FileNotFoundError:
-            self.join()
+            self._write()
 
     def leave(self) -> None:
         """Remove this worker's file, if it is still this worker's."""
@@ -343,9 +358,9 @@ async def keep_share(
     looks = 0
     loop = asyncio.get_running_loop()
     idle_since: float | None = None
-    joining = True
     try:
-        await in_thread(fleet.join)  # a worker that starts means to work
+        # A worker that starts means to work; one whose file is there is counted already.
+        joining = not await in_thread(fleet.join)
         while True:
             try:
                 workers = await in_thread(fleet.count)
@@ -379,7 +394,10 @@ async def keep_share(
                 idle_since = loop.time()
             try:
                 if idle_since is None or loop.time() - idle_since < idle_for:
-                    await in_thread(fleet.join if not fleet.joined else fleet.renew)
+                    if fleet.joined:
+                        await in_thread(fleet.renew)
+                    else:
+                        await in_thread(fleet.join)
                 elif fleet.joined:
                     await in_thread(fleet.leave)
                     log.info("fleet_left", worker=fleet.path.stem, reason="no unit to work on")
@@ -390,8 +408,18 @@ async def keep_share(
         if pending is not None:  # a join still writing, when cancelled: leave after it
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await pending
-        with contextlib.suppress(OSError, RunDirectoryError, asyncio.CancelledError):
-            await asyncio.to_thread(fleet.leave)
+        if not fleet.stays:
+            with contextlib.suppress(OSError, RunDirectoryError, asyncio.CancelledError):
+                await asyncio.to_thread(fleet.leave)
+
+
+def leave_fleet(folder: Path, owner: str) -> None:
+    """Remove the file of worker ``owner`` from the fleet in ``folder``, if it is its
+    own (a worker whose jobs kept it: :class:`Fleet` ``stays``)."""
+    path = folder / file_name(owner)
+    if Fleet._read(path).get("owner") == owner:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def fleet_now(run_dir: Path, *, wall: Callable[[], float] = time.time) -> dict[str, Any]:
@@ -464,7 +492,6 @@ async def share_evictions(
     (True if it did). An eviction told by another worker is not told on again, so two
     workers never keep each other's servers out. A file system that fails is logged
     and tried again at the next look."""
-    acted: set[tuple[str, str, float]] = set()
     while True:
         try:
             for server, after, reason in changes():
@@ -474,13 +501,20 @@ async def share_evictions(
                 elif after == "healthy":
                     await asyncio.to_thread(fleet.tell_rejoined, server)
             for record in await asyncio.to_thread(fleet.evictions):
-                key = (str(record["url"]), str(record.get("by")), float(record.get("at") or 0))
-                if key in acted:
-                    continue
-                acted.add(key)
-                why = f"{FOUND_DEAD} {record.get('by')}: {record.get('reason')}"
-                if suspect(key[0], why):
-                    log.warning("server_evicted_by_fleet", server=key[0], by=key[1])
-        except (OSError, RunDirectoryError) as error:
+                url, by, when = record["url"], record.get("by"), record.get("at")
+                told = time.strftime("%H:%M:%S", time.gmtime(when)) if _number(when) else "?"
+                # One text a told eviction: the pool acts on each once, whatever job asks.
+                why = f"{FOUND_DEAD} {by} at {told} UTC: {record.get('reason')}"
+                try:
+                    evicted = suspect(url, why)
+                except ConfigurationError:
+                    continue  # not a URL the pool could hold
+                if evicted:
+                    log.warning("server_evicted_by_fleet", server=url, by=by)
+        except Exception as error:  # advisory: the job goes on, its pool finds out alone
             log.warning("evictions_not_shared", folder=str(fleet.folder), error=str(error))
         await asyncio.sleep(every)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
