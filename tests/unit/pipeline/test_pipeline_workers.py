@@ -207,6 +207,36 @@ def test_rows_in_memory_are_refused_and_a_stale_plan_never_undoes_a_step_done(
     }
 
 
+def _steps_over_corpus(tmp_path: Path, *, retry_errors: bool = False) -> list[Step]:
+    """The 3-step pipeline over a corpus of FILES files of ROWS rows, as Steps."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(FILES):
+        rows = [{"id": f"f{f}-r{r}", "text": f"f{f}-r{r}"} for r in range(ROWS)]
+        write_jsonl(corpus / f"part-{f:02d}.jsonl", rows)
+    return [
+        Step("label", "Label: {text}", data=str(corpus), id_column="id", retry_errors=retry_errors),
+        Step("reason", "Why: {text}", from_step="label", where="label_response == 'negative'"),
+        Step("judge", "Judge: {reason_response}", from_step="reason"),
+    ]
+
+
+def _two_workers(steps: list[Step], run: Path, server: FakeServer) -> list[Any]:
+    """Two elastic workers in this process, each with a pool of its own."""
+
+    async def worker() -> Any:
+        async with VLLMQueueAnnotator(
+            [server.base_url], batch_size=4, max_concurrent_batches_per_client=1, **FAST
+        ) as pool:
+            pipeline = Pipeline(steps, run)
+            return await pipeline.arun(pool, shard="claim", claim_lease=5, progress=False)
+
+    async def two() -> list[Any]:
+        return list(await asyncio.gather(worker(), worker()))
+
+    return asyncio.run(two())
+
+
 def test_step_two_runs_while_step_one_still_answers_each_row_of_each_step_once(
     tmp_path: Path, fake_server: FakeServer
 ) -> None:
@@ -228,29 +258,8 @@ def test_step_two_runs_while_step_one_still_answers_each_row_of_each_step_once(
         return response
 
     fake_server.handler = answer
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for f in range(FILES):
-        rows = [{"id": f"f{f}-r{r}", "text": f"f{f}-r{r}"} for r in range(ROWS)]
-        write_jsonl(corpus / f"part-{f:02d}.jsonl", rows)
-    steps = [
-        Step("label", "Label: {text}", data=str(corpus), id_column="id"),
-        Step("reason", "Why: {text}", from_step="label", where="label_response == 'negative'"),
-        Step("judge", "Judge: {reason_response}", from_step="reason"),
-    ]
-
-    async def worker() -> Any:
-        async with VLLMQueueAnnotator(
-            [fake_server.base_url], batch_size=4, max_concurrent_batches_per_client=1, **FAST
-        ) as pool:
-            pipeline = Pipeline(steps, tmp_path / "run")
-            return await pipeline.arun(pool, shard="claim", claim_lease=5, progress=False)
-
-    async def two() -> list[Any]:
-        return list(await asyncio.gather(worker(), worker()))
-
-    results = asyncio.run(two())
     run = tmp_path / "run"
+    results = _two_workers(_steps_over_corpus(tmp_path), run, fake_server)
     _check_steps(run)
     assert all(r.steps[2].figures["rows"] == 48 for r in results)
     label_done = max(t for p, t in answered.items() if p.startswith("Label: "))
@@ -356,28 +365,7 @@ def test_a_step_reading_a_step_that_retries_errors_waits_for_it_to_be_done(
         return response
 
     fake_server.handler = answer
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for f in range(FILES):
-        rows = [{"id": f"f{f}-r{r}", "text": f"f{f}-r{r}"} for r in range(ROWS)]
-        write_jsonl(corpus / f"part-{f:02d}.jsonl", rows)
-    steps = [
-        Step("label", "Label: {text}", data=str(corpus), id_column="id", retry_errors=True),
-        Step("reason", "Why: {text}", from_step="label", where="label_response == 'negative'"),
-        Step("judge", "Judge: {reason_response}", from_step="reason"),
-    ]
-
-    async def worker() -> Any:
-        async with VLLMQueueAnnotator(
-            [fake_server.base_url], batch_size=4, max_concurrent_batches_per_client=1, **FAST
-        ) as pool:
-            pipeline = Pipeline(steps, tmp_path / "run")
-            return await pipeline.arun(pool, shard="claim", claim_lease=5, progress=False)
-
-    async def two() -> list[Any]:
-        return list(await asyncio.gather(worker(), worker()))
-
-    asyncio.run(two())
+    _two_workers(_steps_over_corpus(tmp_path, retry_errors=True), tmp_path / "run", fake_server)
     _check_steps(tmp_path / "run")
     record = orjson.loads((tmp_path / "run" / "pipeline.json").read_bytes())
     assert not record["steps"]["reason"]["input"].get("streamed")
