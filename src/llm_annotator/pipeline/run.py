@@ -359,20 +359,9 @@ class Pipeline:
                     results.append(self._kept(step, step_plan))
                     continue
                 data, job = self._begin(step, step_plan, keys, settings)
-                annotator = Annotator(
-                    self._client(step, client, servers), progress=progress, stop_grace=stop_grace
-                )
                 log.info("step_started", step=step.name, action=step_plan.action)
-                try:
-                    result = annotator.annotate(
-                        data,
-                        step.template,
-                        self.step_dir(step.name),
-                        handle_signals=handle_signals,
-                        **job,
-                    )
-                except FingerprintMismatchError as error:
-                    raise _mismatch(step, error) from None
+                work = (client, servers, keys, settings, progress, stop_grace, claim_lease)
+                result = self._annotate(step, data, job, work, handle_signals)
                 results.append(self._finish(step, step_plan, keys, settings, result))
             return self._report(results)
         finally:
@@ -409,16 +398,9 @@ class Pipeline:
                     results.append(await _settled(self._kept, step, step_plan))
                     continue
                 data, job = await _settled(self._begin, step, step_plan, keys, settings)
-                annotator = Annotator(
-                    self._client(step, client, servers), progress=progress, stop_grace=stop_grace
-                )
                 log.info("step_started", step=step.name, action=step_plan.action)
-                try:
-                    result = await annotator.aannotate(
-                        data, step.template, self.step_dir(step.name), stop=stop, **job
-                    )
-                except FingerprintMismatchError as error:
-                    raise _mismatch(step, error) from None
+                work = (client, servers, keys, settings, progress, stop_grace, claim_lease)
+                result = await self._aannotate(step, data, job, work, stop)
                 results.append(
                     await _settled(self._finish, step, step_plan, keys, settings, result)
                 )
@@ -726,7 +708,7 @@ class Pipeline:
         work: _Work,
         handle_signals: bool,
     ) -> PipelineResult:
-        client, servers, keys, settings, progress, stop_grace, claim_lease = work
+        _, _, keys, settings, _, _, claim_lease = work
         while (turn := turns.next()) is not None:
             if not isinstance(turn, str):
                 self._leave_fleets(turns.owner)  # idle: the others take its share
@@ -736,20 +718,9 @@ class Pipeline:
             if begun is None:
                 continue
             step, step_plan, data, job = begun
-            client_of = self._client(step, client, servers)
-            annotator = Annotator(client_of, progress=progress, stop_grace=stop_grace)
-            try:
-                result = annotator.annotate(
-                    data,
-                    step.template,
-                    self.step_dir(step.name),
-                    handle_signals=handle_signals,
-                    **job,
-                )
-            except FingerprintMismatchError as error:
-                raise _mismatch(step, error) from None
+            result = self._annotate(step, data, job, work, handle_signals)
             self._end_turn(step, step_plan, keys, settings, result, turns, done)
-        return self._report_step(self._in_order(done), True)
+        return self._report_step(self._in_order(done))
 
     async def _awork(
         self, plans: Sequence[StepPlan], work: _Work, stop: asyncio.Event | None
@@ -769,7 +740,7 @@ class Pipeline:
         work: _Work,
         stop: asyncio.Event | None,
     ) -> PipelineResult:
-        client, servers, keys, settings, progress, stop_grace, claim_lease = work
+        _, _, keys, settings, _, _, claim_lease = work
         while (turn := turns.next()) is not None:
             if not isinstance(turn, str):
                 await _settled(self._leave_fleets, turns.owner)  # idle: others take its share
@@ -781,16 +752,41 @@ class Pipeline:
             if begun is None:
                 continue
             step, step_plan, data, job = begun
-            client_of = self._client(step, client, servers)
-            annotator = Annotator(client_of, progress=progress, stop_grace=stop_grace)
-            try:
-                result = await annotator.aannotate(
-                    data, step.template, self.step_dir(step.name), stop=stop, **job
-                )
-            except FingerprintMismatchError as error:
-                raise _mismatch(step, error) from None
+            result = await self._aannotate(step, data, job, work, stop)
             await _settled(self._end_turn, step, step_plan, keys, settings, result, turns, done)
-        return await _settled(self._report_step, self._in_order(done), True)
+        return await _settled(self._report_step, self._in_order(done))
+
+    def _annotate(
+        self, step: Step, data: Any, job: JobArgs, work: _Work, handle_signals: bool
+    ) -> AnnotationResult:
+        """Run ``step``'s job (or an elastic worker's turn at it) on its servers.
+
+        Raises:
+            ConfigurationError: Its directory holds results of other settings.
+        """
+        try:
+            return self._annotator(step, work).annotate(
+                data, step.template, self.step_dir(step.name), handle_signals=handle_signals, **job
+            )
+        except FingerprintMismatchError as error:
+            raise _mismatch(step, error) from None
+
+    async def _aannotate(
+        self, step: Step, data: Any, job: JobArgs, work: _Work, stop: asyncio.Event | None
+    ) -> AnnotationResult:
+        """Async twin of :meth:`_annotate`."""
+        try:
+            return await self._annotator(step, work).aannotate(
+                data, step.template, self.step_dir(step.name), stop=stop, **job
+            )
+        except FingerprintMismatchError as error:
+            raise _mismatch(step, error) from None
+
+    def _annotator(self, step: Step, work: _Work) -> Annotator:
+        client, servers, _, _, progress, stop_grace, _ = work
+        return Annotator(
+            self._client(step, client, servers), progress=progress, stop_grace=stop_grace
+        )
 
     def _fleet(self, step: Step) -> Path:
         """Where the elastic workers that send to ``step``'s servers count each other."""
@@ -854,7 +850,7 @@ class Pipeline:
     ) -> None:
         """What an elastic worker's turn at ``step`` did: the step done (recorded, its
         result in ``done``), or left to come back to."""
-        finished = self._finish_step(step, step_plan, keys, settings, result, True)
+        finished = self._finish_step(step, step_plan, keys, settings, result)
         if finished is not None:
             done[step.name] = finished
         worked = result.num_rows > 0 or result.num_sent > 0
@@ -870,23 +866,21 @@ class Pipeline:
         keys: Mapping[str, str],
         settings: Mapping[str, dict[str, Any]],
         result: AnnotationResult,
-        elastic: bool,
     ) -> StepResult | None:
-        """:meth:`_finish`, by one worker at a time. An elastic worker's job ends once
-        every unit of the step is finished, by whichever worker, or once it can take no
-        unit now (see :mod:`~llm_annotator.pipeline.turns`): the step's figures are
-        then its manifest's, not the worker's part; None while units are left."""
-        if not elastic:
-            return self._finish(step, step_plan, keys, settings, result)
+        """:meth:`_finish` for an elastic worker, by one worker at a time. Its job ends
+        once every unit of the step is finished, by whichever worker, or once it can
+        take no unit now (see :mod:`~llm_annotator.pipeline.turns`): the step's figures
+        are then its manifest's, not the worker's part; None while units are left."""
         manifest = RunDirectory.open(self.step_dir(step.name)).manifest() or {}
         if result.merged_path is None or not manifest.get("complete"):
             return None
         whole = {key: manifest.get(key) for key in ("rows", "succeeded", "failed")}
-        with self._steps_lock(elastic):
+        with self._steps_lock(True):
             return self._finish(step, step_plan, keys, settings, result, whole=whole)
 
-    def _report_step(self, results: Sequence[StepResult], elastic: bool) -> PipelineResult:
-        with self._steps_lock(elastic):
+    def _report_step(self, results: Sequence[StepResult]) -> PipelineResult:
+        """:meth:`_report`, by one elastic worker at a time."""
+        with self._steps_lock(True):
             return self._report(results)
 
     def _finish(
