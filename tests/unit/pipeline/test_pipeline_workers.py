@@ -371,3 +371,58 @@ def test_a_step_reading_a_step_that_retries_errors_waits_for_it_to_be_done(
     assert not record["steps"]["reason"]["input"].get("streamed")
     assert record["steps"]["reason"]["input"]["rows"] == 48
     assert max(_sent(fake_server).values()) == 1
+
+
+def _logged(path: Path, event: str, unit_suffix: str | None) -> bool:
+    """Whether a worker's JSON log says ``event`` (of a unit ending so, if given)."""
+    for line in path.read_bytes().splitlines():
+        try:
+            said = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(said, dict) or said.get("event") != event:
+            continue
+        if unit_suffix is None or str(said.get("unit", "")).endswith(unit_suffix):
+            return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("event", "unit_suffix"),
+    [
+        ("step_unit_input_written", None),  # a unit's rows of step 2 just written
+        ("unit_finished", ".jsonl.jsonl"),  # a unit of step 2 just finished
+        ("unit_claimed", ".jsonl.jsonl.jsonl"),  # a unit of step 3 just claimed
+        ("step_finished", None),  # a step just recorded done
+    ],
+)
+def test_a_worker_killed_at_each_phase_of_the_stream_leaves_each_step_exact(
+    tmp_path: Path, fake_server: FakeServer, event: str, unit_suffix: str | None
+) -> None:
+    """A worker alone is SIGKILLed as soon as its log says it reached a phase of the
+    streamed steps; a second worker started then finishes the pipeline: every step
+    done, each step's rows once, and a row sent again only if the killed worker had
+    sent it (in flight, or answered and not yet written), once more."""
+    fake_server.handler = _answering(0.01)
+    path = _pipeline_file(tmp_path, fake_server)
+    run = tmp_path / "run"
+    argv = [COMMAND, "pipeline", "run", str(path), "--shard", "claim", "--claim-lease", "2"]
+    logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
+    with logs[0].open("wb") as out:
+        doomed = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    deadline = time.monotonic() + 60
+    while not _logged(logs[0], event, unit_suffix):
+        assert doomed.poll() is None, logs[0].read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the worker never logged {event}"
+        time.sleep(0.01)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait(timeout=10)
+    before = _sent(fake_server)
+    with logs[1].open("wb") as out:
+        done = subprocess.run(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=120, check=False
+        )
+    assert done.returncode == 0, logs[1].read_text()[-3000:]
+    _check_steps(run)
+    again = {prompt: n for prompt, n in _sent(fake_server).items() if n > 1}
+    assert all(before[prompt] == 1 and n == 2 for prompt, n in again.items()), again
