@@ -516,6 +516,7 @@ def run_case(
             worker.kill(deliberately=False)
         stats = fleet.read()
         fleet.stop()
+        (logs / "servers.json").write_text(json.dumps({"first": first, "servers": stats}))
     busy1 = harness.busy_seconds()
     run.worker_cpu = sum(w.cpu for w in pool)
     run.server_cpu = fleet.cpu()

@@ -72,8 +72,8 @@ class Dispatcher:
         self._released.discard(member)
         self._paces_at = float("-inf")  # a new call: read its paces afresh
         self._state.spawn(self._windows.watch(run, member))
-        for _ in range(self._state.config.max_concurrent_batches_per_client):
-            self._state.spawn(self._slot(run, member))
+        for rank in range(self._state.config.max_concurrent_batches_per_client):
+            self._state.spawn(self._slot(run, member, rank))
 
     def reshare(self) -> None:
         """Apply a new number of processes sharing the servers to every member's window
@@ -89,8 +89,15 @@ class Dispatcher:
 
     # -- work --------------------------------------------------------------------------
 
-    async def _slot(self, run: Run, member: Member) -> None:
-        """One of a member's batch slots: take a batch whenever the member can work."""
+    async def _slot(self, run: Run, member: Member, rank: int) -> None:
+        """One of a member's batch slots: take a batch whenever the member can work.
+
+        Woken by new work, a member's slot of ``rank`` k lets the event loop run k times
+        before it takes any, so that the first slots of all members take theirs before
+        the second slots do: rows that come in a few at a time (the first units of a
+        corpus) start on every server at once, instead of filling the first servers'
+        every slot while the last ones wait (see :data:`BURST` for the same within a
+        batch)."""
         while not run.finished:
             if member.state is MemberState.DISABLED or not self._state.is_member(member):
                 self._release(run, member)
@@ -103,6 +110,8 @@ class Dispatcher:
                     return
                 await run.wait_for_change(1.0)
                 continue
+            for _ in range(rank):
+                await asyncio.sleep(0)
             now = self._state.clock.now()
             if not member.takes_work(now):
                 # Not healthy: every change of state notifies, so a long wait is fine.

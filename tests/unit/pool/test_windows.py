@@ -496,6 +496,35 @@ def test_sharing_a_pools_servers_takes_a_number_of_workers() -> None:
     assert pool.sharing == 1
 
 
+def test_rows_that_come_a_batch_at_a_time_start_on_every_server_first() -> None:
+    """Eight servers, each allowed four batches of four: rows that come four at a time
+    (a corpus job's first units, read between sends) go one batch to each server before
+    any server gets a second; the slots used to fill the first two servers' every
+    batch (16 + 16) while six servers waited, and on slow servers those six started a
+    whole round late."""
+    clock = FakeClock()
+    clients = [LineClient(f"http://s{i}:1/v1", clock, capacity=4, service=10.0) for i in range(8)]
+
+    async def source() -> Any:
+        for group in range(8):
+            for i in range(4):
+                yield f"k{group}-{i}", [{"role": "user", "content": f"p{group}-{i}"}]
+            await clock.sleep(0.5)
+
+    async def scenario() -> list[int]:
+        async with VLLMQueueAnnotator(
+            clients=clients, clock=clock, batch_size=4, max_concurrent_batches_per_client=4
+        ) as pool:
+            done = 0
+            async for _key, _response in pool.astream(source()):
+                done += 1
+            assert done == 32
+        # before the source ends (4.0): then idle slots hedge what the others hold
+        return [sum(1 for at, _ in client.held if at < 3.9) for client in clients]
+
+    assert asyncio.run(scenario()) == [4] * 8
+
+
 def test_a_stream_reads_ahead_only_what_its_share_of_the_servers_can_start_soon() -> None:
     """A worker that shares its two servers with three others reads no further ahead
     than twice its share of their windows (2 x 2 x 64/4 rows), not twice the whole
