@@ -71,6 +71,7 @@ from llm_annotator.jobs.files import (
     read_run_file,
     refused,
 )
+from llm_annotator.jobs.loop.interrupt import BetweenJobs, between_jobs
 from llm_annotator.jobs.loop.summary import write_json
 from llm_annotator.jobs.rows.corpus import UnitFeed
 from llm_annotator.jobs.run_directory import RunDirectory
@@ -696,7 +697,8 @@ class Pipeline:
         :mod:`~llm_annotator.pipeline.turns`)."""
         turns, done = self._turns(plans)
         try:
-            return self._work_turns(turns, done, plans, work, handle_signals)
+            with between_jobs(enabled=handle_signals) as between:
+                return self._work_turns(turns, done, plans, work, handle_signals, between)
         finally:
             self._leave_fleets(turns.owner)
 
@@ -707,16 +709,20 @@ class Pipeline:
         plans: Sequence[StepPlan],
         work: _Work,
         handle_signals: bool,
+        between: BetweenJobs,
     ) -> PipelineResult:
+        """The turns; a signal between two jobs stops the worker at the next turn."""
         _, _, keys, settings, _, _, claim_lease = work
         while (turn := turns.next()) is not None:
+            between.check()
             if not isinstance(turn, str):
                 self._leave_fleets(turns.owner)  # idle: the others take its share
-                time.sleep(turn)
+                between.pause(turn)
                 continue
             begun = self._take_turn(turn, plans, keys, settings, claim_lease, turns, done)
             if begun is None:
                 continue
+            between.check()
             step, step_plan, data, job = begun
             result = self._annotate(step, data, job, work, handle_signals)
             self._end_turn(step, step_plan, keys, settings, result, turns, done)

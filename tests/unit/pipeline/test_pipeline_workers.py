@@ -24,7 +24,7 @@ from llm_annotator.errors import ConfigurationError, JobError
 from llm_annotator.pipeline import Pipeline, Step
 from llm_annotator.pipeline.run import _SharedLock
 from tests.cli import COMMAND
-from tests.unit.conftest import FakeServer, completion
+from tests.unit.conftest import FakeServer, completion, sleep_forever
 from tests.unit.helpers import FAST, write_jsonl
 
 FILES, ROWS = 12, 8
@@ -426,3 +426,52 @@ def test_a_worker_killed_at_each_phase_of_the_stream_leaves_each_step_exact(
     _check_steps(run)
     again = {prompt: n for prompt, n in _sent(fake_server).items() if n > 1}
     assert all(before[prompt] == 1 and n == 2 for prompt, n in again.items()), again
+
+
+def test_a_worker_stopped_by_sigterm_between_turns_ends_as_a_stopped_job_does(
+    tmp_path: Path, fake_server: FakeServer
+) -> None:
+    """A worker that finds nothing to take (the one unit of the first step is held by
+    another worker, whose requests hang; the later steps wait for it) pauses between
+    passes. SIGTERM there (as ``scancel`` or a pod's deletion sends it) ends it as a
+    stopped job ends: status 128 + 15, one line that says what stopped it and that
+    everything done is kept, no traceback. It used to die on the spot, saying nothing."""
+    fake_server.handler = sleep_forever
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_jsonl(corpus / "part-00.jsonl", [{"id": f"r{r}", "text": f"r{r}"} for r in range(4)])
+    path = tmp_path / "pipeline.toml"
+    path.write_text(
+        f'output_dir = "{tmp_path / "run"}"\ninput = "{corpus}"\nid_column = "id"\n'
+        f'servers = ["{fake_server.base_url}"]\nlog_format = "json"\n'
+        '[steps.label]\nprompt_template = "Label: {text}"\n'
+        '[steps.judge]\nfrom = "label"\nprompt_template = "Judge: {label_response}"\n'
+    )
+    argv = [COMMAND, "pipeline", "run", str(path), "--shard", "claim"]
+    logs = [tmp_path / name for name in ("holder.log", "waiting.log")]
+    with logs[0].open("wb") as out:
+        holder = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    waiting = None
+    try:
+        deadline = time.monotonic() + 60
+        while not fake_server.requests:
+            assert holder.poll() is None and time.monotonic() < deadline, logs[0].read_text()
+            time.sleep(0.05)
+        with logs[1].open("wb") as out:
+            waiting = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        # Three passes that found nothing: its pauses are 0.25, 0.5, then 1 s and more.
+        while logs[1].read_text().count('"units_left_to_others"') < 3:
+            assert waiting.poll() is None and time.monotonic() < deadline, logs[1].read_text()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        waiting.send_signal(signal.SIGTERM)
+        code = waiting.wait(timeout=30)
+    finally:
+        for process in (holder, waiting):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+    said = logs[1].read_text()
+    assert code == 128 + signal.SIGTERM, said[-3000:]
+    assert "Traceback" not in said
+    assert "stopped by SIGTERM between two jobs; everything done is kept" in said, said[-3000:]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
 
 import structlog
+
+from llm_annotator.errors import RunInterruptedError
 
 log = structlog.get_logger(__name__)
 
@@ -112,6 +115,62 @@ def handling_signals(interrupt: Interrupt, *, enabled: bool = True) -> Iterator[
     previous = {signum: signal.signal(signum, handler) for signum in _SIGNALS}
     try:
         yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+class BetweenJobs:
+    """SIGINT and SIGTERM for a worker that runs one job after another (a pipeline's
+    elastic worker, turn after turn), while no job runs: each job routes them to its own
+    clean stop while it runs (:func:`handling_signals`), but between two jobs, and in a
+    pause between two passes, the first would have ended the process on the spot. Here
+    it is kept, wakes a :meth:`pause`, and :meth:`check` raises it at the worker's next
+    safe point; a second one ends the process at once, as the signal would have."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._woken = threading.Event()
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        self._woken.set()
+
+    def pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or until a signal; then :meth:`check`."""
+        self._woken.wait(seconds)
+        self.check()
+
+    def check(self) -> None:
+        """Raise the stop a signal asked for, if one came.
+
+        Raises:
+            RunInterruptedError: A signal came since the last job ended.
+        """
+        if self.signum is not None:
+            name = signal.Signals(self.signum).name
+            raise RunInterruptedError(
+                f"stopped by {name} between two jobs; everything done is kept, and running "
+                "the worker again goes on with it",
+                signum=self.signum,
+            )
+
+
+@contextlib.contextmanager
+def between_jobs(*, enabled: bool = True) -> Iterator[BetweenJobs]:
+    """Route SIGINT and SIGTERM to a :class:`BetweenJobs` while the block runs (main
+    thread only; a job inside it routes them to itself while it runs)."""
+    between = BetweenJobs()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield between
+        return
+    previous = {signum: signal.signal(signum, between.handler) for signum in _SIGNALS}
+    try:
+        yield between
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
