@@ -35,8 +35,8 @@ the ``--processes`` command that starts them; the time from the start to the fir
 request of each step (of ``judge`` above all), and the gap from a step's last request
 to the next step's first; the CPU seconds of the command (its workers included) and of
 the server; and the share of the machine's CPUs other work took meanwhile. For the
-elastic cases, each worker's part of each step (the rows it sent, its seconds in the
-step) from the report in its folder of the step. Nothing is pinned: the workers and the
+elastic cases, each worker's part of each step over all its turns (the units it
+finished and their rows) from the units' records. Nothing is pinned: the workers and the
 server share the machine's cores.
 
 ``--against REV`` also runs the cases of ``--against-cases`` (``2``) on the library of
@@ -412,8 +412,8 @@ class Run:
     max_mb: float = 0.0
     """The largest peak RSS of the command and its workers, from ``wait4`` (a check on
     the readings of ``/proc``, which may miss a worker's last 50 ms)."""
-    parts: dict[str, dict[int, tuple[int, float]]] = field(default_factory=dict)
-    """For each step, each worker's (by pid) rows sent and seconds in the step."""
+    parts: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    """For each step, each worker's (by pid) units finished and their rows."""
     cpu: float = 0.0
     server_cpu: float = 0.0
     other: float | None = None
@@ -437,14 +437,20 @@ def output_rows(step_dir: Path) -> int:
     )
 
 
-def worker_parts(step_dir: Path) -> dict[int, tuple[int, float]]:
-    """Each elastic worker's part of a step, from the report in its folder of the step
-    (``worker-HOST-PID-ID/report.json``): the rows it sent, its seconds in the step."""
-    parts = {}
-    for report in step_dir.glob("worker-*/report.json"):
-        pid = int(report.parent.name.rsplit("-", 2)[-2])
-        this_run = orjson.loads(report.read_bytes())["this_run"]
-        parts[pid] = (int(this_run["sent_rows"]), float(this_run["wall_seconds"]))
+def worker_parts(step_dir: Path) -> dict[int, tuple[int, int]]:
+    """Each elastic worker's part of a step, over all its turns: the units it finished
+    and their rows, from the units' records (``annotations/records/*.json``, whose
+    ``by`` is the worker's claim owner, ``host:pid:token``; a commit before ``by`` gives
+    none). A worker's report in its folder of the step is its last turn's only."""
+    parts: dict[int, tuple[int, int]] = {}
+    for path in (step_dir / "annotations" / "records").glob("*.json"):
+        record = orjson.loads(path.read_bytes())
+        by = record.get("by")
+        if not isinstance(by, str) or by.count(":") < 2:
+            continue
+        pid = int(by.split(":")[-2])
+        units, rows = parts.get(pid, (0, 0))
+        parts[pid] = (units + 1, rows + int(record.get("rows") or 0))
     return parts
 
 
@@ -556,11 +562,11 @@ def print_steps(runs: list[Run]) -> None:
 
 
 def print_parts(runs: list[Run]) -> None:
-    """Each worker's part of each step: the rows it sent, its seconds in the step."""
+    """Each worker's part of each step: the units it finished and their rows."""
     elastic = [r for r in runs if any(r.parts.values())]
     if not elastic:
         return
-    print("\neach worker's part of each step: rows it sent / its seconds in the step")
+    print("\neach worker's part of each step, all its turns: units it finished / their rows")
     header = ["case", "round", "worker", *STEPS]
     table = []
     for r in elastic:
@@ -568,8 +574,8 @@ def print_parts(runs: list[Run]) -> None:
         for n, pid in enumerate(pids, 1):
             cells = []
             for step in STEPS:
-                sent, seconds = r.parts[step].get(pid, (0, 0.0))
-                cells.append(f"{sent:,} / {seconds:.2f}")
+                units, rows = r.parts[step].get(pid, (0, 0))
+                cells.append(f"{units:,} / {rows:,}")
             table.append([label(r.case), str(r.round), str(n), *cells])
     harness.print_table(header, table)
 

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pyarrow.dataset as ds
 import pytest
 import structlog
@@ -23,7 +24,12 @@ from llm_annotator import VLLMOnlineRuntimeOptions, VLLMQueueAnnotator
 from llm_annotator.jobs.rows.corpus import FILE_COLUMN
 from llm_annotator.jobs.rundir.claims import Claims
 from llm_annotator.jobs.rundir.fleet import FOUND_DEAD
-from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, UNITS_DIR, read_manifest
+from llm_annotator.jobs.rundir.partitions import (
+    ANNOTATIONS_DIR,
+    RECORDS_DIR,
+    UNITS_DIR,
+    read_manifest,
+)
 from tests.unit.conftest import FakeServer
 from tests.unit.helpers import FAST, command, delayed_echo, sent_texts, write_jsonl
 
@@ -99,7 +105,8 @@ def test_workers_racing_for_every_unit_do_each_row_once(
     tmp_path: Path, fake_server: FakeServer
 ) -> None:
     """Three workers in one process claim a corpus's 12 units at the same moment: each
-    unit is finished once, each row sent once, and more than one worker did work."""
+    unit is finished once, each row sent once, and more than one worker did work; each
+    unit's record says which worker finished it (``by``: its claim owner)."""
     texts = corpus(tmp_path / "c", files=12, rows=20)
     fake_server.handler = delayed_echo(0.002)
 
@@ -121,6 +128,12 @@ def test_workers_racing_for_every_unit_do_each_row_once(
     assert Counter(r["text"] for r in rows) == Counter(texts)
     manifest = read_manifest(tmp_path / "run")
     assert manifest is not None and manifest["complete"] and manifest["units"] == 12
+    by: Counter[str] = Counter()
+    for path in (tmp_path / "run" / ANNOTATIONS_DIR / RECORDS_DIR).glob("*.json"):
+        record = orjson.loads(path.read_bytes())
+        by[record["by"]] += record["rows"]
+    assert all(owner.count(":") == 2 for owner in by), by
+    assert sorted(by.values()) == sorted(r.num_rows for r in results if r.num_rows)
 
 
 def test_workers_of_one_job_hold_each_servers_budget_once_between_them(

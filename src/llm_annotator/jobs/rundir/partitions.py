@@ -500,6 +500,7 @@ class PartitionedStore:
             "file": unit.file.identity(),
             "groups": list(unit.groups) if unit.groups is not None else None,
             "finished_at": time.time(),
+            "by": self.claims.owner if self.claims is not None else None,
             **counts,
         }
         path = self.output_dir / RECORDS_DIR / (unit.output_name + ".json")
