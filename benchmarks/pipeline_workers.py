@@ -80,6 +80,7 @@ import pyarrow.parquet as pq
 import _against
 import _harness as harness
 from _nginx import CHAT_COMPLETION, LOOPBACK, MODEL, MODELS, free_ports, raise_nofile_limit
+from llm_annotator.jobs.rundir.partitions import ANNOTATIONS_DIR, RECORDS_DIR
 
 COMMAND = str(Path(sys.executable).with_name("llm-annotator"))
 STEPS = ("label", "reason", "judge")
@@ -439,11 +440,11 @@ def output_rows(step_dir: Path) -> int:
 
 def worker_parts(step_dir: Path) -> dict[int, tuple[int, int]]:
     """Each elastic worker's part of a step, over all its turns: the units it finished
-    and their rows, from the units' records (``annotations/records/*.json``, whose
+    and their rows, from the units' records (``annotations/_units/*.json``, whose
     ``by`` is the worker's claim owner, ``host:pid:token``; a commit before ``by`` gives
     none). A worker's report in its folder of the step is its last turn's only."""
     parts: dict[int, tuple[int, int]] = {}
-    for path in (step_dir / "annotations" / "records").glob("*.json"):
+    for path in (step_dir / ANNOTATIONS_DIR / RECORDS_DIR).glob("*.json"):
         record = orjson.loads(path.read_bytes())
         by = record.get("by")
         if not isinstance(by, str) or by.count(":") < 2:

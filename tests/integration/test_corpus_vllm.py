@@ -140,8 +140,11 @@ def test_elastic_workers_share_the_servers_one_killed_one_added_do_every_row_onc
     started: list[subprocess.Popen[bytes]] = []
     try:
         first = start(args, tmp_path / "first.log")
-        others = [start(args, tmp_path / f"{name}.log") for name in ("second", "third")]
-        started += [first, *others]
+        started.append(first)
+        others = []
+        for name in ("second", "third"):
+            others.append(start(args, tmp_path / f"{name}.log"))
+            started.append(others[-1])
         deadline = time.monotonic() + 240
         while fleet_of(run) < 3:
             assert time.monotonic() < deadline and first.poll() is None, (
@@ -177,7 +180,8 @@ def test_elastic_workers_share_the_servers_one_killed_one_added_do_every_row_onc
         for process in started:  # a failed assertion leaves none running
             if process.poll() is None:
                 process.kill()
-                process.wait(timeout=30)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=30)
     reads, most = held.most(settled, killed)
     timeline = [(round(at - joined, 1), held) for at, held in held.reads if at >= joined - 1]
     # 3 x 5 = 15 in steady state; a worker that idles out of the fleet and comes back

@@ -713,10 +713,12 @@ class Pipeline:
     ) -> PipelineResult:
         """The turns; a signal between two jobs stops the worker at the next turn."""
         _, _, keys, settings, _, _, claim_lease = work
+        paused = 0.0
         while (turn := turns.next()) is not None:
             between.check()
             if not isinstance(turn, str):
                 self._leave_fleets(turns.owner)  # idle: the others take its share
+                paused = _say_paused(turn, paused)
                 between.pause(turn)
                 continue
             begun = self._take_turn(turn, plans, keys, settings, claim_lease, turns, done)
@@ -725,6 +727,7 @@ class Pipeline:
             between.check()
             step, step_plan, data, job = begun
             result = self._annotate(step, data, job, work, handle_signals)
+            paused = 0.0 if result.num_sent else paused
             self._end_turn(step, step_plan, keys, settings, result, turns, done)
         return self._report_step(self._in_order(done))
 
@@ -747,9 +750,11 @@ class Pipeline:
         stop: asyncio.Event | None,
     ) -> PipelineResult:
         _, _, keys, settings, _, _, claim_lease = work
+        paused = 0.0
         while (turn := turns.next()) is not None:
             if not isinstance(turn, str):
                 await _settled(self._leave_fleets, turns.owner)  # idle: others take its share
+                paused = _say_paused(turn, paused)
                 await _pause(turn, stop)
                 continue
             begun = await _settled(
@@ -759,6 +764,7 @@ class Pipeline:
                 continue
             step, step_plan, data, job = begun
             result = await self._aannotate(step, data, job, work, stop)
+            paused = 0.0 if result.num_sent else paused
             await _settled(self._end_turn, step, step_plan, keys, settings, result, turns, done)
         return await _settled(self._report_step, self._in_order(done))
 
@@ -1104,6 +1110,15 @@ def _mismatch(step: Step, error: FingerprintMismatchError) -> ConfigurationError
         f"a step never mixes them: run again with --redo {step.name} (redo=[...]) to redo "
         "it and the steps that read it, or give it the servers it began with"
     )
+
+
+def _say_paused(seconds: float, longest: float) -> float:
+    """Log an elastic worker's pause between passes when it is longer than the
+    ``longest`` since it last sent rows (0.25 s doubling to 4 s: a few lines an idle
+    stretch, not one every pause); the longest now."""
+    if seconds > longest:
+        log.info("worker_paused", seconds=seconds, hint="nothing to take now: others hold it")
+    return max(seconds, longest)
 
 
 async def _pause(seconds: float, stop: asyncio.Event | None) -> None:

@@ -97,8 +97,14 @@ class Dispatcher:
         the second slots do: rows that come in a few at a time (the first units of a
         corpus) start on every server at once, instead of filling the first servers'
         every slot while the last ones wait (see :data:`BURST` for the same within a
-        batch)."""
+        batch). It does so only while the queue is short (less than a batch a member):
+        with more, every slot finds work anyway."""
         while not run.finished:
+            if rank and len(run.queue) < self._state.config.batch_size * len(self._state.members):
+                for _ in range(rank):
+                    await asyncio.sleep(0)
+                if run.finished:  # it may have ended meanwhile
+                    return  # type: ignore[unreachable]
             if member.state is MemberState.DISABLED or not self._state.is_member(member):
                 self._release(run, member)
                 return
@@ -110,8 +116,6 @@ class Dispatcher:
                     return
                 await run.wait_for_change(1.0)
                 continue
-            for _ in range(rank):
-                await asyncio.sleep(0)
             now = self._state.clock.now()
             if not member.takes_work(now):
                 # Not healthy: every change of state notifies, so a long wait is fine.

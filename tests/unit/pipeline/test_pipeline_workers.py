@@ -459,11 +459,10 @@ def test_a_worker_stopped_by_sigterm_between_turns_ends_as_a_stopped_job_does(
             time.sleep(0.05)
         with logs[1].open("wb") as out:
             waiting = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-        # Three passes that found nothing: its pauses are 0.25, 0.5, then 1 s and more.
-        while logs[1].read_text().count('"units_left_to_others"') < 3:
+        # Its pauses are 0.25 s, 0.5 s, then 1 s: signalled as the third begins.
+        while logs[1].read_text().count('"worker_paused"') < 3:
             assert waiting.poll() is None and time.monotonic() < deadline, logs[1].read_text()
-            time.sleep(0.05)
-        time.sleep(0.2)
+            time.sleep(0.01)
         waiting.send_signal(signal.SIGTERM)
         code = waiting.wait(timeout=30)
     finally:

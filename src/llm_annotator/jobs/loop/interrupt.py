@@ -7,8 +7,10 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 import structlog
 
@@ -109,10 +111,16 @@ def handling_signals(interrupt: Interrupt, *, enabled: bool = True) -> Iterator[
         yield
         return
 
+    outer = _outer(signal.getsignal(signal.SIGTERM))
+
     def handler(signum: int, frame: FrameType | None) -> None:
+        if outer is not None:
+            outer.note(signum)  # kept for after the job, should it end without stopping
         interrupt.request(signum)
 
     previous = {signum: signal.signal(signum, handler) for signum in _SIGNALS}
+    if outer is not None and outer.signum is not None:
+        interrupt.request(outer.signum)  # came just before the job: it stops at once
     try:
         yield
     finally:
@@ -125,31 +133,48 @@ class BetweenJobs:
     elastic worker, turn after turn), while no job runs: each job routes them to its own
     clean stop while it runs (:func:`handling_signals`), but between two jobs, and in a
     pause between two passes, the first would have ended the process on the spot. Here
-    it is kept, wakes a :meth:`pause`, and :meth:`check` raises it at the worker's next
-    safe point; a second one ends the process at once, as the signal would have."""
+    it is kept, ends a :meth:`pause` early, and :meth:`check` raises it at the worker's
+    next safe point; a second one goes to the handler there was before (SIGINT's raises
+    ``KeyboardInterrupt``; SIGTERM's default ends the process). A signal that reaches a
+    job inside is kept here too (a job near its end may finish without acting on it),
+    and a job that starts with one kept stops before it sends anything."""
+
+    PAUSE_SLICE = 0.1
+    """Seconds a :meth:`pause` sleeps between two looks at the signals (a handler only
+    sets a flag: it takes no lock the interrupted code may hold)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._woken = threading.Event()
+        self.previous: dict[int, Any] = {}
+
+    def note(self, signum: int) -> None:
+        """A signal came (to this worker's handler, or to a job's inside)."""
+        if self.signum is None:
+            self.signum = signum
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if self.signum is None:
+            self.signum = signum
             return
-        self.signum = signum
-        self._woken.set()
+        previous = self.previous.get(signum, signal.SIG_DFL)
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            os.kill(os.getpid(), signum)
 
     def pause(self, seconds: float) -> None:
         """Sleep ``seconds``, or until a signal; then :meth:`check`."""
-        self._woken.wait(seconds)
+        deadline = time.monotonic() + seconds
+        while self.signum is None and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, self.PAUSE_SLICE))
         self.check()
 
     def check(self) -> None:
         """Raise the stop a signal asked for, if one came.
 
         Raises:
-            RunInterruptedError: A signal came since the last job ended.
+            RunInterruptedError: A signal came since the worker began.
         """
         if self.signum is not None:
             name = signal.Signals(self.signum).name
@@ -168,9 +193,15 @@ def between_jobs(*, enabled: bool = True) -> Iterator[BetweenJobs]:
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield between
         return
-    previous = {signum: signal.signal(signum, between.handler) for signum in _SIGNALS}
+    between.previous = {signum: signal.signal(signum, between.handler) for signum in _SIGNALS}
     try:
         yield between
     finally:
-        for signum, old in previous.items():
+        for signum, old in between.previous.items():
             signal.signal(signum, old)
+
+
+def _outer(handler: object) -> BetweenJobs | None:
+    """The :class:`BetweenJobs` whose handler ``handler`` is, if it is one."""
+    owner = getattr(handler, "__self__", None)
+    return owner if isinstance(owner, BetweenJobs) else None
