@@ -45,6 +45,7 @@ import fcntl
 import functools
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -106,6 +107,9 @@ STEPS_DIR = "steps"
 INPUTS_DIR = "inputs"
 STEPS_LOCK = ".steps.lock"
 """Held by the one elastic worker that writes a step's rows or the records."""
+LOCK_WAIT_SAID = 10.0
+"""Seconds a worker waits for ``.steps.lock`` before it says who holds it (again every
+:data:`LOCK_WAIT_SAID` x 6): a holder stopped (SIGSTOP, a frozen node) stalls the others."""
 CLAIM = "claim"
 """``shard="claim"``: run as one of any number of elastic workers."""
 STEP_UNIT_BYTES = 1 << 20
@@ -645,8 +649,10 @@ class Pipeline:
             return
         fd = open_file(self.output_dir / STEPS_LOCK, os.O_RDWR | os.O_CREAT, single=True)
         try:
-            os.set_blocking(fd, True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait_for_lock(fd, self.output_dir / STEPS_LOCK)
+            with contextlib.suppress(OSError):  # who holds it, for those who wait
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
             yield
         finally:
             os.close(fd)  # closing lets go of the lock
@@ -1037,6 +1043,37 @@ def _refuse_redo(plans: Sequence[StepPlan]) -> None:
                 "workers never do (another may be running it): run the pipeline once "
                 "without --shard claim to redo it, then start the workers"
             )
+
+
+def _wait_for_lock(fd: int, path: Path) -> None:
+    """Take the ``flock`` of ``fd`` (the file ``path``) alone, waiting as long as it
+    takes; after :data:`LOCK_WAIT_SAID` seconds, and every six times that, say who holds
+    it (its host and pid, as the holder wrote them) and for how long this one waited."""
+    started = time.monotonic()
+    said_at = LOCK_WAIT_SAID
+    wait = 0.01
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waited = time.monotonic() - started
+            if waited >= said_at:
+                holder = ""
+                with contextlib.suppress(OSError):
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                log.warning(
+                    "steps_lock_waiting",
+                    lock=str(path),
+                    holder=holder or "unknown",
+                    seconds=round(waited, 1),
+                    hint="a worker stopped while it holds it (SIGSTOP, a frozen node) "
+                    "stalls the others: resume it or kill it",
+                )
+                said_at += LOCK_WAIT_SAID * 6
+            time.sleep(wait)
+            wait = min(wait * 2, 0.25)
+        else:
+            return
 
 
 class _SharedLock:

@@ -5,9 +5,11 @@ SIGKILLed mid-step leaves its units to the others after a lease; what workers re
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -16,13 +18,15 @@ from typing import Any
 import orjson
 import pyarrow.dataset as ds
 import pytest
+import structlog
 from aiohttp import web
 
 from llm_annotator import VLLMQueueAnnotator
 from llm_annotator.cli import main
 from llm_annotator.errors import ConfigurationError, JobError
 from llm_annotator.pipeline import Pipeline, Step
-from llm_annotator.pipeline.run import _SharedLock
+from llm_annotator.pipeline import run as pipeline_run
+from llm_annotator.pipeline.run import _SharedLock, _wait_for_lock
 from tests.cli import COMMAND
 from tests.unit.conftest import FakeServer, completion, sleep_forever
 from tests.unit.helpers import FAST, write_jsonl
@@ -474,3 +478,30 @@ def test_a_worker_stopped_by_sigterm_between_turns_ends_as_a_stopped_job_does(
     assert code == 128 + signal.SIGTERM, said[-3000:]
     assert "Traceback" not in said
     assert "stopped by SIGTERM between two jobs; everything done is kept" in said, said[-3000:]
+
+
+def test_a_worker_waiting_for_the_steps_lock_says_who_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder stopped with the lock (SIGSTOP, a frozen node) stalls the others: one
+    that waits says, after a while, which host and pid hold it; it takes the lock as
+    soon as the holder lets go."""
+    monkeypatch.setattr(pipeline_run, "LOCK_WAIT_SAID", 0.2)
+    path = tmp_path / ".steps.lock"
+    holder = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    os.write(holder, b"node7 pid 4242\n")
+    waiter = os.open(path, os.O_RDWR)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            waiting = threading.Thread(target=_wait_for_lock, args=(waiter, path), daemon=True)
+            waiting.start()
+            time.sleep(0.6)
+            assert waiting.is_alive()
+            os.close(holder)
+            waiting.join(timeout=10)
+            assert not waiting.is_alive()
+    finally:
+        os.close(waiter)
+    said = [entry for entry in logs if entry["event"] == "steps_lock_waiting"]
+    assert said and said[0]["holder"] == "node7 pid 4242" and said[0]["seconds"] >= 0.2
