@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -360,6 +361,8 @@ class Output:
     """Ids written more than once (each counted once)."""
     lost: int = 0
     errors: int = 0
+    error_types: Counter[str] = field(default_factory=Counter)
+    """The error rows by ``error_type``."""
     complete: bool = False
 
 
@@ -374,6 +377,9 @@ def read_output(run_dir: Path, rows: int) -> Output:
         table = pq.read_table(path, columns=["id", "error_type"])
         ids.update(table.column("id").to_pylist())
         result.errors += table.num_rows - table.column("error_type").null_count
+        result.error_types.update(
+            str(kind) for kind in table.column("error_type").to_pylist() if kind is not None
+        )
     result.rows = sum(ids.values())
     result.twice = sum(1 for count in ids.values() if count > 1)
     result.unique = len(ids.keys() & range(rows))
@@ -412,6 +418,11 @@ class Run:
     failures: list[str] = field(default_factory=list)
     starts: float = 0.0
     """Seconds from the first worker's start to the last one's."""
+    last_answer: float | None = None
+    """Seconds from the first worker's start to the servers' last answer."""
+    bound: float = 0.0
+    """The least the run could take: every server's slots busy from the start, each
+    request a whole ``latency``: ``ceil(rows / (servers x capacity)) x latency``."""
 
     @property
     def case(self) -> str:
@@ -471,6 +482,9 @@ def run_case(
         capacity=model.throughput * servers,
         budget=args.batch_size * args.batches,
         input_rows=args.rows,
+        bound=math.ceil(args.rows / (servers * model.capacity))
+        * model.base_latency
+        * (1 + model.alpha),
     )
     name = f"s{servers}-n{workers}-{run.case.replace(' ', '')}"
     logs = scratch / f"logs-{name}"
@@ -517,6 +531,8 @@ def run_case(
         stats = fleet.read()
         fleet.stop()
         (logs / "servers.json").write_text(json.dumps({"first": first, "servers": stats}))
+        finishes = [float(s["last_finish"]) for s in stats if s.get("last_finish")]
+        run.last_answer = max(finishes) - first if finishes else None
     busy1 = harness.busy_seconds()
     run.worker_cpu = sum(w.cpu for w in pool)
     run.server_cpu = fleet.cpu()
@@ -568,16 +584,19 @@ def _n(value: float) -> str:
 
 def print_rates(runs: Sequence[Run]) -> None:
     header = ["servers", "workers", "case", "status", "wall s", "starts s", "rows/s",
-              "capacity", "x capacity", "worker CPU s", "cores busy", "server CPU s",
-              "other %"]  # fmt: skip
+              "capacity", "x capacity", "last answer s", "bound s", "x bound",
+              "worker CPU s", "cores busy", "server CPU s", "other %"]  # fmt: skip
     table = []
     for r in runs:
         rate = r.rate
+        last = r.last_answer if r.status == "ok" else None
         table.append([
             str(r.servers), str(r.workers), r.case, r.status,
             f"{r.wall:.1f}" if r.wall else "-", f"{r.starts:.0f}",
             "-" if rate is None else _n(rate), _n(r.capacity),
             "-" if rate is None else f"{rate / r.capacity:.2f}",
+            "-" if last is None else f"{last:.1f}", f"{r.bound:.1f}",
+            "-" if not last else f"{r.bound / last:.2f}",
             f"{r.worker_cpu:.1f}",
             f"{r.worker_cpu / r.wall:.2f}" if r.wall else "-",
             f"{r.server_cpu:.1f}", harness.percent(r.other),
@@ -618,6 +637,9 @@ def print_notes(runs: Sequence[Run]) -> None:
                 f"the servers ran late: up to {r.overshoot * 1000:.0f} ms a request over the "
                 "model (a busy CPU), so the capacity was lower than shown"
             )
+        if r.output.error_types:
+            kinds = ", ".join(f"{kind} {n:,}" for kind, n in r.output.error_types.most_common())
+            lines.append(f"error rows by type: {kinds}")
         if not r.output.complete:
             lines.append("the manifest does not say the run is complete")
         lines += r.failures
@@ -791,7 +813,11 @@ def main() -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     if not runs:
         return 1
-    print("\nRows a second against the fleet's capacity (wall: first start to last exit)\n")
+    print(
+        "\nRows a second against the fleet's capacity (wall: first start to last exit); "
+        "the servers' last answer against the least a run could take (bound: every slot "
+        "busy from the start, a whole request's latency a round)\n"
+    )
     print_rates(runs)
     print("\nWhat each server held (running + waiting) against the budget; rows twice and lost\n")
     print_held(runs)

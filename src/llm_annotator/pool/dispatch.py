@@ -97,10 +97,12 @@ class Dispatcher:
         the second slots do: rows that come in a few at a time (the first units of a
         corpus) start on every server at once, instead of filling the first servers'
         every slot while the last ones wait (see :data:`BURST` for the same within a
-        batch). It does so only while the queue is short (less than a batch a member):
-        with more, every slot finds work anyway."""
+        batch). It does so only at the start of a call (before its first answer: later,
+        a slot refills itself as its answers come) and while the queue is short (less
+        than a batch a member: with more, every slot finds work anyway), so that many
+        servers' slots woken by every change cost no more than they did."""
         while not run.finished:
-            if rank and len(run.queue) < self._state.config.batch_size * len(self._state.members):
+            if rank and not run.delivered and len(run.queue) < self._short_queue():
                 for _ in range(rank):
                     await asyncio.sleep(0)
                 if run.finished:  # it may have ended meanwhile
@@ -146,6 +148,10 @@ class Dispatcher:
                 await run.wait_for_change(1.0)
                 continue
             await self._run_batch(run, member, batch, hedges=hedges)
+
+    def _short_queue(self) -> int:
+        """Fewer samples queued than this: not every member's slot finds a batch."""
+        return self._state.config.batch_size * len(self._state.members)
 
     def working(self) -> int:
         """Members taking work now (at least one)."""
