@@ -348,8 +348,9 @@ class Pipeline:
             RunDirectoryError: Before anything runs: a link, a FIFO, a device or a
                 folder where the pipeline or a step's job writes a file (or a file
                 where it keeps a folder), for any step.
-            RunInterruptedError: A signal stopped a step; everything done is kept, and
-                running again resumes it.
+            RunInterruptedError: A signal stopped a step (or, for a worker with
+                ``handle_signals``, came between two of its jobs); everything done is
+                kept, and running again resumes it.
             PoolExhaustedError: Every server stayed down during a step; likewise.
         """
         elastic = _elastic(shard)
