@@ -107,6 +107,9 @@ STEPS_DIR = "steps"
 INPUTS_DIR = "inputs"
 STEPS_LOCK = ".steps.lock"
 """Held by the one elastic worker that writes a step's rows or the records."""
+LOCK_HOLDER_BYTES = 200
+"""The holder's host and pid in ``.steps.lock``, padded to one length: a reader never
+sees the file emptied, only one holder's words or the next one's."""
 LOCK_WAIT_SAID = 10.0
 """Seconds a worker waits for ``.steps.lock`` before it says who holds it (again every
 :data:`LOCK_WAIT_SAID` x 6): a holder stopped (SIGSTOP, a frozen node) stalls the others."""
@@ -652,8 +655,9 @@ class Pipeline:
         try:
             _wait_for_lock(fd, self.output_dir / STEPS_LOCK)
             with contextlib.suppress(OSError):  # who holds it, for those who wait
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+                said = f"{socket.gethostname()} pid {os.getpid()}".encode()
+                os.pwrite(fd, said.ljust(LOCK_HOLDER_BYTES)[:LOCK_HOLDER_BYTES], 0)
+                os.fdatasync(fd)  # seen from other hosts now, not at the write-back
             yield
         finally:
             os.close(fd)  # closing lets go of the lock
@@ -1049,7 +1053,8 @@ def _refuse_redo(plans: Sequence[StepPlan]) -> None:
 def _wait_for_lock(fd: int, path: Path) -> None:
     """Take the ``flock`` of ``fd`` (the file ``path``) alone, waiting as long as it
     takes; after :data:`LOCK_WAIT_SAID` seconds, and every six times that, say who holds
-    it (its host and pid, as the holder wrote them) and for how long this one waited."""
+    it (its host and pid, as the holder wrote them) and for how long this one waited.
+    A signal does not end the wait (the worker acts on it once it has the lock)."""
     started = time.monotonic()
     said_at = LOCK_WAIT_SAID
     wait = 0.01
@@ -1061,7 +1066,7 @@ def _wait_for_lock(fd: int, path: Path) -> None:
             if waited >= said_at:
                 holder = ""
                 with contextlib.suppress(OSError):
-                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                    holder = os.pread(fd, LOCK_HOLDER_BYTES, 0).decode(errors="replace").strip()
                 log.warning(
                     "steps_lock_waiting",
                     lock=str(path),
@@ -1072,7 +1077,7 @@ def _wait_for_lock(fd: int, path: Path) -> None:
                 )
                 said_at += LOCK_WAIT_SAID * 6
             time.sleep(wait)
-            wait = min(wait * 2, 0.25)
+            wait = min(wait * 2, 0.05)
         else:
             return
 

@@ -111,7 +111,7 @@ def handling_signals(interrupt: Interrupt, *, enabled: bool = True) -> Iterator[
         yield
         return
 
-    outer = _outer(signal.getsignal(signal.SIGTERM))
+    outer = _outer(signal.getsignal(signal.SIGTERM)) or _outer(signal.getsignal(signal.SIGINT))
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if outer is not None:
@@ -125,7 +125,7 @@ def handling_signals(interrupt: Interrupt, *, enabled: bool = True) -> Iterator[
         yield
     finally:
         for signum, old in previous.items():
-            signal.signal(signum, old)
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
 
 class BetweenJobs:
@@ -156,7 +156,7 @@ class BetweenJobs:
         if self.signum is None:
             self.signum = signum
             return
-        previous = self.previous.get(signum, signal.SIG_DFL)
+        previous = self.previous.get(signum) or signal.SIG_DFL  # None: not set from Python
         signal.signal(signum, previous)
         if callable(previous):
             previous(signum, frame)
@@ -198,7 +198,7 @@ def between_jobs(*, enabled: bool = True) -> Iterator[BetweenJobs]:
         yield between
     finally:
         for signum, old in between.previous.items():
-            signal.signal(signum, old)
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
 
 def _outer(handler: object) -> BetweenJobs | None:
